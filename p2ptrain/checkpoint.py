@@ -1,0 +1,169 @@
+"""Atomic checkpoints: tensors in safetensors, everything else as JSON metadata.
+
+A checkpoint is one ``.safetensors`` file. Tensors anywhere in the saved state
+(model, inner optimizer, outer state, ...) are stored by name; the rest of the
+state tree (counters, RNG states, configs) is JSON in the file's metadata, with
+tensors replaced by references. Files are written to a temporary name, fsynced,
+renamed into place and the directory fsynced, so a crash at any moment leaves
+either the old or the new checkpoint, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+__all__ = ["CheckpointDir", "CheckpointError", "pack", "read_checkpoint", "unpack", "write_checkpoint"]
+
+FORMAT = "p2ptrain-checkpoint"
+VERSION = "1"
+_NAME = re.compile(r"^ckpt-(\d{10})\.safetensors$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, corrupt, or not one of ours."""
+
+
+def pack(state: Any, tensors: dict[str, torch.Tensor] | None = None, prefix: str = "t") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split ``state`` into a JSON-able tree and a flat ``{name: tensor}`` dict.
+
+    Dicts keep their key types (int keys survive), tuples become lists.
+    """
+    tensors = {} if tensors is None else tensors
+    if isinstance(state, torch.Tensor):
+        name = f"{prefix}{len(tensors)}"
+        # safetensors wants contiguous tensors that share no storage; keep them on CPU.
+        tensors[name] = state.detach().to("cpu", copy=True).contiguous()
+        return {"__tensor__": name}, tensors
+    if isinstance(state, dict):
+        items = []
+        for k, v in state.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"checkpoint: dict key {k!r} must be str or int")
+            tree, _ = pack(v, tensors, prefix)
+            items.append([k, tree])
+        return {"__dict__": items}, tensors
+    if isinstance(state, (list, tuple)):
+        return [pack(v, tensors, prefix)[0] for v in state], tensors
+    if state is None or isinstance(state, (bool, int, float, str)):
+        return state, tensors
+    raise TypeError(f"checkpoint: cannot store value of type {type(state).__name__}")
+
+
+def unpack(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`pack`."""
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            return tensors[tree["__tensor__"]]
+        return {k: unpack(v, tensors) for k, v in tree["__dict__"]}
+    if isinstance(tree, list):
+        return [unpack(v, tensors) for v in tree]
+    return tree
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
+    """Write ``state`` to ``path`` atomically (temp file, fsync, rename, fsync dir)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tree, tensors = pack(state)
+    meta = {"format": FORMAT, "version": VERSION, "tree": json.dumps(tree)}
+    payload = st_save(tensors, metadata=meta)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _metadata(raw: bytes, path: Path) -> dict[str, str]:
+    # safetensors layout: u64 little-endian header length, then a JSON header.
+    if len(raw) < 8:
+        raise CheckpointError(f"{path}: truncated ({len(raw)} bytes)")
+    n = int.from_bytes(raw[:8], "little")
+    if n > len(raw) - 8:
+        raise CheckpointError(f"{path}: truncated or not a safetensors file")
+    try:
+        header = json.loads(raw[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: not a safetensors file (unreadable header)") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a p2ptrain checkpoint")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {meta.get('version')} is not supported")
+    return meta
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`write_checkpoint`; raises :class:`CheckpointError`."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    meta = _metadata(raw, path)
+    try:
+        tensors = st_load(raw)
+    except (SafetensorError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated ({e})") from None
+    try:
+        return unpack(json.loads(meta["tree"]), tensors)
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: inconsistent checkpoint ({e})") from None
+
+
+class CheckpointDir:
+    """Numbered checkpoints ``ckpt-<step>.safetensors`` in a folder, keeping the last ``keep``."""
+
+    def __init__(self, root: str | Path, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError("checkpoint: keep must be at least 1")
+        self.root, self.keep = Path(root), keep
+
+    def paths(self) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _NAME.match(p.name))]
+        return sorted(found)
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        path = write_checkpoint(self.root / f"ckpt-{step:010d}.safetensors", state)
+        for _, old in self.paths()[: -self.keep]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def latest(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint that reads back cleanly (older ones are tried if it does not)."""
+        errors = []
+        for _, path in reversed(self.paths()):
+            try:
+                return path, read_checkpoint(path)
+            except CheckpointError as e:
+                errors.append(str(e))
+        if errors:
+            raise CheckpointError("no readable checkpoint: " + "; ".join(errors))
+        return None

@@ -1,0 +1,75 @@
+"""Terminal output: progress bars and summary tables (rich)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+__all__ = ["console", "progress_bar", "setup_logging", "table"]
+
+console = Console(stderr=True)
+out = Console()
+
+
+def setup_logging(level: str | None = None) -> None:
+    """``key=value`` logs to stderr; level from the flag, else ``P2PTRAIN_LOG_LEVEL``, else WARNING."""
+    name = (level or os.environ.get("P2PTRAIN_LOG_LEVEL") or "WARNING").upper()
+    if name not in logging.getLevelNamesMapping():
+        raise ValueError(f"unknown log level {name!r}")
+    handler: logging.Handler
+    if sys.stderr.isatty():
+        handler = RichHandler(console=console, show_path=False, markup=False)
+        handler.setFormatter(logging.Formatter("%(name)s %(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"))
+    root = logging.getLogger("p2ptrain")
+    root.handlers[:] = [handler]
+    root.setLevel(name)
+    root.propagate = False
+
+
+@contextmanager
+def progress_bar(total: int, description: str = "train", *, disable: bool = False) -> Iterator[Progress]:
+    """A bar showing step N/M, the fields ``loss`` and ``tok_s`` of the task, elapsed and ETA."""
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[extra]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
+    with Progress(*columns, console=console, disable=disable, transient=False) as prog:
+        prog.add_task(description, total=total, loss="-", extra="")
+        yield prog
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right" if c != columns[0] else "left")
+    for r in rows:
+        t.add_row(*(_fmt(v) for v in r))
+    return t
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        if abs(v) >= 1e4 or (abs(v) < 1e-3 and v != 0):
+            return f"{v:.3g}"
+        return f"{v:.4g}"
+    return str(v)
