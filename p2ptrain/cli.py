@@ -139,6 +139,114 @@ def train(
         }, indent=2))
 
 
+@app.command()
+def simulate(
+    methods: Annotated[str, typer.Option("--methods", "-m", help="Comma-separated: single, ddp, diloco, streaming, eager, cocodc, dilocox.")] = "single,diloco,streaming,cocodc",
+    peers: Annotated[int | None, typer.Option("--peers", "-M", help="Virtual peers (unless --regions).")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", "-n", help="Inner steps per peer.")] = None,
+    preset_name: Annotated[str | None, typer.Option("--preset", "-p", help="Model preset.")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="Corpus (default: built-in).")] = None,
+    step_time: Annotated[str | None, typer.Option("--step-time", help="Virtual seconds per inner step, or 'measured'.")] = None,
+    regions: Annotated[str | None, typer.Option("--regions", help="NAME:PEERS:BANDWIDTH,... e.g. us:2:1gbit,eu:2:100mbit")] = None,
+    bandwidth: Annotated[str | None, typer.Option("--bandwidth", help="Per-peer bandwidth without --regions (e.g. 1gbit).")] = None,
+    rtt: Annotated[str | None, typer.Option("--rtt", help="Round-trip time between regions, e.g. 120ms.")] = None,
+    H: Annotated[int | None, typer.Option("--H", help="Inner steps per round.")] = None,
+    P: Annotated[int | None, typer.Option("--P", help="Fragments (streaming, cocodc).")] = None,
+    tau: Annotated[int | None, typer.Option("--tau", help="Overlap τ in inner steps (streaming, cocodc).")] = None,
+    codec: Annotated[str | None, typer.Option("--codec", help="Wire codec for every method: fp32, fp16, bf16, uint8, fp8, e3m0.")] = None,
+    outer_lr: Annotated[float | None, typer.Option("--outer-lr", help="Outer learning rate η for every method.")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Sequences per inner step.")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Inner peak learning rate.")] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    eval_every: Annotated[int | None, typer.Option("--eval-every", help="Inner steps between evaluations of θ.")] = None,
+    target_loss: Annotated[float | None, typer.Option("--target-loss", help="Report steps/time to reach this validation loss.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write all results as JSON here.")] = None,
+    plot_dir: Annotated[Path | None, typer.Option("--plot-dir", help="Write PNG plots here.")] = None,
+    utilization_table: Annotated[bool, typer.Option("--utilization-table", help="Only print the bandwidth each method needs for 50–99% compute utilization (paper setting), no training.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    config: ConfigOpt = None,
+    log_level: LogOpt = None,
+) -> None:
+    """Run several methods on M virtual peers in one process with a virtual WAN clock."""
+    from .ui import console, out, progress_bar, setup_logging, table
+
+    setup_logging(log_level)
+    if utilization_table:
+        _print_utilization_table()
+        return
+    from .data import load_corpus
+    from .sim.network import parse_duration
+    from .sim.report import COLUMNS, plot_runs, plot_utilization, summary_rows, write_json
+    from .sim.runner import SimConfig, Simulator, replay_utilization
+    from .sim.suite import build_specs
+
+    try:
+        file = load_file(config)
+        sim_file = file.get("simulate", {})
+        total = steps or int(sim_file.get("steps", 300))
+        model_cfg, trainer_cfg = _model_and_trainer(
+            file, preset_name, {},
+            {"batch_size": batch_size, "lr": lr, "seed": seed,
+             "total_steps": file.get("trainer", {}).get("total_steps", total)})
+        data_cfg = build(DataConfig, merged(file.get("data"), {"path": data, "seed": seed}), "data")
+        st = str(step_time if step_time is not None else sim_file.get("step_time", 0.1))
+        sim_cfg = build(SimConfig, merged({k: v for k, v in sim_file.items() if k != "step_time"}, {
+            "peers": peers, "steps": steps, "regions": regions, "bandwidth": bandwidth,
+            "rtt": parse_duration(rtt) if rtt else None, "eval_every": eval_every, "target_loss": target_loss}),
+            "simulate")
+        sim_cfg.step_time = None if st == "measured" else parse_duration(st)
+        knobs = merged(file.get("method"), {"H": H, "P": P, "tau": tau, "codec": codec, "outer_lr": outer_lr})
+        per_method = {k: v for k, v in file.get("methods", {}).items() if isinstance(v, dict)}
+        specs = build_specs([m.strip() for m in methods.split(",") if m.strip()], knobs, per_method)
+        corpus = load_corpus(data_cfg)
+    except (ConfigError, DataError, ValueError) as e:
+        raise fail(str(e)) from None
+
+    console.print(f"p2ptrain {__version__} · simulate · {len(specs)} runs · {sim_cfg.num_peers} peers · "
+                  f"{sim_cfg.steps} steps · {corpus.describe()}", highlight=False)
+    simulator = Simulator(sim_cfg, model_cfg, trainer_cfg, data_cfg, corpus)
+    results = []
+    try:
+        with progress_bar(len(specs) * sim_cfg.steps, "simulate", disable=quiet) as prog:
+            task = prog.task_ids[0]
+            for k, spec in enumerate(specs):
+                prog.update(task, extra=spec.label)
+                res = simulator.run(spec, on_step=lambda s, k=k: prog.update(task, completed=k * sim_cfg.steps + s))
+                prog.update(task, loss=f"{res.final_loss:.3f}")
+                results.append(res)
+    except KeyboardInterrupt:
+        raise fail("interrupted", 130) from None
+    target = sim_cfg.target_loss
+    out.print(table(f"p2ptrain simulate: {sim_cfg.num_peers} peers, {sim_cfg.steps} steps", COLUMNS,
+                    summary_rows(results, target)))
+    meta = {"sim": vars(sim_cfg), "model": model_cfg.to_dict(), "trainer": repr(trainer_cfg),
+            "data": repr(data_cfg)}
+    if json_out:
+        write_json(json_out, results, target, meta)
+    if plot_dir:
+        plot_runs(results, plot_dir, target)
+        stime = sim_cfg.step_time or 0.1
+        grid = [10 ** (6 + k / 4) for k in range(17)]  # 1 Mbit/s .. 10 Gbit/s
+        plot_utilization({r.label: [(b, replay_utilization(r, bandwidth=b, step_time=stime,
+                                                          latency=sim_cfg.rtt / 2)) for b in grid]
+                          for r in results if r.peers > 1}, plot_dir)
+        console.print(f"plots written to {plot_dir}", highlight=False)
+
+
+def _print_utilization_table() -> None:
+    from .sim.utilization import CU_TARGETS, utilization_table
+    from .ui import out, table
+
+    rows = utilization_table()  # paper setting: H=100, 3 layers per fragment, 2 workers, bf16 / 4-bit
+    cells: dict[tuple[str, str], dict[float, str]] = {}
+    for r in rows:
+        paper = f"{r.paper_gbps:g}" if r.paper_gbps is not None else "-"
+        cells.setdefault((r.model, r.method), {})[r.cu] = f"{r.ours_gbps:.3g} ({paper})"
+    out.print(table("Gbit/s needed for a compute utilization: ours (Streaming DiLoCo paper, Table 4)",
+                    ["model", "method", *[f"{int(c * 100)}%" for c in CU_TARGETS]],
+                    [[m, meth, *[v.get(c, "-") for c in CU_TARGETS]] for (m, meth), v in cells.items()]))
+
+
 def run() -> None:  # console-script entry point
     app()
 

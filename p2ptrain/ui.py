@@ -16,8 +16,8 @@ from rich.table import Table
 
 __all__ = ["console", "progress_bar", "setup_logging", "table"]
 
-console = Console(stderr=True)
-out = Console()
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+out = Console(width=None if sys.stdout.isatty() else 200)
 
 
 def setup_logging(level: str | None = None) -> None:

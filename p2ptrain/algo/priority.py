@@ -1,0 +1,75 @@
+"""CoCoDC's adaptive transmission (arXiv 2504.17672): how often to send, and what.
+
+N fragment sends fit in each window of H inner steps, one every ``h = ⌊H/N⌋``
+steps, N following the measured link: ``N = max(P, ⌊H·t_step / t_send⌋)`` (capped
+at H) with ``t_send = fragment bytes / bandwidth + latency`` — the number of
+sends that the link can carry while the peer computes. Which fragment:
+
+1. a fragment not sent for ≥ H steps (staleness guard; the stalest first);
+2. else one never sent (lowest index first);
+3. else the largest drift per parameter per step, ``R_p = ‖θ^(p) − θ_i^(p)‖₁ /
+   (steps since p's last send · numel_p)``, **summed over peers** so every peer picks
+   the same fragment.
+
+Fragments still in flight are never picked. Ties break by lowest index, so the
+choice is a deterministic function of (step, last sends, in-flight set, summed
+scores) and identical on every peer that agrees on those.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+
+import torch
+
+__all__ = ["choose_fragment", "drift_score", "send_interval", "sends_per_window"]
+
+
+def sends_per_window(*, H: int, P: int, step_time: float, fragment_bytes: float, bandwidth: float,
+                     latency: float = 0.0) -> int:
+    """N = clamp(⌊H·t_step / t_send⌋, P, H); bandwidth in bytes/s, times in seconds."""
+    if H < P:
+        raise ValueError(f"H ({H}) must be at least P ({P})")
+    if bandwidth <= 0 or step_time <= 0:
+        return P
+    t_send = fragment_bytes / bandwidth + latency
+    if t_send <= 0:
+        return H
+    return int(min(H, max(P, math.floor(H * step_time / t_send))))
+
+
+def send_interval(H: int, N: int) -> int:
+    """h = ⌊H/N⌋ ≥ 1: inner steps between two sends."""
+    if N < 1:
+        raise ValueError(f"N must be positive, got {N}")
+    return max(1, H // N)
+
+
+@torch.no_grad()
+def drift_score(theta: Sequence[torch.Tensor], local: Sequence[torch.Tensor], steps_since: int) -> float:
+    """``‖θ − θ_i‖₁ / (steps since last send · numel)`` over a fragment's tensors."""
+    numel = sum(t.numel() for t in theta)
+    l1 = sum(float((a - b).abs().sum()) for a, b in zip(theta, local, strict=True))
+    return l1 / (max(1, steps_since) * max(1, numel))
+
+
+def choose_fragment(*, step: int, H: int, last_sent: Sequence[int | None], in_flight: Collection[int],
+                    scores: Sequence[float] | None) -> int | None:
+    """The fragment to send after inner step ``step``, or None when every fragment is in flight.
+
+    ``last_sent[p]`` is the step of p's last send (None: never), ``scores[p]`` the drift
+    summed over peers (only needed when rule 3 decides).
+    """
+    free = [p for p in range(len(last_sent)) if p not in in_flight]
+    if not free:
+        return None
+    stale = [p for p in free if last_sent[p] is not None and step - last_sent[p] >= H]  # type: ignore[operator]
+    if stale:
+        return min(stale, key=lambda p: (last_sent[p], p))
+    never = [p for p in free if last_sent[p] is None]
+    if never:
+        return never[0]
+    if scores is None:
+        raise ValueError("drift scores are needed to choose among fragments that were all sent")
+    return max(free, key=lambda p: (scores[p], -p))

@@ -1,0 +1,1 @@
+"""The WAN simulator: M virtual peers in one process on a virtual clock."""

@@ -1,0 +1,225 @@
+"""The outer-loop methods end to end on virtual peers with a known, deterministic inner loop.
+
+Each fake peer descends its own quadratic, ``x ← x − 0.1·(x − c_i)``, so the
+math of every method can be checked against closed forms and against each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from p2ptrain.algo.fragments import make_fragments
+from p2ptrain.algo.methods import (
+    CoCoDCConfig,
+    DiLoCoConfig,
+    DiLoCoXConfig,
+    EagerConfig,
+    MethodConfig,
+    StreamingConfig,
+    method_config,
+)
+from p2ptrain.sim.network import Network, Region
+from p2ptrain.sim.runner import OuterRun, RunResult, SimConfig
+
+SHAPES = {"embed.weight": (6, 4), "blocks.0.w": (4, 4), "blocks.1.w": (4, 4), "blocks.2.w": (4, 3),
+          "blocks.3.w": (3, 3), "norm.weight": (3,)}
+UNITS = [(n.rsplit(".", 1)[0], [(n, s)]) for n, s in SHAPES.items()]
+
+
+@dataclass
+class _Stats:
+    seconds: float = 1.0
+    loss: float = 0.0
+
+
+class FakePeer:
+    """A peer whose inner step is a gradient step on ½‖x − c_i‖² (lr 0.1)."""
+
+    def __init__(self, rank: int, lr: float = 0.1) -> None:
+        g = torch.Generator().manual_seed(100 + rank)
+        self.x = {n: torch.zeros(s) for n, s in SHAPES.items()}
+        self.c = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+        self.lr, self.tokens_seen, self.steps = lr, 0, 0
+
+    def step(self) -> _Stats:
+        for n in self.x:
+            self.x[n] -= self.lr * (self.x[n] - self.c[n])
+        self.tokens_seen += 10
+        self.steps += 1
+        return _Stats()
+
+    def evaluate(self, params: dict[str, torch.Tensor] | None = None) -> _Stats:
+        p = params or self.x
+        return _Stats(loss=float(sum((p[n] - self.c[n]).pow(2).sum() for n in p)))
+
+    def snapshot(self, names: Sequence[str]) -> list[torch.Tensor]:
+        return [self.x[n].clone() for n in names]
+
+    def apply_outer(self, names: Sequence[str], values: Sequence[torch.Tensor]) -> None:
+        for n, v in zip(names, values, strict=True):
+            self.x[n] = v.clone()
+
+
+def run(cfg: MethodConfig, peers: int, steps: int, *, bandwidth: float = 1e12, step_time: float = 1.0,
+        latency: float = 0.0) -> tuple[OuterRun, list[FakePeer], RunResult]:
+    fakes = [FakePeer(i) for i in range(peers)]
+    sim = SimConfig(peers=peers, steps=steps, step_time=step_time, eval_every=10**6)
+    net = Network([Region("r", peers, bandwidth)], intra_latency=latency)
+    res = RunResult(cfg.name, cfg.name, peers, cfg.to_dict())
+    r = OuterRun(sim, cfg, fakes, net, res, None, make_fragments(UNITS, cfg.fragments, cfg.fragment_mode))
+    r.run()
+    return r, fakes, res
+
+
+def local_only(peers: int, steps: int) -> list[FakePeer]:
+    fakes = [FakePeer(i) for i in range(peers)]
+    for f in fakes:
+        for _ in range(steps):
+            f.step()
+    return fakes
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-5) -> bool:
+    return all(torch.allclose(a[n], b[n], atol=tol, rtol=tol) for n in a)
+
+
+def test_diloco_with_outer_sgd_lr1_is_fedavg() -> None:
+    r, fakes, _ = run(DiLoCoConfig(H=5, outer_lr=1.0, outer_momentum=0.0), peers=3, steps=5)
+    ref = local_only(3, 5)
+    mean = {n: sum(f.x[n] for f in ref) / 3 for n in SHAPES}
+    assert close(r.outers[0].outer_params(), mean, 1e-6)
+    for f in fakes:  # every peer restarts from θ
+        assert close(f.x, mean, 1e-6)
+
+
+@pytest.mark.parametrize("cfg", [
+    DiLoCoConfig(H=6),
+    StreamingConfig(H=8, P=4, tau=1, codec="fp32"),
+    StreamingConfig(H=8, P=2, tau=3, codec="e3m0"),
+    CoCoDCConfig(H=8, P=4, tau=3, sends_per_window=8, codec="fp8"),
+    DiLoCoXConfig(H=6, start_rule="delta", rank=2),
+    DiLoCoXConfig(H=6, start_rule="naive", rank=2),
+    EagerConfig(H=6, variant="naive"),
+])
+def test_outer_parameters_agree_across_peers(cfg: MethodConfig) -> None:
+    r, _, res = run(cfg, peers=3, steps=30)
+    assert res.syncs > 0
+    ref = r.outers[0].outer_params()
+    for o in r.outers[1:]:
+        assert all(torch.equal(ref[n], t) for n, t in o.outer_params().items())
+
+
+def test_eager_outer_parameters_are_per_peer() -> None:
+    r, _, _ = run(EagerConfig(H=6, variant="eager"), peers=3, steps=30)
+    a, b = r.outers[0].outer_params(), r.outers[1].outer_params()
+    assert not all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_streaming_with_one_fragment_no_overlap_and_alpha0_is_diloco() -> None:
+    a, fa, _ = run(DiLoCoConfig(H=6, outer_lr=0.7, outer_momentum=0.9), peers=3, steps=24)
+    b, fb, _ = run(StreamingConfig(H=6, P=1, tau=0, alpha=0.0, outer_lr=0.7, codec="fp32"), peers=3, steps=24)
+    assert close(a.outers[0].outer_params(), b.outers[0].outer_params())
+    assert close(fa[1].x, fb[1].x)
+
+
+def test_cocodc_without_overlap_is_diloco() -> None:
+    a, _, _ = run(DiLoCoConfig(H=6), peers=2, steps=24)
+    b, _, _ = run(CoCoDCConfig(H=6, P=1, tau=0, sends_per_window=1, codec="fp32", outer_lr=0.7, late="stall"),
+                  peers=2, steps=24)
+    assert close(a.outers[0].outer_params(), b.outers[0].outer_params())
+
+
+def test_eager_with_one_peer_is_diloco() -> None:
+    """M = 1: Δ̃ = Δ(t−1) + (Δ_i(t) − Δ_i(t−1)) = Δ_i(t), the fresh value: no delay at all.
+    (μ = 0: the end-of-run drain applies a zero Δ̃, which momentum would still move.)"""
+    a, fa, _ = run(DiLoCoConfig(H=5, outer_momentum=0.0), peers=1, steps=25)
+    b, fb, _ = run(EagerConfig(H=5, variant="eager", outer_momentum=0.0), peers=1, steps=25)
+    assert close(a.outers[0].outer_params(), b.outers[0].outer_params())
+    assert close(fa[0].x, fb[0].x)
+
+
+def test_naive_delayed_with_one_peer_lags() -> None:
+    a, _, _ = run(DiLoCoConfig(H=5), peers=1, steps=25)
+    b, _, _ = run(EagerConfig(H=5, variant="naive"), peers=1, steps=25)
+    assert not close(a.outers[0].outer_params(), b.outers[0].outer_params(), 1e-3)
+
+
+@pytest.mark.parametrize("cfg", [
+    CoCoDCConfig(H=8, P=4, tau=3, lambda0=0.0, sends_per_window=4, codec="fp32", outer_lr=1.0, outer_momentum=0.0),
+    CoCoDCConfig(H=8, P=2, tau=5, lambda0=0.0, sends_per_window=8, codec="fp32", outer_lr=1.0, outer_momentum=0.0),
+    EagerConfig(H=5, variant="eager", outer_lr=1.0, outer_momentum=0.0),
+    EagerConfig(H=5, variant="eager", overlap_rounds=2, outer_lr=1.0, outer_momentum=0.0),
+])
+def test_one_peer_with_outer_sgd_lr1_is_plain_local_training(cfg: MethodConfig) -> None:
+    """Nothing is counted twice or lost: with one peer the average is its own Δ, so an outer
+    step of lr 1 lands on its own snapshot and the local trajectory is untouched. (λ0 = 0: the
+    normalised Taylor term has size λ0·‖g‖ for any D ≠ 0, and float rounding leaves D ≠ 0.)
+    The run ends on a round boundary: restart rules drop a partial last round's progress."""
+    _, fakes, _ = run(cfg, peers=1, steps=40)
+    assert close(fakes[0].x, local_only(1, 40)[0].x, 1e-5)
+
+
+def test_streaming_alpha_merge_pulls_back_overlap_progress() -> None:
+    # α = 1 keeps the local value: with one peer and lr 1 that is plain local training too.
+    cfg = StreamingConfig(H=8, P=2, tau=2, alpha=1.0, codec="fp32", outer_lr=1.0, outer_momentum=0.0)
+    _, fakes, _ = run(cfg, peers=1, steps=24)
+    assert close(fakes[0].x, local_only(1, 24)[0].x, 1e-5)
+    cfg = StreamingConfig(H=8, P=2, tau=2, alpha=0.5, codec="fp32", outer_lr=1.0, outer_momentum=0.0)
+    _, fakes, _ = run(cfg, peers=1, steps=24)
+    assert not close(fakes[0].x, local_only(1, 24)[0].x, 1e-3)
+
+
+def test_cocodc_peers_choose_the_same_fragment() -> None:
+    r, _, _ = run(CoCoDCConfig(H=8, P=4, tau=1, sends_per_window=8, codec="fp32"), peers=3, steps=40)
+    sends = [(s, f) for s, kind, p, f in r.history if kind == "send" and p == 0]
+    for peer in (1, 2):
+        assert [(s, f) for s, kind, p, f in r.history if kind == "send" and p == peer] == sends
+    assert {f for _, f in sends} == {0, 1, 2, 3}
+    assert len(sends) == 40  # N = 8 sends per window of 8 steps: one every step (skipping busy fragments)
+
+
+def test_streaming_schedule_in_a_run() -> None:
+    r, _, _ = run(StreamingConfig(H=8, P=4, tau=1, codec="fp32"), peers=2, steps=16)
+    sends = [(s, f) for s, kind, p, f in r.history if kind == "send" and p == 0]
+    applies = [(s, f) for s, kind, p, f in r.history if kind == "apply" and p == 0]
+    assert sends == [(2, 1), (4, 2), (6, 3), (8, 0), (10, 1), (12, 2), (14, 3), (16, 0)]
+    assert applies == [(s + 1, f) for s, f in sends[:-1]] + [(16, 0)]  # the last is drained at the end
+
+
+def test_late_results() -> None:
+    # A transfer takes ~4 steps (1 MB/s link, step 0.01 s): τ = 1 is far too short.
+    slow = {"bandwidth": 8e3 * 2, "step_time": 0.01}
+    cfg = CoCoDCConfig(H=16, P=2, tau=1, sends_per_window=2, codec="fp32")
+    _, _, res = run(cfg, peers=2, steps=48, **slow)
+    assert res.stall_seconds <= 0.1  # only the final drain waits (one transfer: ~0.1 s)
+    assert res.max_delay > 1  # applied on arrival, for the actual delay
+    _, _, stalled = run(StreamingConfig(H=16, P=2, tau=1, codec="fp32"), peers=2, steps=48, **slow)
+    assert stalled.stall_seconds > 0.3 and stalled.max_delay == 1
+    assert stalled.utilization < res.utilization
+
+
+def test_dilocox_sends_far_fewer_bytes() -> None:
+    _, _, full = run(DiLoCoConfig(H=6), peers=2, steps=24)
+    _, _, lowrank = run(DiLoCoXConfig(H=6, rank=1, rank_max=1), peers=2, steps=24)
+    assert lowrank.bytes_sent_per_peer < full.bytes_sent_per_peer / 3
+
+
+@pytest.mark.parametrize(("name", "knobs", "message"), [
+    ("streaming", {"H": 50, "P": 4}, "multiple of the number of fragments P"),
+    ("streaming", {"H": 48, "P": 4, "tau": 12}, "τ < H/P"),
+    ("cocodc", {"H": 48, "P": 4, "tau": 48}, "τ < H"),
+    ("cocodc", {"H": 48, "P": 4, "sends_per_window": 2}, "P ≤ N ≤ H"),
+    ("diloco", {"outer_lr": 0}, "outer learning rate η"),
+    ("diloco", {"codec": "fp4"}, "unknown codec"),
+    ("eager", {"overlap_rounds": 3}, "overlap_rounds"),
+    ("dilocox", {"rank": 0}, "rank"),
+    ("diloco", {"tau": 1}, "unknown setting"),
+    ("sgd", {}, "unknown method"),
+])
+def test_config_errors(name: str, knobs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        method_config(name, **knobs)
