@@ -22,7 +22,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-__all__ = ["CheckpointDir", "CheckpointError", "pack", "read_checkpoint", "unpack", "write_checkpoint"]
+__all__ = [
+    "CheckpointDir",
+    "CheckpointError",
+    "pack",
+    "read_checkpoint",
+    "state_from_bytes",
+    "state_to_bytes",
+    "unpack",
+    "write_checkpoint",
+]
 
 FORMAT = "p2ptrain-checkpoint"
 VERSION = "1"
@@ -70,6 +79,22 @@ def unpack(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return tree
 
 
+def state_to_bytes(state: dict[str, Any]) -> bytes:
+    """A state tree as one self-describing safetensors payload (what :func:`write_checkpoint` writes)."""
+    tree, tensors = pack(state)
+    return st_save(tensors, metadata={"format": FORMAT, "version": VERSION, "tree": json.dumps(tree)})
+
+
+def state_from_bytes(raw: bytes, what: str = "state") -> dict[str, Any]:
+    """Inverse of :func:`state_to_bytes`; CheckpointError on anything malformed."""
+    meta = _metadata(raw, Path(what))
+    try:
+        tensors = st_load(raw)
+        return unpack(json.loads(meta["tree"]), tensors)
+    except (SafetensorError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{what}: corrupt or truncated ({e})") from None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -82,9 +107,7 @@ def write_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
     """Write ``state`` to ``path`` atomically (temp file, fsync, rename, fsync dir)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tree, tensors = pack(state)
-    meta = {"format": FORMAT, "version": VERSION, "tree": json.dumps(tree)}
-    payload = st_save(tensors, metadata=meta)
+    payload = state_to_bytes(state)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -125,15 +148,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raw = path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-    meta = _metadata(raw, path)
-    try:
-        tensors = st_load(raw)
-    except (SafetensorError, ValueError) as e:
-        raise CheckpointError(f"{path}: corrupt or truncated ({e})") from None
-    try:
-        return unpack(json.loads(meta["tree"]), tensors)
-    except (KeyError, TypeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: inconsistent checkpoint ({e})") from None
+    return state_from_bytes(raw, str(path))
 
 
 class CheckpointDir:

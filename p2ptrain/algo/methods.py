@@ -24,7 +24,7 @@ Methods (symbols as in the papers):
 method     P     τ       merge on apply       outer update
 =========  ====  ======  ===================  =======================================
 diloco     1     0       θ_i ← θ              Nesterov(Δ)
-streaming  P     τ<H/P   α-merge              Nesterov(Δ) per fragment
+streaming  P     τ<H     α-merge              Nesterov(Δ) per fragment
 eager      1     k·H     θ_i ← θ^(i)          Nesterov(Δ̃_i) (eager) or Nesterov(Δ(t−k)) (naive)
 cocodc     P     τ       Taylor compensation  Nesterov(Δ) per fragment, adaptive choice of p
 dilocox    1     H       naive/eager/delta    Nesterov on low-rank + quantized Δ(t−1)
@@ -34,6 +34,7 @@ dilocox    1     H       naive/eager/delta    Nesterov on low-rank + quantized �
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, Protocol
@@ -143,7 +144,7 @@ class StreamingConfig(MethodConfig):
         P: number of fragments (whole layers); H must be a multiple of P.
         mode: ``strided`` (layer ℓ in fragment ℓ mod P) or ``sequential``.
         tau: τ, inner steps between starting fragment p's all-reduce and applying it;
-            0 ≤ τ < H/P so that at most one fragment is in flight.
+            0 ≤ τ < H (with τ ≥ H/P several fragments are in flight at once).
         alpha: α of the merge ``θ_i ← α·θ_i + (1−α)·θ`` (0 takes the global value).
     """
 
@@ -168,10 +169,10 @@ class StreamingConfig(MethodConfig):
         self._check_tau()
 
     def _check_tau(self) -> None:
-        if not 0 <= self.tau < self.H // self.P:
+        if not 0 <= self.tau < self.H:
             raise ValueError(
-                f"{self.name}: overlap τ ({self.tau}) must satisfy 0 ≤ τ < H/P = {self.H // self.P} "
-                "(at most one fragment in flight)"
+                f"{self.name}: overlap τ ({self.tau}) must satisfy 0 ≤ τ < H = {self.H} "
+                "(a fragment's result is applied before the fragment is sent again)"
             )
 
     @property
@@ -214,7 +215,6 @@ class CoCoDCConfig(StreamingConfig):
         sends_per_window: N sends per H window (N ≥ P); None derives N from measured bandwidth.
         late: ``compensate``: a result later than τ is applied when it arrives, compensated for
             the actual delay; ``stall``: wait for it at step send + τ.
-        tau: here τ may be ≥ H/P (several fragments may be in flight), but must be < H.
     """
 
     name: ClassVar[str] = "cocodc"
@@ -233,10 +233,6 @@ class CoCoDCConfig(StreamingConfig):
             )
         if self.late not in ("compensate", "stall"):
             raise ValueError(f"cocodc: late must be 'compensate' or 'stall', got {self.late!r}")
-
-    def _check_tau(self) -> None:
-        if not 0 <= self.tau < self.H:
-            raise ValueError(f"cocodc: overlap τ ({self.tau}) must satisfy 0 ≤ τ < H = {self.H}")
 
 
 @dataclass(kw_only=True)
@@ -324,11 +320,15 @@ class Round:
     members: int = 1
     result: list[torch.Tensor] | None = None
     phases: int = 0
+    name: str = ""  # the swarm's name for the round (default: fragment and sequence number)
+    divergent: bool = False  # this peer's θ^(p) disagreed with the round's majority (repair before apply)
+    contributors: tuple[str, ...] = ()
+    done: threading.Event = field(default_factory=threading.Event)  # set on ARRIVED or ABORTED
 
     @property
     def key(self) -> str:
-        """Names the round swarm-wide: fragment and sequence number."""
-        return f"f{self.fragment}.r{self.seq}"
+        """Names the round: the driver's name for it, else fragment and sequence number."""
+        return self.name or f"f{self.fragment}.r{self.seq}"
 
     def receive(self, averaged: list[torch.Tensor], *, total_weight: float, members: int) -> list[torch.Tensor] | None:
         """Feed one phase's weighted average; returns the next phase's payload or None when arrived."""
@@ -342,6 +342,7 @@ class Round:
             self.members = members
             self.state = RoundState.ARRIVED
             self.payload = None
+            self.done.set()
         else:
             self.payload = nxt
         return nxt
@@ -353,6 +354,7 @@ class Round:
         self.compressor.abort()
         self.state = RoundState.ABORTED
         self.payload = None
+        self.done.set()
 
     @property
     def arrived(self) -> bool:
@@ -462,6 +464,19 @@ class OuterLoop:
         """θ^(p): this peer's outer parameters of a fragment (do not modify)."""
         return self._state[fragment].theta
 
+    def momentum(self, fragment: int) -> list[torch.Tensor]:
+        """The outer Nesterov buffer of a fragment (do not modify)."""
+        return self._state[fragment].momentum
+
+    @torch.no_grad()
+    def overwrite(self, fragment: int, theta: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> None:
+        """Replace a fragment's θ^(p) and momentum (repair from the swarm's majority)."""
+        st = self._state[fragment]
+        for t, v in zip(st.theta, theta, strict=True):
+            t.copy_(v)
+        for t, v in zip(st.momentum, momentum, strict=True):
+            t.copy_(v)
+
     def outer_params(self) -> dict[str, torch.Tensor]:
         """All outer parameters θ by name (for evaluation)."""
         return {n: t for frag, st in zip(self.fragments, self._state, strict=True)
@@ -507,12 +522,31 @@ class OuterLoop:
             due = [0] if step % c.H == 0 else []
         return [p for p in due if self._state[p].last_send != step]
 
+    @property
+    def negotiated(self) -> bool:
+        """Whether the swarm must agree on which fragment a slot sends (CoCoDC's adaptive choice)."""
+        return isinstance(self.cfg, CoCoDCConfig)
+
+    def is_slot(self, step: int) -> bool:
+        """CoCoDC: whether ``step`` is a send slot (every h = ⌊H/N⌋ steps)."""
+        if not isinstance(self.cfg, CoCoDCConfig) or step <= 0:
+            return False
+        return step % send_interval(self.cfg.H, self.sends_per_window or self.cfg.P) == 0
+
+    def busy_fragments(self, in_flight: Sequence[Round]) -> list[int]:
+        return sorted({r.fragment for r in in_flight if r.state in (RoundState.AVERAGING, RoundState.ARRIVED)})
+
+    def last_sends(self) -> list[int]:
+        """Step of each fragment's last send, −1 for never (for the swarm's negotiation)."""
+        return [-1 if st.last_send is None else st.last_send for st in self._state]
+
     def plan(self, step: int, in_flight: Sequence[Round], scores: Sequence[float] | None = None, *,
-             is_arrived: Callable[[Round], bool] | None = None) -> StepPlan:
+             is_arrived: Callable[[Round], bool] | None = None, sends: bool = True) -> StepPlan:
         """What to do after inner step ``step`` given the rounds still in flight (not applied).
 
         ``is_arrived`` tells whether a round's result is here (default: its state); the
-        simulator passes its virtual clock's view.
+        simulator passes its virtual clock's view. ``sends=False`` leaves the sends to the
+        caller (the swarm negotiates CoCoDC's fragment choice).
         """
         arrived = is_arrived or (lambda r: r.arrived)
         live = [r for r in in_flight if r.state in (RoundState.AVERAGING, RoundState.ARRIVED)]
@@ -524,19 +558,19 @@ class OuterLoop:
         # A late round (compensate) that arrived after its due step is applied at the next step.
         applies.sort(key=lambda r: (r.send_step, r.fragment))
         still = [r for r in live if r not in applies]
-        sends = self._sends(step, still if self.apply_first else live, scores)
+        chosen = self._sends(step, still if self.apply_first else live, scores) if sends else []
         apply_actions = [("apply", r) for r in applies]
-        send_actions = [("send", p) for p in sends]
+        send_actions = [("send", p) for p in chosen]
         return StepPlan(actions=apply_actions + send_actions if self.apply_first else send_actions + apply_actions)
 
     # -- the two ends of a round -------------------------------------------------
     @torch.no_grad()
-    def start(self, fragment: int, step: int, params: LocalParams, weight: float = 1.0) -> Round:
+    def start(self, fragment: int, step: int, params: LocalParams, weight: float = 1.0, *, name: str = "") -> Round:
         """Snapshot fragment p, compute Δ_i = θ^(p) − s_p and the first payload to all-reduce."""
         frag, st = self.fragments[fragment], self._state[fragment]
         snap = params.snapshot(frag.names)
         delta = pseudo_gradient(st.theta, snap)
-        rnd = Round(fragment, st.seq, step, step + self.tau, snap, delta, float(weight), st.compressor)
+        rnd = Round(fragment, st.seq, step, step + self.tau, snap, delta, float(weight), st.compressor, name=name)
         rnd.payload = st.compressor.begin(delta)
         rnd.state = RoundState.AVERAGING
         if self._eager and st.seq < self.tau // self.cfg.H:
@@ -595,6 +629,16 @@ class OuterLoop:
                 for st in self._state
             ],
         }
+
+    def shared_state(self) -> dict[str, Any]:
+        """What a joining peer takes from a live one: θ, momentum, counters and the compressor's shared
+        part (error feedback and eager's own Δ_i are per peer and left out)."""
+        state = self.state_dict()
+        for frag in state["fragments"]:
+            frag["own"] = {}
+            if "error" in frag["compressor"]:
+                frag["compressor"] = {**frag["compressor"], "error": []}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["method"]["method"] != self.cfg.name:

@@ -23,7 +23,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-__all__ = ["choose_fragment", "drift_score", "send_interval", "sends_per_window"]
+__all__ = ["choose_fragment", "choose_merged", "drift_score", "send_interval", "sends_per_window"]
 
 
 def sends_per_window(*, H: int, P: int, step_time: float, fragment_bytes: float, bandwidth: float,
@@ -73,3 +73,22 @@ def choose_fragment(*, step: int, H: int, last_sent: Sequence[int | None], in_fl
     if scores is None:
         raise ValueError("drift scores are needed to choose among fragments that were all sent")
     return max(free, key=lambda p: (scores[p], -p))
+
+
+def choose_merged(*, step: int, H: int, last_sent: Sequence[Sequence[int]], busy: Sequence[Collection[int]],
+                  scores: Sequence[Sequence[float] | None]) -> int | None:
+    """:func:`choose_fragment` from several peers' views (what a round's leader does): the newest
+    send per fragment (−1 = never), the union of fragments in flight, the sum of drift scores."""
+    if not last_sent:
+        return None
+    n = max(len(v) for v in last_sent)
+    merged: list[int | None] = []
+    for p in range(n):
+        seen = [v[p] for v in last_sent if p < len(v) and v[p] >= 0]
+        merged.append(max(seen) if seen else None)
+    flying = set().union(*[set(b) for b in busy]) if busy else set()
+    given = [s for s in scores if s is not None and len(s) == n]
+    summed = [sum(col) for col in zip(*given, strict=True)] if given else None
+    if summed is None and all(m is not None for m in merged):
+        summed = [0.0] * n  # no scores at all: fall back to the lowest free index
+    return choose_fragment(step=step, H=H, last_sent=merged, in_flight=flying, scores=summed)

@@ -23,7 +23,7 @@ def summary_rows(results: Sequence[RunResult], target: float | None) -> list[lis
     for r in results:
         s, t = r.to_target(target)
         rows.append([
-            r.label, r.peers, r.final_loss, "-" if s is None else s, "-" if t is None else round(t, 1),
+            r.label, r.peers, r.final_loss, "-" if s is None else round(s, 1), "-" if t is None else round(t, 1),
             r.bytes_sent_per_peer / 1e6, r.peak_bytes_per_sync / 1e6, r.syncs, r.utilization,
             r.stall_seconds, r.wall_seconds,
         ])

@@ -114,13 +114,19 @@ class RunResult:
     def utilization(self) -> float:
         return self.compute_seconds / self.sim_seconds if self.sim_seconds > 0 else 1.0
 
-    def to_target(self, target: float | None) -> tuple[int | None, float | None]:
-        """First evaluated (step, sim seconds) with loss ≤ target."""
+    def to_target(self, target: float | None) -> tuple[float | None, float | None]:
+        """(step, sim seconds) where the validation curve first crosses ``target``, linearly
+        interpolated between the two evaluations around the crossing; (None, None) if never."""
         if target is None:
             return None, None
+        prev = None
         for step, t, loss in self.evals:
             if loss <= target:
-                return step, t
+                if prev is None or prev[2] == loss:
+                    return float(step), t
+                f = (prev[2] - target) / (prev[2] - loss)
+                return prev[0] + f * (step - prev[0]), prev[1] + f * (t - prev[1])
+            prev = (step, t, loss)
         return None, None
 
     def to_dict(self, target: float | None = None) -> dict[str, Any]:

@@ -210,7 +210,7 @@ def test_dilocox_sends_far_fewer_bytes() -> None:
 
 @pytest.mark.parametrize(("name", "knobs", "message"), [
     ("streaming", {"H": 50, "P": 4}, "multiple of the number of fragments P"),
-    ("streaming", {"H": 48, "P": 4, "tau": 12}, "τ < H/P"),
+    ("streaming", {"H": 48, "P": 4, "tau": 48}, "τ < H"),
     ("cocodc", {"H": 48, "P": 4, "tau": 48}, "τ < H"),
     ("cocodc", {"H": 48, "P": 4, "sends_per_window": 2}, "P ≤ N ≤ H"),
     ("diloco", {"outer_lr": 0}, "outer learning rate η"),

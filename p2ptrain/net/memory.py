@@ -1,0 +1,209 @@
+"""An in-process swarm: every peer's transport shares one :class:`MemorySwarm` on one event loop.
+
+Used by tests and by the contract suite. It follows the same rules as the real
+swarm (leader = smallest live peer, join window, drop-and-renormalise on failure,
+fingerprint majority) and can inject faults: a delay per peer, a dead peer (its
+messages vanish), and partitions (peers on different sides never meet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..algo.compress import Codec
+from ..sim.allreduce import quantized_mean
+from ..sim.network import ring_factor
+from .membership import agreed_fragment, leader_of, majority_fingerprint
+from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
+
+__all__ = ["MemorySwarm", "MemoryTransport"]
+
+
+@dataclass
+class _Forming:
+    requests: dict[str, JoinRequest] = field(default_factory=dict)
+    group: Group | None = None
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    first: float = 0.0
+
+
+@dataclass
+class _Phase:
+    contribs: dict[str, tuple[list[torch.Tensor], float, Sequence[float] | None]] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: tuple[list[torch.Tensor], float, tuple[str, ...], set[str]] | None = None
+
+
+class MemorySwarm:
+    """Shared state of an in-process swarm (one event loop)."""
+
+    def __init__(self, *, join_window: float = 1.0, ttl: float = 5.0) -> None:
+        self.join_window, self.ttl = join_window, ttl
+        self.infos: dict[str, PeerInfo] = {}
+        self.forming: dict[tuple[int, str], _Forming] = {}
+        self.phases: dict[tuple[int, str, int], _Phase] = {}
+        self.dead: set[str] = set()
+        self.delay: dict[str, float] = {}
+        self.side: dict[str, int] = {}
+        self.providers: dict[str, StateProvider] = {}
+        self.meta: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    # -- faults ------------------------------------------------------------------------
+    def kill(self, peer: str) -> None:
+        """The peer vanishes: its announcement and any further messages are gone."""
+        self.dead.add(peer)
+        self.infos.pop(peer, None)
+
+    def partition(self, *sides: Sequence[str]) -> None:
+        """Split the swarm: peers on different sides cannot see or reach each other."""
+        self.side = {p: i for i, s in enumerate(sides) for p in s}
+
+    def heal(self) -> None:
+        self.side = {}
+
+    def transport(self, peer_id: str) -> MemoryTransport:
+        return MemoryTransport(self, peer_id)
+
+    # -- helpers -------------------------------------------------------------------------
+    def live(self, side: int) -> list[str]:
+        now = time.monotonic()
+        return sorted(p for p, i in self.infos.items()
+                      if i.expires > now and p not in self.dead and self.side.get(p, 0) == side)
+
+
+class MemoryTransport(Transport):
+    def __init__(self, swarm: MemorySwarm, peer_id: str) -> None:
+        self.swarm, self.peer_id = swarm, peer_id
+
+    @property
+    def _side(self) -> int:
+        return self.swarm.side.get(self.peer_id, 0)
+
+    async def _lag(self) -> None:
+        if self.peer_id in self.swarm.dead:
+            await asyncio.sleep(3600)  # a dead peer's calls never return (the caller's timeout fires)
+        d = self.swarm.delay.get(self.peer_id, 0.0)
+        if d:
+            await asyncio.sleep(d)
+
+    async def announce(self, info: PeerInfo) -> None:
+        await self._lag()
+        info.expires = time.monotonic() + self.swarm.ttl
+        self.swarm.infos[self.peer_id] = info
+
+    async def peers(self) -> list[PeerInfo]:
+        return [self.swarm.infos[p] for p in self.swarm.live(self._side)]
+
+    async def leave(self) -> None:
+        self.swarm.infos.pop(self.peer_id, None)
+
+    def serve_state(self, provider: StateProvider) -> None:
+        self.swarm.providers[self.peer_id] = provider
+
+    async def fetch_state(self, peer_id: str, name: str, *, timeout: float) -> bytes:
+        await self._lag()
+        sw = self.swarm
+        if peer_id in sw.dead or sw.side.get(peer_id, 0) != self._side or peer_id not in sw.providers:
+            await asyncio.sleep(timeout)
+            raise RoundFailed(f"state {name!r}: peer {peer_id} did not answer")
+        data = sw.providers[peer_id](name)
+        if data is None:
+            raise RoundFailed(f"state {name!r}: peer {peer_id} has none")
+        return data
+
+    async def publish_meta(self, meta: dict[str, Any]) -> None:
+        self.swarm.meta[self.peer_id] = (time.monotonic() + self.swarm.ttl, dict(meta))
+
+    async def get_meta(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        return {p: m for p, (exp, m) in self.swarm.meta.items() if exp > now and p not in self.swarm.dead}
+
+    async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
+        async def _form() -> Group:
+            await self._lag()
+            sw, side = self.swarm, self._side
+            f = sw.forming.setdefault((side, request.key), _Forming())
+            if f.group is not None:
+                raise RoundFailed(f"round {request.key}: the group closed before this peer joined")
+            if not f.requests:
+                f.first = time.monotonic()
+            f.requests[self.peer_id] = request
+            while f.group is None:
+                live = set(sw.live(side)) | {self.peer_id}
+                if live <= set(f.requests):
+                    self._close(f, decide)
+                    break
+                left = f.first + sw.join_window - time.monotonic()
+                if left <= 0:
+                    self._close(f, decide)
+                    break
+                try:
+                    await asyncio.wait_for(f.closed.wait(), left)
+                except TimeoutError:
+                    pass
+            assert f.group is not None
+            if self.peer_id not in f.group.members:
+                raise RoundFailed(f"round {request.key}: not a member")
+            return f.group
+
+        try:
+            return await asyncio.wait_for(_form(), timeout)
+        except TimeoutError:
+            raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s") from None
+
+    def _close(self, f: _Forming, decide: Decide | None) -> None:
+        members = tuple(sorted(p for p in f.requests if p not in self.swarm.dead))
+        reqs = [f.requests[p] for p in members]
+        fragment = agreed_fragment(reqs)
+        if fragment is None and decide is not None:
+            fragment = decide(reqs)
+        f.group = Group(reqs[0].key, members, leader_of(members), fragment)
+        f.closed.set()
+
+    async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
+                        codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
+        t0 = time.monotonic()
+        sw = self.swarm
+        key = (self._side, group.key, phase)
+        ph = sw.phases.setdefault(key, _Phase())
+        await self._lag()
+        ph.contribs[self.peer_id] = ([t.detach().float().cpu().clone() for t in tensors], float(weight), fingerprint)
+        expected = set(group.members)
+        deadline = t0 + timeout
+        while ph.result is None:
+            present = {p for p in ph.contribs if p not in sw.dead}
+            if expected - sw.dead <= present or time.monotonic() >= deadline:
+                self._reduce(ph, group, codec)
+                break
+            try:
+                await asyncio.wait_for(ph.done.wait(), max(0.0, min(0.05, deadline - time.monotonic())))
+            except TimeoutError:
+                pass
+        assert ph.result is not None
+        avg, total, contributors, agree = ph.result
+        if not contributors:
+            raise RoundFailed(f"round {group.key} phase {phase}: nothing averaged")
+        n = sum(t.numel() for t in tensors)
+        nbytes = int(ring_factor(len(contributors)) * codec.encoded_size(n))
+        device = tensors[0].device if tensors else torch.device("cpu")
+        return ReduceResult([a.to(device) for a in avg], total, group.members, contributors,
+                            partial=len(contributors) < len(group.members), bytes_sent=nbytes, bytes_received=nbytes,
+                            seconds=time.monotonic() - t0, divergent=self.peer_id not in agree)
+
+    def _reduce(self, ph: _Phase, group: Group, codec: Codec) -> None:
+        present = {p: c for p, c in ph.contribs.items() if p not in self.swarm.dead and p in group.members}
+        prints = {p: c[2] for p, c in present.items() if c[2] is not None}
+        agree = majority_fingerprint(prints) if prints else set(present)
+        use = sorted(p for p in present if p in agree)
+        if not use:
+            ph.result = ([], 0.0, (), agree)
+        else:
+            avg, _ = quantized_mean([present[p][0] for p in use], [present[p][1] for p in use], codec)
+            ph.result = (avg, sum(present[p][1] for p in use), tuple(use), agree)
+        ph.done.set()

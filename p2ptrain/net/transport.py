@@ -1,0 +1,174 @@
+"""The Transport contract: how a peer forms a group for a round and all-reduces with it.
+
+Two implementations share one contract test suite: :mod:`p2ptrain.net.memory`
+(an in-process swarm that can delay, drop and partition) and
+:mod:`p2ptrain.net.swarm` (hivemind's libp2p DHT and streams).
+
+A round is named by a swarm-unique ``key``. Every peer that reaches it calls
+:meth:`Transport.form_group` with a :class:`JoinRequest`; the round's leader (a
+deterministic choice among the live peers, no coordinator) closes the group when
+every live peer has joined or its join window expires, and decides the fragment
+when the peers left that to it (CoCoDC: summed drift scores). Then each member
+calls :meth:`Transport.allreduce` once per phase. Members that fail or time out
+are dropped; the others average among themselves with renormalised weights and
+the result says so (``partial``). Every network wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..algo.compress import Codec
+
+__all__ = ["Decide", "Group", "JoinRequest", "PeerInfo", "ReduceResult", "RoundFailed", "StateProvider", "Transport"]
+
+
+class RoundFailed(RuntimeError):
+    """A round could not complete at all (no group, or nothing averaged): the caller aborts it."""
+
+
+@dataclass
+class JoinRequest:
+    """What a peer brings to a round's leader.
+
+    ``fragment`` is the fragment the peer's fixed schedule sends, or None to let the
+    leader decide from ``scores`` (drift per fragment), ``busy`` (fragments in flight)
+    and ``last_sent`` (step of each fragment's last send, -1 for never).
+    """
+
+    key: str
+    peer_id: str
+    weight: float
+    fragment: int | None = None
+    scores: list[float] | None = None
+    busy: list[int] = field(default_factory=list)
+    last_sent: list[int] = field(default_factory=list)
+    step: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"key": self.key, "peer": self.peer_id, "weight": self.weight, "fragment": self.fragment,
+                "scores": self.scores, "busy": self.busy, "last_sent": self.last_sent, "step": self.step}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> JoinRequest:
+        return cls(key=str(m["key"]), peer_id=str(m["peer"]), weight=float(m["weight"]),
+                   fragment=None if m.get("fragment") is None else int(m["fragment"]),
+                   scores=None if m.get("scores") is None else [float(x) for x in m["scores"]],
+                   busy=[int(x) for x in m.get("busy", [])], last_sent=[int(x) for x in m.get("last_sent", [])],
+                   step=int(m.get("step", 0)))
+
+
+#: The leader's choice of fragment from all members' requests (None: nothing to send).
+Decide = Callable[[Sequence[JoinRequest]], "int | None"]
+#: Serves named state (e.g. "outer", "before:f1.L40") as bytes; None when it has none.
+StateProvider = Callable[[str], "bytes | None"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A formed round: sorted members, its leader, and the agreed fragment."""
+
+    key: str
+    members: tuple[str, ...]
+    leader: str
+    fragment: int | None
+
+    def __post_init__(self) -> None:
+        if list(self.members) != sorted(set(self.members)):
+            raise ValueError("group members must be sorted and unique")
+
+
+@dataclass
+class ReduceResult:
+    """One phase's outcome at one member."""
+
+    tensors: list[torch.Tensor]
+    total_weight: float
+    members: tuple[str, ...]
+    contributors: tuple[str, ...]  # whose share is in the average (every part)
+    partial: bool  # someone was dropped, or a part fell back to zero
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    divergent: bool = False  # this peer's outer parameters disagreed with the majority's
+
+
+@dataclass
+class PeerInfo:
+    """One peer's announcement (refreshed by heartbeat, expires on its own)."""
+
+    peer_id: str
+    region: str = ""
+    step: int = 0
+    logical_step: int = 0
+    tokens_per_second: float = 0.0
+    bandwidth: float = 0.0  # bytes/s, measured
+    loss: float = float("nan")
+    maddrs: list[str] = field(default_factory=list)
+    expires: float = 0.0
+    method: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"peer": self.peer_id, "region": self.region, "step": self.step, "lstep": self.logical_step,
+                "tps": self.tokens_per_second, "bw": self.bandwidth, "loss": self.loss, "maddrs": self.maddrs,
+                "method": self.method, "extra": self.extra}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any], expires: float = 0.0) -> PeerInfo:
+        return cls(peer_id=str(m["peer"]), region=str(m.get("region", "")), step=int(m.get("step", 0)),
+                   logical_step=int(m.get("lstep", 0)), tokens_per_second=float(m.get("tps", 0.0)),
+                   bandwidth=float(m.get("bw", 0.0)), loss=float(m.get("loss", float("nan"))),
+                   maddrs=[str(a) for a in m.get("maddrs", [])], expires=expires, method=str(m.get("method", "")),
+                   extra=dict(m.get("extra", {})))
+
+
+class Transport(abc.ABC):
+    """One peer's view of the swarm (see the module docstring)."""
+
+    peer_id: str
+
+    @abc.abstractmethod
+    async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
+        """Join round ``request.key``; returns the group once the leader closes it. RoundFailed if this
+        peer is not in it (too late, leader unreachable) or ``timeout`` passes."""
+
+    @abc.abstractmethod
+    async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
+                        codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
+        """Weighted mean of every member's ``tensors`` (fp32 sums, ``codec`` on the wire). Members that fail
+        are dropped; RoundFailed only if nothing at all could be averaged."""
+
+    @abc.abstractmethod
+    async def announce(self, info: PeerInfo) -> None:
+        """Publish (refresh) this peer's announcement."""
+
+    @abc.abstractmethod
+    async def peers(self) -> list[PeerInfo]:
+        """The live peers of the run (unexpired announcements), this one included."""
+
+    @abc.abstractmethod
+    async def leave(self) -> None:
+        """Withdraw this peer's announcement (a graceful departure)."""
+
+    @abc.abstractmethod
+    def serve_state(self, provider: StateProvider) -> None:
+        """Answer other peers' state requests with ``provider(name)`` (bytes, or None if unknown).
+        The provider is called on the loop thread and must be thread-safe."""
+
+    @abc.abstractmethod
+    async def fetch_state(self, peer_id: str, name: str, *, timeout: float) -> bytes:
+        """Ask ``peer_id`` for the state called ``name``; RoundFailed if it has none or does not answer."""
+
+    @abc.abstractmethod
+    async def publish_meta(self, meta: dict[str, Any]) -> None:
+        """Publish this peer's proposal of the run's shared settings (e.g. the step pacing)."""
+
+    @abc.abstractmethod
+    async def get_meta(self) -> dict[str, dict[str, Any]]:
+        """Every live proposal of the run's shared settings, by peer id."""

@@ -1,0 +1,520 @@
+"""A swarm peer: the composition root, and the one place where PyTorch meets the event loop.
+
+The compute thread (the caller of :meth:`Peer.run`) takes inner steps and does
+every mutation of parameters and outer state, in program order. The network lives
+on a :class:`~p2ptrain.sync.NetLoop`; the two meet only through ``NetLoop.submit``
+(start a round in the background) and ``NetLoop.call`` (wait, with a timeout).
+
+**Pacing (heterogeneous peers).** Rounds are paced by time, not by each peer's own
+step count: the swarm shares a step duration ``step_seconds`` (published in the
+DHT by the first peer), and the *logical step* is ``⌊wall time / step_seconds⌋``.
+Every method's schedule (H, offsets, τ, CoCoDC's slots) runs on logical steps, so
+all peers reach a round at the same moment whatever their speed; each contributes
+what it computed since its last sync, weighted by its tokens (as hivemind's
+``target_batch_size`` weights by samples). A peer 3× slower than the rest takes
+fewer inner steps per round and never makes the others wait beyond the method's
+own waiting (DiLoCo's blocking sync, or a result that is needed before it arrived).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .algo.compress import get_codec
+from .algo.fragments import make_fragments, model_units
+from .algo.methods import DDPConfig, MethodConfig, OuterLoop, Round, RoundState
+from .algo.priority import choose_merged, sends_per_window
+from .checkpoint import state_from_bytes, state_to_bytes
+from .net.transport import Group, JoinRequest, PeerInfo, RoundFailed, Transport
+from .sync import NetLoop, RoundRunner, fingerprint, theta_digest
+from .trainer import Trainer
+
+__all__ = ["Peer", "PeerConfig", "PeerSummary"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class PeerConfig:
+    """A peer's place in a run.
+
+    Attributes:
+        run_id: the run's name; peers of one run find each other under it.
+        region: a free-form label (announced, shown by ``status``).
+        steps: leave cleanly after this many inner steps.
+        step_seconds: the swarm's logical step duration (round pacing). None: take the run's
+            published value, or (first peer) measure the first inner steps and publish that.
+        join_window: seconds a round's leader waits for live peers to join before it closes the group.
+        join_timeout: seconds a peer waits for its group to form.
+        heartbeat: seconds between announcements; an announcement expires after ``ttl``.
+        sync_on_join: a peer that finds a live swarm downloads θ and the outer state first.
+        drain_timeout: seconds to wait for rounds still in flight when leaving.
+    """
+
+    run_id: str = "p2ptrain"
+    region: str = ""
+    steps: int = 300
+    step_seconds: float | None = None
+    join_window: float = 2.0
+    join_timeout: float = 30.0
+    heartbeat: float = 2.0
+    ttl: float = 8.0
+    sync_on_join: bool = True
+    drain_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.run_id or any(c in self.run_id for c in " /"):
+            raise ValueError(f"run id must be a non-empty word without spaces or '/', got {self.run_id!r}")
+        if self.steps < 1:
+            raise ValueError("steps must be at least 1")
+        if self.step_seconds is not None and self.step_seconds <= 0:
+            raise ValueError("step_seconds must be positive")
+        for name in ("join_window", "join_timeout", "heartbeat", "ttl", "drain_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.ttl <= self.heartbeat:
+            raise ValueError("ttl must be longer than the heartbeat period")
+
+
+@dataclass
+class PeerSummary:
+    peer_id: str
+    steps: int
+    wall_seconds: float
+    compute_seconds: float
+    stall_seconds: float
+    rounds_complete: int
+    rounds_partial: int
+    rounds_failed: int
+    rounds_applied: int
+    repairs: int
+    bytes_sent: int
+    bytes_received: int
+    final_train_loss: float
+    val_loss: float = math.nan
+    outer_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    applied: dict[str, tuple[str, list[torch.Tensor]]] = field(default_factory=dict, repr=False)
+
+    @property
+    def utilization(self) -> float:
+        return self.compute_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+class Peer:
+    """One peer of a swarm (any method, any transport)."""
+
+    def __init__(self, cfg: PeerConfig, method: MethodConfig, trainer: Trainer,
+                 transport: Callable[[], Awaitable[Transport]], *, net: NetLoop | None = None,
+                 on_status: Callable[[dict[str, Any]], None] | None = None, seed: int = 0) -> None:
+        self.cfg, self.method, self.trainer = cfg, method, trainer
+        self._make_transport, self._own_net = transport, net is None
+        self.net = net or NetLoop()
+        self.on_status = on_status
+        self.codec = get_codec(method.codec)
+        self.is_ddp = isinstance(method, DDPConfig)
+        self.frags = make_fragments(model_units(trainer.model), method.fragments, method.fragment_mode)  # type: ignore[arg-type]
+        self.outer: OuterLoop | None = None if self.is_ddp else OuterLoop(method, self.frags, seed=seed)
+        self.transport: Transport | None = None
+        self.runner: RoundRunner | None = None
+        self.in_flight: list[Round] = []
+        self.pending_groups: list[tuple[int, Any]] = []  # CoCoDC negotiations: (slot, future of Group)
+        self.lock = threading.Lock()  # guards the outer state against the state provider (loop thread)
+        self.before: OrderedDict[str, bytes] = OrderedDict()  # θ^(p), momentum before a round, by key
+        self.tokens_at_send: list[int] = [0] * len(self.frags)
+        self.step_seconds = cfg.step_seconds
+        self.last_lstep = -1
+        self.compute = self.stall = 0.0
+        self.applied = self.repairs = 0
+        # θ^(p) after each applied round, by round key: its digest (and a copy when keep_applied, for tests).
+        self.applied_log: dict[str, tuple[str, list[torch.Tensor]]] = {}
+        self.keep_applied = False
+        self.last_loss = math.nan
+        self._stop = threading.Event()
+        self._service: Any = None
+        self._stopping: Any = None
+
+    # ------------------------------------------------------------------ identity & clock
+    @property
+    def peer_id(self) -> str:
+        assert self.transport is not None
+        return self.transport.peer_id
+
+    def logical_step(self, now: float | None = None) -> int:
+        assert self.step_seconds is not None
+        return int((time.time() if now is None else now) / self.step_seconds)
+
+    def request_stop(self) -> None:
+        """Ask the compute loop to leave at its next step (thread-safe; used by signal handlers)."""
+        self._stop.set()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Connect (retrying is the transport's job), start the background services, agree on the
+        pacing, and take the swarm's state if it has one."""
+        self.transport = self.net.call(self._make_transport(), timeout=self.cfg.join_timeout + 60)
+        self.transport.serve_state(self._provide)
+        self.runner = RoundRunner(self.transport, self.codec, join_timeout=self.cfg.join_timeout,
+                                  round_timeout=self.method.timeout)
+        self._service = self.net.submit(self._serve())
+        self.runner.wait_ready(10)
+        self._agree_pacing()
+        if self.outer is not None:
+            with self.lock:
+                self.outer.init(self.trainer)
+        if self.cfg.sync_on_join:
+            self._sync_from_swarm()
+        self._announce_now()
+
+    async def _serve(self) -> None:
+        import asyncio
+
+        assert self.runner is not None
+        self._stopping = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.runner.serve())
+            hb = tg.create_task(self._heartbeat())
+            await self._stopping.wait()
+            hb.cancel()
+            await self.runner.stop()
+
+    async def _heartbeat(self) -> None:
+        import asyncio
+
+        assert self.transport is not None
+        while True:
+            try:
+                await asyncio.wait_for(self.transport.announce(self._info()), self.cfg.heartbeat * 2)
+                if self.step_seconds is not None:
+                    await asyncio.wait_for(self.transport.publish_meta({"step_seconds": self.step_seconds}),
+                                           self.cfg.heartbeat * 2)
+            except (TimeoutError, OSError, RoundFailed) as e:
+                log.info("event=heartbeat_failed reason=%s", e)
+            await asyncio.sleep(self.cfg.heartbeat)
+
+    def _info(self) -> PeerInfo:
+        st = self.runner.stats if self.runner else None
+        tps = self.trainer.tokens_seen / self.compute if self.compute > 0 else 0.0
+        return PeerInfo(peer_id=self.peer_id, region=self.cfg.region, step=self.trainer.step_count,
+                        logical_step=self.last_lstep, tokens_per_second=tps, bandwidth=st.bandwidth if st else 0.0,
+                        loss=self.last_loss, method=self.method.name,
+                        extra={"rounds": st.complete + st.partial if st else 0, "in_flight": len(self.in_flight)})
+
+    def _announce_now(self) -> None:
+        assert self.transport is not None
+        try:
+            self.net.call(self.transport.announce(self._info()), timeout=self.cfg.join_timeout)
+        except (TimeoutError, OSError, RoundFailed) as e:
+            log.warning("event=announce_failed reason=%s", e)
+
+    def _agree_pacing(self) -> None:
+        """All peers must share ``step_seconds``: take the published value of the smallest peer id."""
+        assert self.transport is not None
+        metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
+        published = [metas[p]["step_seconds"] for p in sorted(metas) if "step_seconds" in metas[p]]
+        if published:
+            if self.step_seconds is not None and abs(published[0] - self.step_seconds) > 1e-9:
+                log.warning("event=pacing_override mine=%s swarm=%s", self.step_seconds, published[0])
+            self.step_seconds = float(published[0])
+        elif self.step_seconds is None:
+            t0 = time.perf_counter()
+            for _ in range(3):  # measure, and keep the steps: they are real training
+                self._inner_step()
+            self.step_seconds = round(max(0.01, (time.perf_counter() - t0) / 3), 3)
+        self.net.call(self.transport.publish_meta({"step_seconds": self.step_seconds}), timeout=self.cfg.join_timeout)
+        self.last_lstep = self.logical_step()
+
+    def _sync_from_swarm(self) -> None:
+        """A late joiner starts from the swarm's θ and outer state, not its own initialisation
+        (data parallel: from its parameters and step, so that gradient rounds line up)."""
+        assert self.transport is not None
+        others = [p for p in self.net.call(self.transport.peers(), self.cfg.join_timeout) if p.peer_id != self.peer_id]
+        for info in sorted(others, key=lambda i: i.peer_id):
+            try:
+                raw = self.net.call(self.transport.fetch_state(info.peer_id, "outer", timeout=self.cfg.join_timeout),
+                                    self.cfg.join_timeout + 5)
+                state = state_from_bytes(raw, f"state from {info.peer_id}")
+                with self.lock:
+                    if self.outer is None:
+                        names = list(self.trainer.params)
+                        self.trainer.apply_outer(names, [state["params"][n] for n in names])
+                        self.trainer.step_count = int(state["step"])
+                    else:
+                        self.outer.load_state_dict(state)
+                        for frag in self.frags:
+                            self.trainer.apply_outer(frag.names, self.outer.theta(frag.index))
+                log.info("event=synced_from peer=%s", info.peer_id)
+                return
+            except (RoundFailed, TimeoutError, ValueError, KeyError) as e:
+                log.warning("event=sync_failed peer=%s reason=%s", info.peer_id, e)
+
+    def _provide(self, name: str) -> bytes | None:
+        """State other peers may ask for (called on the loop thread)."""
+        if name == "outer":
+            with self.lock:
+                if self.outer is None:
+                    return state_to_bytes({"params": dict(self.trainer.params), "step": self.trainer.step_count})
+                return state_to_bytes(self.outer.shared_state())
+        if self.outer is None:
+            return None
+        if name.startswith("before:"):
+            return self.before.get(name[len("before:"):])
+        return None
+
+    def close(self) -> None:
+        """Leave the swarm and stop the network (idempotent)."""
+        if self.transport is not None:
+            try:
+                self.net.call(self.transport.leave(), timeout=5)
+            except (TimeoutError, OSError, RoundFailed, RuntimeError):
+                pass
+        if self._stopping is not None:
+            self.net.loop.call_soon_threadsafe(self._stopping.set)
+            try:
+                self._service.result(timeout=15)
+            except Exception as e:
+                log.warning("event=service_stop reason=%s", e)
+            self._stopping = None
+        if self.transport is not None and hasattr(self.transport, "aclose"):
+            try:
+                self.net.call(self.transport.aclose(), timeout=15)  # type: ignore[attr-defined]
+            except (TimeoutError, RuntimeError) as e:
+                log.warning("event=transport_close reason=%s", e)
+        if self._own_net:
+            self.net.close()
+
+    # ------------------------------------------------------------------ the compute loop
+    def run(self) -> PeerSummary:
+        """Train until ``cfg.steps`` inner steps (or :meth:`request_stop`), then drain and summarise."""
+        t0 = time.perf_counter()
+        try:
+            if self.transport is None:
+                self.start()
+            while self.trainer.step_count < self.cfg.steps and not self._stop.is_set():
+                if self.is_ddp:
+                    self._ddp_step()
+                else:
+                    self._inner_step()
+                    self._outer()
+                self._status()
+            self._drain()
+            return self._summary(time.perf_counter() - t0)
+        finally:
+            self.close()
+
+    def _inner_step(self) -> None:
+        st = self.trainer.step()
+        self.compute += st.seconds
+        self.last_loss = st.loss
+
+    def _outer(self) -> None:
+        assert self.outer is not None
+        lstep = self.logical_step()
+        for step in range(self.last_lstep + 1, lstep + 1) if lstep > self.last_lstep else [lstep]:
+            self._plan(step)
+            if self.outer.negotiated and self.outer.is_slot(step):
+                self._negotiate(step)
+        self.last_lstep = max(self.last_lstep, lstep)
+        self._start_negotiated(lstep)
+
+    def _plan(self, step: int) -> None:
+        assert self.outer is not None
+        for _ in range(1000):
+            self.in_flight = [r for r in self.in_flight if r.state in (RoundState.AVERAGING, RoundState.ARRIVED)]
+            plan = self.outer.plan(step, self.in_flight, sends=not self.outer.negotiated)
+            if plan.wait:
+                self._wait(plan.wait)
+                continue
+            if not plan.actions:
+                return
+            for kind, x in plan.actions:
+                if kind == "send":
+                    self._send(x, step, JoinRequest(key=f"f{x}.L{step}", peer_id=self.peer_id, weight=0.0,
+                                                    fragment=x, step=step))
+                else:
+                    self._apply(x, step)
+        raise RuntimeError(f"outer loop made no progress at step {step}")
+
+    def _wait(self, rounds: Sequence[Round]) -> None:
+        limit = self.cfg.join_timeout + self.method.timeout * 3
+        t0 = time.perf_counter()
+        for r in rounds:
+            if not r.done.wait(max(0.0, limit - (time.perf_counter() - t0))):
+                log.warning("event=round_timeout key=%s", r.key)
+                r.abort()
+        self.stall += time.perf_counter() - t0
+
+    def _send(self, fragment: int, step: int, request: JoinRequest, group: Group | None = None) -> None:
+        assert self.outer is not None and self.runner is not None
+        weight = max(1, self.trainer.tokens_seen - self.tokens_at_send[fragment])
+        self.tokens_at_send[fragment] = self.trainer.tokens_seen
+        with self.lock:
+            theta = self.outer.theta(fragment)
+            print_ = fingerprint(theta)
+            key = group.key if group is not None else request.key
+            self.before[key] = state_to_bytes({"theta": theta, "momentum": self.outer.momentum(fragment)})
+            while len(self.before) > 4 * len(self.frags) + 4:
+                self.before.popitem(last=False)
+            rnd = self.outer.start(fragment, step, self.trainer, weight=weight, name=key)
+        request.weight = float(weight)
+        self.in_flight.append(rnd)
+        self.net.submit(self.runner.launch(rnd, group if group is not None else request, print_))
+
+    def _apply(self, rnd: Round, step: int) -> None:
+        assert self.outer is not None and self.transport is not None
+        if rnd.divergent:
+            self._repair(rnd)
+        with self.lock:
+            self.outer.finish(rnd, step, self.trainer)
+            theta = self.outer.theta(rnd.fragment)
+            self.applied_log[rnd.key] = (theta_digest(theta), [t.clone() for t in theta] if self.keep_applied else [])
+        self.applied += 1
+        self.in_flight.remove(rnd)
+
+    def _repair(self, rnd: Round) -> None:
+        """Our θ^(p) disagreed with the round's majority: take theirs (as it was before the round)."""
+        assert self.outer is not None and self.transport is not None
+        key = rnd.key
+        for peer in rnd.contributors:
+            if peer == self.peer_id:
+                continue
+            try:
+                raw = self.net.call(self.transport.fetch_state(peer, f"before:{key}", timeout=self.cfg.join_timeout),
+                                    self.cfg.join_timeout + 5)
+                st = state_from_bytes(raw, f"θ from {peer}")
+                with self.lock:
+                    self.outer.overwrite(rnd.fragment, st["theta"], st["momentum"])
+                    self.trainer.apply_outer(self.frags[rnd.fragment].names, self.outer.theta(rnd.fragment))
+                self.repairs += 1
+                log.warning("event=repaired fragment=%d from=%s", rnd.fragment, peer)
+                return
+            except (RoundFailed, TimeoutError, ValueError, KeyError) as e:
+                log.info("event=repair_failed peer=%s reason=%s", peer, e)
+
+    # -- CoCoDC: the leader of each slot picks the fragment from every member's view
+    def _negotiate(self, slot: int) -> None:
+        assert self.outer is not None and self.runner is not None
+        self._tune_sends_per_window()
+        with self.lock:
+            scores = self.outer.drift_scores(self.trainer, slot)
+        req = JoinRequest(key=f"slot.L{slot}", peer_id=self.peer_id, weight=1.0, fragment=None, scores=scores,
+                          busy=self.outer.busy_fragments(self.in_flight), last_sent=self.outer.last_sends(), step=slot)
+        H = self.method.H
+
+        def decide(reqs: Sequence[JoinRequest]) -> int | None:
+            return choose_merged(step=max(r.step for r in reqs), H=H, last_sent=[r.last_sent for r in reqs],
+                                 busy=[r.busy for r in reqs], scores=[r.scores for r in reqs])
+
+        self.pending_groups.append((slot, self.net.submit(self.runner.negotiate(req, decide))))
+
+    def _start_negotiated(self, step: int) -> None:
+        keep = []
+        for slot, fut in self.pending_groups:
+            if not fut.done():
+                keep.append((slot, fut))
+                continue
+            try:
+                group: Group = fut.result()
+            except Exception as e:
+                log.info("event=slot_skipped slot=%d reason=%s", slot, e)
+                continue
+            busy = {r.fragment for r in self.in_flight}
+            if group.fragment is None or group.fragment in busy:
+                if group.fragment is not None:
+                    log.info("event=slot_skipped slot=%d reason=fragment %d busy here", slot, group.fragment)
+                continue
+            req = JoinRequest(key=group.key, peer_id=self.peer_id, weight=0.0, fragment=group.fragment, step=step)
+            self._send(group.fragment, step, req, group=group)
+        self.pending_groups = keep
+
+    def _tune_sends_per_window(self) -> None:
+        """CoCoDC's N from the measured bandwidth and step time."""
+        assert self.outer is not None and self.runner is not None and self.step_seconds is not None
+        bw = self.runner.stats.bandwidth
+        if bw <= 0 or getattr(self.method, "sends_per_window", 1) is not None:
+            return
+        frag_bytes = max(self.codec.encoded_size(f.numel) for f in self.frags)
+        self.outer.set_sends_per_window(sends_per_window(H=self.method.H, P=len(self.frags),
+                                                         step_time=self.step_seconds, fragment_bytes=frag_bytes,
+                                                         bandwidth=bw))
+
+    # -- data parallel: a blocking gradient all-reduce every inner step
+    def _ddp_step(self) -> None:
+        assert self.runner is not None and self.transport is not None
+        t0 = time.perf_counter()
+        self.trainer.model.train()
+        loss, tokens = self.trainer.forward_backward()
+        self.trainer.tokens_seen += tokens
+        t1 = time.perf_counter()
+        grads = list(self.trainer.gradients())
+        step = self.trainer.step_count
+        req = JoinRequest(key=f"g{step}", peer_id=self.peer_id, weight=float(tokens), fragment=0, step=step)
+
+        async def _reduce() -> list[torch.Tensor] | None:
+            assert self.transport is not None
+            try:
+                group = await self.transport.form_group(req, None, timeout=self.cfg.join_timeout)
+                res = await self.transport.allreduce(group, 0, grads, float(tokens), self.codec,
+                                                     timeout=self.method.timeout)
+                self.runner.stats.bytes_sent += res.bytes_sent  # type: ignore[union-attr]
+                self.runner.stats.bytes_received += res.bytes_received  # type: ignore[union-attr]
+                self.runner.stats.complete += 1  # type: ignore[union-attr]
+                return res.tensors
+            except RoundFailed as e:
+                log.info("event=ddp_step_alone step=%d reason=%s", step, e)
+                self.runner.stats.failed += 1  # type: ignore[union-attr]
+                return None
+
+        avg = self.net.call(_reduce(), self.cfg.join_timeout + self.method.timeout + 5)
+        t2 = time.perf_counter()
+        if avg is not None:
+            for g, a in zip(grads, avg, strict=True):
+                g.copy_(a)
+        with self.lock:  # the state provider must not read half-updated parameters
+            self.trainer.optimizer_step()
+        self.compute += (t1 - t0) + (time.perf_counter() - t2)
+        self.stall += t2 - t1
+        self.last_loss = loss
+
+    # ------------------------------------------------------------------ the end
+    def _drain(self) -> None:
+        """Apply what is still in flight (waiting at most ``drain_timeout``)."""
+        if self.outer is None:
+            return
+        deadline = time.perf_counter() + self.cfg.drain_timeout
+        step = max(self.last_lstep, self.logical_step())
+        for rnd in sorted(self.in_flight, key=lambda r: r.send_step):
+            if not rnd.done.wait(max(0.0, deadline - time.perf_counter())):
+                rnd.abort()
+            if rnd.arrived:
+                self._apply(rnd, step)
+        self.in_flight = []
+
+    def _status(self) -> None:
+        if self.on_status is None or self.runner is None:
+            return
+        st = self.runner.stats
+        self.on_status({"step": self.trainer.step_count, "loss": self.last_loss,
+                        "tokens_per_second": self.trainer.tokens_seen / self.compute if self.compute else 0.0,
+                        "rounds": st.complete + st.partial, "failed": st.failed, "in_flight": st.in_flight,
+                        "logical_step": self.last_lstep})
+
+    def _summary(self, wall: float) -> PeerSummary:
+        st = self.runner.stats if self.runner else None
+        outer = {} if self.outer is None else {n: t.clone() for n, t in self.outer.outer_params().items()}
+        if self.outer is None:
+            outer = {n: p.detach().float().clone() for n, p in self.trainer.params.items()}
+        return PeerSummary(
+            peer_id=self.peer_id, steps=self.trainer.step_count, wall_seconds=wall, compute_seconds=self.compute,
+            stall_seconds=self.stall, rounds_complete=st.complete if st else 0, rounds_partial=st.partial if st else 0,
+            rounds_failed=st.failed if st else 0, rounds_applied=self.applied, repairs=self.repairs,
+            bytes_sent=st.bytes_sent if st else 0, bytes_received=st.bytes_received if st else 0,
+            final_train_loss=self.last_loss, outer_params=outer, applied=dict(self.applied_log))

@@ -1,0 +1,220 @@
+"""The seam between the compute thread and the network, and the rounds in flight.
+
+:class:`NetLoop` runs one (uv)loop in a background thread; it owns every network
+object. The compute thread reaches it only through :meth:`NetLoop.submit` (fire
+and keep the future) and :meth:`NetLoop.call` (wait, with a timeout). A blocking
+``call`` made *from* the loop thread raises instead of deadlocking.
+
+:class:`RoundRunner` drives fragment rounds on that loop: form the group, run the
+compressor's phases through the transport, hand the average to the round
+(ARRIVED) or abort it (ABORTED). Every round task is owned by one
+``asyncio.TaskGroup``; closing the runner cancels and awaits them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from .algo.compress import Codec
+from .algo.methods import Round
+from .net.transport import Decide, Group, JoinRequest, ReduceResult, RoundFailed, Transport
+
+__all__ = ["NetLoop", "RoundRunner", "RoundStats", "fingerprint", "theta_digest"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class NetLoop:
+    """An event loop in a daemon thread (uvloop when installed)."""
+
+    def __init__(self, name: str = "p2ptrain-net") -> None:
+        try:
+            import uvloop
+
+            self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover - uvloop is a dependency
+            self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop; returns a thread-safe future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run ``coro`` on the loop and wait for it (compute thread only)."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("NetLoop.call() from the loop thread would deadlock; await the coroutine instead")
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"network call did not finish within {timeout:.1f} s") from None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel what is left on the loop, stop it and join the thread."""
+        if not self.loop.is_running():
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.call(_cancel_all(), timeout)
+        except (TimeoutError, RuntimeError):
+            log.warning("event=netloop_close status=timeout")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+@torch.no_grad()
+def fingerprint(tensors: list[torch.Tensor], chunks: int = 16) -> list[float]:
+    """Chunk sums (float64) of a fragment's θ: equal on every peer that holds the same θ, cheap to send."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).double().cpu()
+    return [float(c.sum()) for c in flat.chunk(chunks)]
+
+
+def theta_digest(tensors: list[torch.Tensor]) -> str:
+    """sha256 of a fragment's θ bytes: equal only for bitwise-equal copies."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class RoundStats:
+    """Totals the runner keeps (read by metrics and the status line)."""
+
+    complete: int = 0
+    partial: int = 0
+    failed: int = 0
+    divergent: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: list[float] = field(default_factory=list)
+    in_flight: int = 0
+    bandwidth: float = 0.0  # bytes/s, EMA over transfers
+
+
+class RoundRunner:
+    """Runs rounds on the transport; create and use it on the loop thread via :class:`NetLoop`."""
+
+    def __init__(self, transport: Transport, codec: Codec, *, join_timeout: float, round_timeout: float,
+                 ema: float = 0.3, on_result: Callable[[Round, ReduceResult | None], None] | None = None) -> None:
+        self.transport, self.codec = transport, codec
+        self.join_timeout, self.round_timeout, self.ema = join_timeout, round_timeout, ema
+        self.stats = RoundStats()
+        self.on_result = on_result
+        self._group: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped: asyncio.Event | None = None
+        self._ready = threading.Event()
+
+    async def serve(self) -> None:
+        """Own the round tasks until :meth:`stop` (runs as a task on the loop)."""
+        self._stopped = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            self._group = tg
+            self._ready.set()
+            await self._stopped.wait()
+            self._group = None
+            for t in list(self._tasks):  # cancel rounds still in flight; the TaskGroup awaits them
+                t.cancel()
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self._ready.wait(timeout):
+            raise TimeoutError("round runner did not start")
+
+    async def stop(self) -> None:
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def negotiate(self, request: JoinRequest, decide: Decide | None) -> Group:
+        """Form a group without a round yet (CoCoDC: the leader picks the fragment)."""
+        return await self.transport.form_group(request, decide, timeout=self.join_timeout)
+
+    async def launch(self, rnd: Round, group: Group | JoinRequest, print_: list[float] | None) -> None:
+        """Start ``rnd`` in the background with a formed group, or a request to form one (the task
+        belongs to the runner's TaskGroup)."""
+        if self._group is None:
+            rnd.abort()
+            return
+        self.stats.in_flight += 1
+        task = self._group.create_task(self._drive(rnd, group, print_), name=f"round-{rnd.key}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drive(self, rnd: Round, group_or_request: Group | JoinRequest, print_: list[float] | None) -> None:
+        last: ReduceResult | None = None
+        t0 = time.monotonic()
+        try:
+            if isinstance(group_or_request, Group):
+                group = group_or_request
+            else:
+                group = await self.transport.form_group(group_or_request, None, timeout=self.join_timeout)
+            phase, partial = 0, False
+            payload = rnd.payload
+            while payload is not None:
+                n0 = time.monotonic()
+                res = await self.transport.allreduce(group, phase, payload, rnd.weight, self.codec,
+                                                     timeout=self.round_timeout,
+                                                     fingerprint=print_ if phase == 0 else None)
+                self._account(res, time.monotonic() - n0)
+                partial |= res.partial
+                rnd.divergent = rnd.divergent or res.divergent
+                rnd.contributors = res.contributors
+                payload = await asyncio.to_thread(rnd.receive, res.tensors, total_weight=res.total_weight,
+                                                  members=len(res.contributors))
+                phase += 1
+                last = res
+            if partial:
+                self.stats.partial += 1
+            else:
+                self.stats.complete += 1
+            if rnd.divergent:
+                self.stats.divergent += 1
+            self.stats.seconds.append(time.monotonic() - t0)
+            log.debug("event=round_done key=%s members=%d partial=%s", rnd.key, len(group.members), partial)
+        except asyncio.CancelledError:
+            rnd.abort()
+            raise
+        except Exception as e:  # a round's failure must never take the TaskGroup (and other rounds) down
+            self.stats.failed += 1
+            rnd.abort()
+            level = logging.INFO if isinstance(e, (RoundFailed, TimeoutError, ConnectionError, OSError)) else logging.WARNING
+            log.log(level, "event=round_failed key=%s reason=%s: %s", rnd.key, type(e).__name__, e)
+        finally:
+            self.stats.in_flight -= 1
+            if self.on_result is not None:
+                self.on_result(rnd, last)
+
+    def _account(self, res: ReduceResult, seconds: float) -> None:
+        self.stats.bytes_sent += res.bytes_sent
+        self.stats.bytes_received += res.bytes_received
+        if seconds > 0 and res.bytes_received > 0:
+            bw = res.bytes_received / seconds
+            self.stats.bandwidth = bw if self.stats.bandwidth == 0 else (1 - self.ema) * self.stats.bandwidth + self.ema * bw
