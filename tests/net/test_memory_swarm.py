@@ -55,7 +55,7 @@ def run_swarm(method: MethodConfig, n: int, corpus: Corpus, *, steps: int = 40, 
     def go(i: int) -> None:
         try:
             results[i] = peers[i].run()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     for p in peers:  # start in order: peer0 creates the run, the others join it
