@@ -32,7 +32,7 @@ def decode_message(data: bytes, *, max_size: int = MAX_FRAME) -> dict[str, Any]:
     if len(data) > max_size:
         raise FrameError(f"message of {len(data)} bytes exceeds the limit of {max_size}")
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_buffer_size=max_size)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise FrameError(f"undecodable message: {type(e).__name__}") from None
     except Exception as e:  # msgpack raises a few more kinds on hostile input

@@ -1,0 +1,572 @@
+"""The real swarm: hivemind's libp2p daemon and Kademlia DHT, our own protocols on its streams.
+
+* **Discovery and membership** live in the DHT under the run id: every peer stores
+  its announcement (region, step, throughput, bandwidth, multiaddrs) as a subkey of
+  ``<run>.peers`` with an expiry, refreshed by heartbeat; the live peers are the
+  unexpired subkeys. ``<run>.meta`` holds the shared pacing.
+* **Groups** are formed per round by a leader, the smallest live peer id: members
+  send ``join`` on a libp2p stream and the leader answers, once every live peer
+  joined or its window expired, with the sorted member list (and, for CoCoDC, the
+  fragment it chose from everyone's drift scores). An unreachable leader is
+  skipped for the next one.
+* **All-reduce** is our own butterfly over libp2p streams with msgpack frames, not
+  hivemind's ``AllReduceRunner``: we need our codecs (4-bit E3M0, fp8, low-rank
+  phases), weights renormalised over the members that actually contributed, an
+  explicit record of who did (a dead peer's share must not silently stay
+  un-averaged), a fingerprint of every member's θ so a divergent replica is
+  excluded and repaired, and bounded reads of everything that arrives. A missing
+  part is fetched from any member that has it; if nobody has it, that slice of the
+  pseudo-gradient is zero this round on every survivor alike.
+
+Every network wait has a timeout; background tasks belong to the transport's
+TaskGroup and end with :meth:`HivemindTransport.aclose`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..algo.compress import Codec, get_codec
+from .butterfly import part_bounds, weighted_part_mean
+from .membership import agreed_fragment, leader_of, majority_fingerprint
+from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
+from .wire import MAX_FRAME, FrameError, read_frame, write_frame
+
+__all__ = ["HivemindTransport", "SwarmConfig", "SwarmError", "start_p2p"]
+
+log = logging.getLogger(__name__)
+
+
+class SwarmError(RuntimeError):
+    """The swarm cannot be joined (the message says why and what to try)."""
+
+
+@dataclass(kw_only=True)
+class SwarmConfig:
+    """How a peer connects.
+
+    Attributes:
+        run_id: names the run's DHT keys and stream protocols.
+        initial_peers: multiaddrs of any live peers or bootstrap nodes (none: start a new swarm).
+        host_maddrs: where to listen (loopback by default; ``/ip4/0.0.0.0/tcp/PORT`` for other machines).
+        announce_maddrs: addresses others should dial (public IP, explicit port).
+        identity_path: a private key file; a stable identity gives a stable address.
+        client_mode: a peer behind NAT: dials out only, reached through relays.
+        use_relay, use_auto_relay: libp2p circuit relays (passed to the daemon).
+        join_window: seconds a leader waits for live peers to join a round.
+        ttl: seconds an announcement lives (the heartbeat refreshes it).
+        connect_attempts, connect_backoff: retries when initial peers are unreachable.
+        recontact_every: seconds between re-pings of known peers (heals splits).
+        max_message: the largest frame accepted from the network, bytes.
+    """
+
+    run_id: str = "p2ptrain"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: str | None = None
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    join_window: float = 2.0
+    ttl: float = 8.0
+    connect_attempts: int = 5
+    connect_backoff: float = 1.0
+    recontact_every: float = 10.0
+    max_message: int = MAX_FRAME
+
+
+async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any]:
+    """Start the libp2p daemon and a DHT node on it, retrying with backoff; (P2P, DHTNode)."""
+    from hivemind.dht.node import DHTNode
+    from hivemind.p2p import P2P, P2PDaemonError
+
+    delay, last = cfg.connect_backoff, ""
+    for attempt in range(1, max(1, cfg.connect_attempts) + 1):
+        p2p = None
+        try:
+            p2p = await P2P.create(
+                initial_peers=cfg.initial_peers or None, host_maddrs=cfg.host_maddrs,
+                announce_maddrs=cfg.announce_maddrs or None, identity_path=cfg.identity_path,
+                dht_mode="client" if cfg.client_mode else "server", use_relay=cfg.use_relay,
+                use_auto_relay=cfg.use_auto_relay, startup_timeout=30)
+            node = await DHTNode.create(p2p=p2p, initial_peers=cfg.initial_peers or None,
+                                        client_mode=cfg.client_mode, ensure_bootstrap_success=bool(cfg.initial_peers),
+                                        wait_timeout=3, bootstrap_timeout=5)
+            return p2p, node
+        except (TimeoutError, P2PDaemonError, RuntimeError, OSError) as e:
+            last = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if p2p is not None:
+                await p2p.shutdown()
+            if attempt < cfg.connect_attempts:
+                log.warning("event=connect_retry attempt=%d of=%d in=%.1fs reason=%s", attempt,
+                            cfg.connect_attempts, delay, last)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+    raise SwarmError(
+        f"could not join the swarm after {cfg.connect_attempts} attempts: {last}. Check that the initial peers "
+        f"({', '.join(cfg.initial_peers) or 'none'}) are running and reachable from here (firewall, address, port)."
+    )
+
+
+@dataclass
+class _Forming:
+    requests: dict[str, JoinRequest] = field(default_factory=dict)
+    group: Group | None = None
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    first: float = 0.0
+    created: float = field(default_factory=time.monotonic)
+    decide: Decide | None = None
+
+
+@dataclass
+class _Mailbox:
+    """Frames that arrived for one (round, phase): contributions to our part, and results of parts."""
+
+    contribs: dict[str, tuple[int, torch.Tensor, float, list[float] | None]] = field(default_factory=dict)
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    created: float = field(default_factory=time.monotonic)
+
+    def poke(self) -> None:
+        self.changed.set()
+
+    async def wait(self, deadline: float) -> None:
+        self.changed.clear()
+        left = deadline - time.monotonic()
+        if left > 0:
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except TimeoutError:
+                pass
+
+
+class HivemindTransport(Transport):
+    """A :class:`Transport` over hivemind's P2P daemon and DHT (create with :meth:`create`)."""
+
+    def __init__(self, cfg: SwarmConfig, p2p: Any, node: Any) -> None:
+        self.cfg, self.p2p, self.node = cfg, p2p, node
+        self.peer_id = str(p2p.peer_id)
+        self._forming: dict[str, _Forming] = {}
+        self._mail: dict[tuple[str, int], _Mailbox] = {}
+        self._live: list[PeerInfo] = []
+        self._live_at = 0.0
+        self._maddrs: dict[str, list[str]] = {}
+        self._provider: StateProvider | None = None
+        self._tasks: asyncio.TaskGroup | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    async def create(cls, cfg: SwarmConfig) -> HivemindTransport:
+        p2p, node = await start_p2p(cfg)
+        self = cls(cfg, p2p, node)
+        for kind, handler in (("join", self._on_join), ("part", self._on_part), ("result", self._on_result),
+                              ("getpart", self._on_getpart), ("state", self._on_state)):
+            await p2p.add_binary_stream_handler(self._proto(kind), self._wrap(kind, handler))
+        started = asyncio.Event()
+        self._runner = asyncio.create_task(self._background(started))
+        await started.wait()
+        return self
+
+    async def _background(self, started: asyncio.Event) -> None:
+        async with asyncio.TaskGroup() as tg:
+            self._tasks = tg
+            tg.create_task(self._recontact())
+            started.set()
+            await self._stop.wait()
+            raise asyncio.CancelledError  # leave the TaskGroup: cancels and awaits its tasks
+
+    async def aclose(self) -> None:
+        """Stop background tasks, the DHT node and the daemon."""
+        self._stop.set()
+        if self._runner is not None:
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self.node.shutdown(), 10)
+        except (TimeoutError, Exception) as e:
+            log.debug("event=dht_shutdown reason=%s", e)
+        try:
+            await asyncio.wait_for(self.p2p.shutdown(), 10)
+        except (TimeoutError, Exception) as e:
+            log.debug("event=p2p_shutdown reason=%s", e)
+
+    async def visible_maddrs(self) -> list[str]:
+        return [str(a) for a in await self.p2p.get_visible_maddrs()]
+
+    def _proto(self, kind: str) -> str:
+        return f"/p2ptrain/{self.cfg.run_id}/{kind}/1"
+
+    # ------------------------------------------------------------------ DHT records
+    def _key(self, what: str) -> str:
+        return f"p2ptrain.{self.cfg.run_id}.{what}"
+
+    async def announce(self, info: PeerInfo) -> None:
+        from hivemind.utils import get_dht_time
+
+        if not info.maddrs:
+            info.maddrs = await self.visible_maddrs()
+        ok = await self.node.store(self._key("peers"), info.to_wire(), get_dht_time() + self.cfg.ttl,
+                                   subkey=self.peer_id)
+        if not ok:
+            log.debug("event=announce_not_stored")
+
+    async def leave(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        # A DHT cannot delete: a short-lived tombstone replaces the announcement.
+        await self.node.store(self._key("peers"), {"peer": self.peer_id, "left": True}, get_dht_time() + self.cfg.ttl,
+                              subkey=self.peer_id)
+
+    async def _records(self, what: str) -> dict[str, tuple[dict[str, Any], float]]:
+        from hivemind.utils import get_dht_time
+
+        found = await self.node.get(self._key(what), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now, out = get_dht_time(), {}
+        for sub, item in found.value.items():
+            value, exp = item.value, item.expiration_time
+            if exp > now and isinstance(value, dict) and isinstance(sub, str):
+                out[sub] = (value, exp)
+        return out
+
+    async def peers(self) -> list[PeerInfo]:
+        infos = []
+        for sub, (value, exp) in (await self._records("peers")).items():
+            if value.get("left") or value.get("peer") != sub:
+                continue
+            try:
+                info = PeerInfo.from_wire(value, expires=exp)
+            except (KeyError, TypeError, ValueError):
+                continue
+            infos.append(info)
+            self._maddrs[info.peer_id] = info.maddrs
+        self._live, self._live_at = infos, time.monotonic()
+        return sorted(infos, key=lambda i: i.peer_id)
+
+    async def _live_ids(self, max_age: float = 1.0) -> list[str]:
+        if time.monotonic() - self._live_at > max_age:
+            try:
+                await asyncio.wait_for(self.peers(), 5)
+            except TimeoutError:
+                pass
+        return sorted({i.peer_id for i in self._live} | {self.peer_id})
+
+    async def publish_meta(self, meta: dict[str, Any]) -> None:
+        from hivemind.utils import get_dht_time
+
+        await self.node.store(self._key("meta"), dict(meta), get_dht_time() + self.cfg.ttl, subkey=self.peer_id)
+
+    async def get_meta(self) -> dict[str, dict[str, Any]]:
+        return {p: v for p, (v, _) in (await self._records("meta")).items()}
+
+    async def _recontact(self) -> None:
+        """Re-ping known peers and bootstrap nodes now and then: after a network split heals, the DHT
+        does not find its lost half by itself."""
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        while True:
+            await asyncio.sleep(self.cfg.recontact_every)
+            targets: dict[str, list[str]] = dict(self._maddrs)
+            for maddr in self.cfg.initial_peers:
+                try:
+                    targets.setdefault(Multiaddr(maddr)["p2p"], []).append(maddr)
+                except Exception:
+                    continue
+            for peer, addrs in targets.items():
+                if peer == self.peer_id:
+                    continue
+                try:
+                    pid = PeerID.from_base58(peer)
+                    if addrs:
+                        await asyncio.wait_for(self.p2p._client.connect(pid, [Multiaddr(a) for a in addrs]), 5)
+                    await asyncio.wait_for(self.node.protocol.call_ping(pid), 5)
+                except Exception as e:
+                    log.debug("event=recontact_failed peer=%s reason=%s", peer, e)
+
+    # ------------------------------------------------------------------ streams
+    def _wrap(self, kind: str, handler: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]) -> Any:
+        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sender = str(info.peer_id)
+            try:
+                msg, _ = await read_frame(reader, timeout=30, max_size=self.cfg.max_message)
+                reply = await handler(sender, msg)
+                await write_frame(writer, reply, timeout=30)
+            except (FrameError, TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
+                log.info("event=bad_message kind=%s peer=%s reason=%s", kind, sender, e)
+            except (KeyError, TypeError, ValueError) as e:
+                log.info("event=bad_message kind=%s peer=%s reason=%s: %s", kind, sender, type(e).__name__, e)
+            finally:
+                writer.close()
+
+        return on_stream
+
+    async def _call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float) -> tuple[dict[str, Any], float]:
+        """One request/response on a fresh stream; returns (reply, seconds)."""
+        from hivemind.p2p import PeerID
+
+        t0 = time.monotonic()
+
+        async def _go() -> dict[str, Any]:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(kind))
+            try:
+                await write_frame(writer, msg, timeout=timeout)
+                reply, _ = await read_frame(reader, timeout=timeout, max_size=self.cfg.max_message)
+                return reply
+            finally:
+                writer.close()
+
+        try:
+            reply = await asyncio.wait_for(_go(), timeout)
+        except (TimeoutError, ConnectionError, OSError, FrameError, asyncio.IncompleteReadError) as e:
+            raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
+        except Exception as e:  # the daemon reports unreachable peers with its own error types
+            raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
+        return reply, time.monotonic() - t0
+
+    # ------------------------------------------------------------------ groups
+    async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
+        deadline = time.monotonic() + timeout
+        skipped: set[str] = set()
+        while time.monotonic() < deadline:
+            candidates = [p for p in await self._live_ids() if p not in skipped]
+            if not candidates:
+                break
+            leader = leader_of(candidates)
+            if leader == self.peer_id:
+                group = await self._lead(request, decide, deadline)
+            else:
+                try:
+                    reply, _ = await self._call(leader, "join", request.to_wire(),
+                                                timeout=min(deadline - time.monotonic(), self.cfg.join_window + 10))
+                except RoundFailed as e:
+                    log.info("event=leader_unreachable leader=%s reason=%s", leader[-8:], e)
+                    skipped.add(leader)
+                    continue
+                if "error" in reply:
+                    raise RoundFailed(f"round {request.key}: leader says {reply['error']}")
+                g = reply["group"]
+                group = Group(str(g["key"]), tuple(str(m) for m in g["members"]), str(g["leader"]),
+                              None if g.get("fragment") is None else int(g["fragment"]))
+            if self.peer_id not in group.members:
+                raise RoundFailed(f"round {request.key}: not a member of the group")
+            return group
+        raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s")
+
+    async def _lead(self, request: JoinRequest, decide: Decide | None, deadline: float) -> Group:
+        self._gc()
+        f = self._forming.setdefault(request.key, _Forming())
+        if f.group is not None:
+            raise RoundFailed(f"round {request.key}: the group closed before {request.peer_id[-8:]} joined")
+        if not f.requests:
+            f.first = time.monotonic()
+        f.requests[request.peer_id] = request
+        if decide is not None:
+            f.decide = decide
+        while f.group is None:
+            live = set(await self._live_ids())
+            now = time.monotonic()
+            if live <= set(f.requests) or now >= f.first + self.cfg.join_window or now >= deadline:
+                members = tuple(sorted(f.requests))
+                reqs = [f.requests[m] for m in members]
+                fragment = agreed_fragment(reqs)
+                if fragment is None and f.decide is not None:
+                    fragment = f.decide(reqs)
+                f.group = Group(request.key, members, self.peer_id, fragment)
+                f.closed.set()
+                break
+            try:
+                await asyncio.wait_for(f.closed.wait(), min(0.1, max(0.0, f.first + self.cfg.join_window - now)))
+            except TimeoutError:
+                pass
+        assert f.group is not None
+        return f.group
+
+    async def _on_join(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        req = JoinRequest.from_wire(msg)
+        if req.peer_id != sender:
+            return {"error": "peer id does not match the stream's peer"}
+        try:
+            group = await self._lead(req, None, time.monotonic() + self.cfg.join_window + 5)
+        except RoundFailed as e:
+            return {"error": str(e)}
+        return {"group": {"key": group.key, "members": list(group.members), "leader": group.leader,
+                          "fragment": group.fragment}}
+
+    def _gc(self, max_age: float = 600.0) -> None:
+        now = time.monotonic()
+        for k in [k for k, f in self._forming.items() if now - f.created > max_age]:
+            del self._forming[k]
+        for k in [k for k, m in self._mail.items() if now - m.created > max_age]:
+            del self._mail[k]
+
+    # ------------------------------------------------------------------ all-reduce
+    def _box(self, key: str, phase: int) -> _Mailbox:
+        return self._mail.setdefault((key, phase), _Mailbox())
+
+    async def _on_part(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        codec = get_codec(str(msg["codec"]))
+        numel = int(msg["numel"])
+        if numel < 0 or numel > self.cfg.max_message:
+            return {"error": "bad size"}
+        data = msg["data"]
+        if not isinstance(data, bytes) or len(data) != codec.encoded_size(numel):
+            return {"error": "payload size does not match"}
+        x = await asyncio.to_thread(codec.decode, data, numel)
+        fp = msg.get("fp")
+        box = self._box(str(msg["key"]), int(msg["phase"]))
+        box.contribs[sender] = (int(msg["part"]), x, float(msg["weight"]), None if fp is None else [float(v) for v in fp])
+        box.poke()
+        return {"ok": True}
+
+    async def _on_result(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        box = self._box(str(msg["key"]), int(msg["phase"]))
+        box.results.setdefault(int(msg["part"]), msg)
+        box.poke()
+        return {"ok": True}
+
+    async def _on_getpart(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        box = self._mail.get((str(msg["key"]), int(msg["phase"])))
+        res = None if box is None else box.results.get(int(msg["part"]))
+        return {"result": res} if res is not None else {"error": "no such part here"}
+
+    async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
+                        codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
+        t0 = time.monotonic()
+        members = list(group.members)
+        me = members.index(self.peer_id)
+        flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
+        bounds = part_bounds(flat.numel(), len(members))
+        box = self._box(group.key, phase)
+        fp = None if fingerprint is None else [float(v) for v in fingerprint]
+        sent = received = 0
+
+        # 1. reduce-scatter: our share of part j goes to its owner j
+        async def send_part(j: int) -> int:
+            lo, hi = bounds[j]
+            data = await asyncio.to_thread(codec.encode, flat[lo:hi])
+            msg = {"key": group.key, "phase": phase, "part": j, "weight": float(weight), "fp": fp,
+                   "codec": codec.name, "numel": hi - lo, "data": data}
+            reply, _ = await self._call(members[j], "part", msg, timeout=max(0.1, t0 + timeout * 0.5 - time.monotonic()))
+            if "error" in reply:
+                raise RoundFailed(f"part {j}: {reply['error']}")
+            return len(data)
+
+        lo, hi = bounds[me]
+        box.contribs[self.peer_id] = (me, flat[lo:hi].clone(), float(weight), fp)
+        sends = [asyncio.create_task(send_part(j)) for j in range(len(members)) if j != me]
+
+        # 2. collect the contributions to our own part (until everyone or half the timeout)
+        gather_deadline = t0 + timeout * 0.5
+        while set(members) - set(box.contribs) and time.monotonic() < gather_deadline:
+            await box.wait(gather_deadline)
+        # Only members' contributions to *our* part, of our part's size, count.
+        contribs = {p: c for p, c in box.contribs.items() if p in members and c[0] == me and c[1].numel() == hi - lo}
+        prints = {p: c[3] for p, c in contribs.items() if c[3] is not None}
+        agree = majority_fingerprint(prints) if prints else set(contribs)
+        use = sorted(p for p in contribs if p in agree)
+        own_result: dict[str, Any] | None = None
+        if use:
+            avg, total = weighted_part_mean({p: (c[1], c[2]) for p, c in contribs.items()}, use)
+            data = await asyncio.to_thread(codec.encode, avg)
+            own_result = {"key": group.key, "phase": phase, "part": me, "contributors": use, "total": total,
+                          "agree": sorted(agree), "numel": hi - lo, "codec": codec.name, "data": data}
+            box.results[me] = own_result
+
+        # 3. all-gather: our averaged part to every other member
+        async def send_result(j: int) -> int:
+            assert own_result is not None
+            reply, _ = await self._call(members[j], "result", own_result,
+                                        timeout=max(0.1, t0 + timeout * 0.8 - time.monotonic()))
+            return len(own_result["data"]) if reply.get("ok") else 0
+
+        results_out = [asyncio.create_task(send_result(j)) for j in range(len(members)) if j != me and own_result]
+        for done in await asyncio.gather(*sends, return_exceptions=True):
+            if isinstance(done, int):
+                sent += done
+            else:
+                log.info("event=part_send_failed key=%s reason=%s", group.key, done)
+
+        # 4. wait for the other parts, then ask around for what is still missing
+        result_deadline = t0 + timeout * 0.8
+        while len(box.results) < len(members) and time.monotonic() < result_deadline:
+            await box.wait(result_deadline)
+        for j in range(len(members)):
+            if j in box.results:
+                continue
+            for other in members:
+                if other in (self.peer_id, members[j]) or time.monotonic() > t0 + timeout:
+                    continue
+                try:
+                    reply, _ = await self._call(other, "getpart", {"key": group.key, "phase": phase, "part": j},
+                                                timeout=max(0.1, t0 + timeout - time.monotonic()))
+                except RoundFailed:
+                    continue
+                if isinstance(reply.get("result"), dict):
+                    box.results[j] = reply["result"]
+                    break
+        for done in await asyncio.gather(*results_out, return_exceptions=True):
+            if isinstance(done, int):
+                sent += done
+
+        # 5. assemble; a part nobody could average is zero on every survivor
+        out = torch.zeros(flat.numel(), dtype=torch.float32)
+        contributors: set[str] | None = None
+        partial, divergent, total_weight = False, False, 0.0
+        for j, (a, b) in enumerate(bounds):
+            res = box.results.get(j)
+            if res is None:
+                partial = True
+                continue
+            numel = int(res["numel"])
+            if numel != b - a or str(res["codec"]) != codec.name:
+                partial = True
+                continue
+            part = await asyncio.to_thread(codec.decode, res["data"], numel)
+            out[a:b] = part
+            if j != me:
+                received += len(res["data"])
+            who = {str(p) for p in res["contributors"]}
+            contributors = who if contributors is None else contributors & who
+            partial |= len(who) < len(members)
+            if fingerprint is not None and self.peer_id not in {str(p) for p in res["agree"]}:
+                divergent = True
+            if j == me or total_weight == 0.0:
+                total_weight = float(res["total"])
+        if contributors is None or not contributors:
+            raise RoundFailed(f"round {group.key} phase {phase}: no part could be averaged")
+        pieces, offset = [], 0
+        for t in tensors:
+            pieces.append(out[offset : offset + t.numel()].view(t.shape).to(t.device))
+            offset += t.numel()
+        return ReduceResult(pieces, total_weight, group.members, tuple(sorted(contributors)), partial=partial,
+                            bytes_sent=sent, bytes_received=received, seconds=time.monotonic() - t0,
+                            divergent=divergent)
+
+    # ------------------------------------------------------------------ state
+    def serve_state(self, provider: StateProvider) -> None:
+        self._provider = provider
+
+    async def _on_state(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        if self._provider is None:
+            return {"error": "no state here"}
+        data = await asyncio.to_thread(self._provider, str(msg["name"]))
+        return {"error": "unknown state"} if data is None else {"data": data}
+
+    async def fetch_state(self, peer_id: str, name: str, *, timeout: float) -> bytes:
+        reply, _ = await self._call(peer_id, "state", {"name": name}, timeout=timeout)
+        data = reply.get("data")
+        if not isinstance(data, bytes):
+            raise RoundFailed(f"state {name!r} from {peer_id[-8:]}: {reply.get('error', 'no data')}")
+        return data
