@@ -251,5 +251,7 @@ def run() -> None:  # console-script entry point
     app()
 
 
+from . import swarm_cli  # noqa: E402,F401  (registers join / bootstrap / status on the app)
+
 if __name__ == "__main__":
     sys.exit(app())

@@ -222,6 +222,10 @@ class TokenStream:
         self.batches_drawn += 1
         return window[:, :-1], window[:, 1:]
 
+    def reseed(self, seed: int, rank: int) -> None:
+        """Draw from ``(seed, rank)`` from now on (a swarm peer learns its rank from its identity)."""
+        self.rng = np.random.Generator(np.random.PCG64([seed, rank]))
+
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self.rng.bit_generator.state, "batches_drawn": self.batches_drawn}
 

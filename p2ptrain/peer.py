@@ -58,6 +58,8 @@ class PeerConfig:
         heartbeat: seconds between announcements; an announcement expires after ``ttl``.
         sync_on_join: a peer that finds a live swarm downloads θ and the outer state first.
         drain_timeout: seconds to wait for rounds still in flight when leaving.
+        min_step_seconds: pad every inner step to at least this long (emulates a slower device in
+            tests and demos; the padding counts as compute).
     """
 
     run_id: str = "p2ptrain"
@@ -70,6 +72,7 @@ class PeerConfig:
     ttl: float = 8.0
     sync_on_join: bool = True
     drain_timeout: float = 60.0
+    min_step_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.run_id or any(c in self.run_id for c in " /"):
@@ -312,7 +315,11 @@ class Peer:
 
     def _inner_step(self) -> None:
         st = self.trainer.step()
-        self.compute += st.seconds
+        seconds = st.seconds
+        if seconds < self.cfg.min_step_seconds:
+            time.sleep(self.cfg.min_step_seconds - seconds)
+            seconds = self.cfg.min_step_seconds
+        self.compute += seconds
         self.last_loss = st.loss
 
     def _outer(self) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from ..algo.compress import Codec, get_codec
 from .butterfly import part_bounds, weighted_part_mean
+from .faults import maybe_die_in_allreduce
 from .membership import agreed_fragment, leader_of, majority_fingerprint
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 from .wire import MAX_FRAME, FrameError, read_frame, write_frame
@@ -467,6 +468,9 @@ class HivemindTransport(Transport):
         box.contribs[self.peer_id] = (me, flat[lo:hi].clone(), float(weight), fp)
         sends = [asyncio.create_task(send_part(j)) for j in range(len(members)) if j != me]
 
+        if sends:
+            await asyncio.wait(sends, timeout=max(0.0, t0 + timeout * 0.5 - time.monotonic()))
+            maybe_die_in_allreduce()  # tests only: a peer dying mid all-reduce
         # 2. collect the contributions to our own part (until everyone or half the timeout)
         gather_deadline = t0 + timeout * 0.5
         while set(members) - set(box.contribs) and time.monotonic() < gather_deadline:

@@ -142,7 +142,7 @@ def test_leader_decides_the_fragment_and_late_joiners_are_refused(make: Make) ->
     async def go() -> None:
         async with make(3) as ts:
             def decide(reqs: Any) -> int:
-                return max(max(r.scores) for r in reqs) > 5 and 2 or 1  # a deterministic function of all views
+                return (max(max(r.scores) for r in reqs) > 5 and 2) or 1  # a deterministic function of all views
 
             async def join(t: Transport, score: float) -> Group:
                 req = JoinRequest(key="s", peer_id=t.peer_id, weight=1.0, fragment=None, scores=[score])

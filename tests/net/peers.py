@@ -1,0 +1,132 @@
+"""Helpers that run several real peers (threads in this process) on a chosen transport."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2ptrain.algo.methods import MethodConfig
+from p2ptrain.data import Corpus, DataConfig
+from p2ptrain.model import ModelConfig
+from p2ptrain.net.memory import MemorySwarm
+from p2ptrain.net.transport import Transport
+from p2ptrain.peer import Peer, PeerConfig, PeerSummary
+from p2ptrain.sync import NetLoop
+from p2ptrain.trainer import TrainerConfig, make_trainer
+
+MODEL = ModelConfig(d_model=32, n_layers=3, n_heads=2, seq_len=32)
+
+
+@dataclass
+class Spec:
+    """One peer of a test swarm."""
+
+    steps: int = 40
+    delay: float = 0.0  # seconds to sleep after every inner step (a slower machine)
+    start_after: float = 0.0  # seconds after the first peer started
+    run: bool = True
+
+
+@dataclass
+class SwarmRun:
+    results: list[PeerSummary | None]
+    peers: list[Peer]
+    errors: list[BaseException] = field(default_factory=list)
+    step_rates: list[float] = field(default_factory=list)
+
+
+def memory_transports() -> Callable[[int, list[str]], Callable[[], Any]]:
+    swarm = MemorySwarm(join_window=0.5, ttl=3.0)
+
+    def make(i: int, initial: list[str]) -> Callable[[], Any]:
+        async def create() -> Transport:
+            return swarm.transport(f"peer{i}")
+
+        return create
+
+    return make
+
+
+def libp2p_transports(run_id: str, join_window: float = 0.5) -> Callable[[int, list[str]], Callable[[], Any]]:
+    from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
+
+    def make(i: int, initial: list[str]) -> Callable[[], Any]:
+        cfg = SwarmConfig(run_id=run_id, initial_peers=initial, join_window=join_window, ttl=4.0,
+                          recontact_every=2.0)
+        return lambda: HivemindTransport.create(cfg)
+
+    return make
+
+
+def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
+              transports: Callable[[int, list[str]], Callable[[], Any]], *, step_seconds: float = 0.03,
+              join_window: float = 0.5, shared_loop: bool = False, timeout: float = 120.0,
+              keep_applied: bool = False) -> SwarmRun:
+    """Start the peers in order (the first creates the run), run them concurrently, collect summaries."""
+    shared = NetLoop() if shared_loop else None
+    n = len(specs)
+    out = SwarmRun([None] * n, [])
+    initial: list[str] = []
+    for i, spec in enumerate(specs):
+        tr = make_trainer(MODEL, TrainerConfig(batch_size=2, warmup_steps=2, total_steps=spec.steps), DataConfig(),
+                          rank=i, world=n, corpus=corpus)
+        if spec.delay:
+            inner = tr.step
+
+            def slowed(inner: Any = inner, extra: float = spec.delay) -> Any:
+                st = inner()
+                time.sleep(extra)
+                return st
+
+            tr.step = slowed  # type: ignore[method-assign]
+        cfg = PeerConfig(run_id="t", steps=spec.steps, step_seconds=step_seconds, join_window=join_window,
+                         join_timeout=10, heartbeat=0.3, ttl=4.0, drain_timeout=15)
+        peer = Peer(cfg, method, tr, transports(i, list(initial)), net=shared)
+        peer.keep_applied = keep_applied
+        out.peers.append(peer)
+    t0 = time.monotonic()
+    rates = [0.0] * n
+
+    def go(i: int) -> None:
+        spec, peer = specs[i], out.peers[i]
+        try:
+            delay = spec.start_after - (time.monotonic() - t0)
+            if delay > 0:
+                time.sleep(delay)
+            if peer.transport is None:
+                peer.start()
+            started = time.monotonic()
+            out.results[i] = peer.run()
+            rates[i] = peer.trainer.step_count / (time.monotonic() - started)
+        except BaseException as e:
+            out.errors.append(e)
+            peer.close()
+
+    first = out.peers[0]
+    first.start()
+    if hasattr(first.transport, "visible_maddrs"):
+        initial.extend(first.net.call(first.transport.visible_maddrs(), 10))  # type: ignore[union-attr]
+        for i in range(1, n):
+            out.peers[i]._make_transport = transports(i, list(initial))
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(n) if specs[i].run]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if shared is not None:
+        shared.close()
+    out.step_rates = rates
+    return out
+
+
+def applied_agree(results: list[PeerSummary | None], min_common: int = 2) -> set[str]:
+    """The round keys every peer applied; asserts θ^(p) is bitwise equal on all of them after each."""
+    done = [r for r in results if r is not None]
+    common = set.intersection(*(set(r.applied) for r in done))
+    assert len(common) >= min_common, [sorted(r.applied) for r in done]
+    for key in common:
+        assert len({r.applied[key][0] for r in done}) == 1, f"θ differs after round {key}"
+    return common

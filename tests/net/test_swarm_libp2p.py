@@ -1,0 +1,61 @@
+"""Real peers on real libp2p (hivemind's daemon) on 127.0.0.1: every method, late join, slow peer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from p2ptrain.algo.methods import method_config
+from p2ptrain.data import Corpus
+
+from .peers import Spec, applied_agree, libp2p_transports, run_peers
+
+pytestmark = [pytest.mark.net, pytest.mark.timeout(240)]
+
+
+@pytest.mark.parametrize("name,knobs", [
+    ("diloco", {"H": 8}),
+    ("streaming", {"H": 8, "P": 2, "tau": 2, "codec": "e3m0"}),
+    ("cocodc", {"H": 8, "P": 2, "tau": 2, "sends_per_window": 4, "codec": "fp32"}),
+    ("eager", {"H": 8}),
+    ("dilocox", {"H": 8, "rank": 2}),
+    ("ddp", {}),
+])
+def test_every_method_on_three_libp2p_peers(name: str, knobs: dict[str, Any], corpus: Corpus) -> None:
+    spec = Spec(steps=25) if name == "ddp" else Spec(steps=80, delay=0.03)
+    run = run_peers(method_config(name, timeout=10, **knobs), [spec] * 3, corpus, libp2p_transports(f"m-{name}"),
+                    step_seconds=0.05)
+    assert not run.errors, run.errors
+    res = [r for r in run.results if r is not None]
+    assert len(res) == 3 and all(r.rounds_complete + r.rounds_partial > 0 for r in res), \
+        [(r.rounds_complete, r.rounds_partial, r.rounds_failed) for r in res]
+    if name == "ddp":
+        for r in res[1:]:
+            assert all(t.equal(r.outer_params[n]) for n, t in res[0].outer_params.items())
+    elif name != "eager":  # eager's outer state is per peer by design
+        applied_agree(res)
+
+
+def test_late_joiner_syncs_and_takes_part(corpus: Corpus) -> None:
+    specs = [Spec(steps=120, delay=0.03)] * 3 + [Spec(steps=50, delay=0.03, start_after=2.0)]
+    run = run_peers(method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10), specs, corpus,
+                    libp2p_transports("late"), step_seconds=0.05)
+    assert not run.errors, run.errors
+    late = run.results[3]
+    assert late is not None and late.rounds_complete + late.rounds_partial >= 2
+    assert applied_agree(run.results, min_common=1)  # the joiner's θ matches the swarm's after shared rounds
+
+
+def test_a_three_times_slower_peer_does_not_slow_the_others(corpus: Corpus) -> None:
+    method = method_config("cocodc", H=8, P=2, tau=2, sends_per_window=4, codec="fp32", timeout=10)
+    step = 0.04  # each fast peer: ~0.04 s per inner step; the slow one 3× that
+    base = run_peers(method, [Spec(steps=60, delay=step)] * 3, corpus, libp2p_transports("fast"), step_seconds=0.05)
+    mixed = run_peers(method, [Spec(steps=60, delay=step)] * 2 + [Spec(steps=20, delay=3 * step + 0.01)], corpus,
+                      libp2p_transports("slow"), step_seconds=0.05)
+    assert not base.errors and not mixed.errors, (base.errors, mixed.errors)
+    fast_base = sum(base.step_rates[:2]) / 2
+    fast_mixed = sum(mixed.step_rates[:2]) / 2
+    assert mixed.step_rates[2] < 0.5 * fast_mixed  # the slow peer really is slow
+    assert fast_mixed >= 0.9 * fast_base, (fast_base, fast_mixed)
+    assert all(r is not None and r.rounds_complete + r.rounds_partial > 0 for r in mixed.results)
