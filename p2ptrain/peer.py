@@ -365,7 +365,7 @@ class Peer:
         self.tokens_at_send[fragment] = self.trainer.tokens_seen
         with self.lock:
             theta = self.outer.theta(fragment)
-            print_ = fingerprint(theta)
+            print_ = fingerprint(theta) if self.outer.shared_theta else None
             key = group.key if group is not None else request.key
             self.before[key] = state_to_bytes({"theta": theta, "momentum": self.outer.momentum(fragment)})
             while len(self.before) > 4 * len(self.frags) + 4:

@@ -450,6 +450,12 @@ class OuterLoop:
         return isinstance(c, EagerConfig) or (isinstance(c, DiLoCoXConfig) and c.start_rule != "delta")
 
     @property
+    def shared_theta(self) -> bool:
+        """Whether every peer holds the same θ (all but the eager rules, whose outer state is per peer):
+        only then can replicas be compared and repaired."""
+        return not self._eager
+
+    @property
     def _eager(self) -> bool:
         c = self.cfg
         return (isinstance(c, EagerConfig) and c.variant == "eager") or (

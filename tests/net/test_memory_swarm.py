@@ -28,6 +28,7 @@ def test_methods_run_and_outer_params_agree(name: str, knobs: dict[str, Any], co
     assert not run.errors, run.errors
     res = [r for r in run.results if r is not None]
     assert all(r.rounds_complete > 0 for r in res), [(r.rounds_complete, r.rounds_failed) for r in res]
+    assert all(r.repairs == 0 for r in res)  # no faults: no replica ever diverged
     if name == "ddp":  # every peer applies the same averaged gradient to the same parameters
         for r in res[1:]:
             assert all(torch.equal(t, r.outer_params[n_]) for n_, t in res[0].outer_params.items())
