@@ -83,7 +83,7 @@ def main() -> int:
                              str(work / "boot.maddrs")], work / "boot.log", env))
         boot = _wait_lines(work / "boot.maddrs", 60)
         console.print(f"bootstrap node: {boot[0]}\nlogs in {work}")
-        common = ["join", "--run-id", run_id, "--method", args.method, "--preset", args.preset, "--steps",
+        common = ["join", "--metrics-port", "0", "--run-id", run_id, "--method", args.method, "--preset", args.preset, "--steps",
                   str(args.steps), "--batch-size", str(args.batch_size), "--H", str(args.H), "-q"]
         for a in boot:
             common += ["--initial-peers", a]

@@ -34,6 +34,7 @@ from .algo.fragments import make_fragments, model_units
 from .algo.methods import DDPConfig, MethodConfig, OuterLoop, Round, RoundState
 from .algo.priority import choose_merged, sends_per_window
 from .checkpoint import state_from_bytes, state_to_bytes
+from .metrics import PeerMetrics
 from .net.transport import Group, JoinRequest, PeerInfo, RoundFailed, Transport
 from .sync import NetLoop, RoundRunner, fingerprint, theta_digest
 from .trainer import Trainer
@@ -117,11 +118,13 @@ class Peer:
 
     def __init__(self, cfg: PeerConfig, method: MethodConfig, trainer: Trainer,
                  transport: Callable[[], Awaitable[Transport]], *, net: NetLoop | None = None,
-                 on_status: Callable[[dict[str, Any]], None] | None = None, seed: int = 0) -> None:
+                 on_status: Callable[[dict[str, Any]], None] | None = None, seed: int = 0,
+                 metrics: PeerMetrics | None = None) -> None:
         self.cfg, self.method, self.trainer = cfg, method, trainer
         self._make_transport, self._own_net = transport, net is None
         self.net = net or NetLoop()
         self.on_status = on_status
+        self.metrics = metrics
         self.codec = get_codec(method.codec)
         self.is_ddp = isinstance(method, DDPConfig)
         self.frags = make_fragments(model_units(trainer.model), method.fragments, method.fragment_mode)  # type: ignore[arg-type]
@@ -142,6 +145,8 @@ class Peer:
         self.keep_applied = False
         self.last_loss = math.nan
         self._stop = threading.Event()
+        self._bytes_seen = (0, 0)
+        self._t_start: float | None = None
         self._service: Any = None
         self._stopping: Any = None
 
@@ -166,7 +171,7 @@ class Peer:
         self.transport = self.net.call(self._make_transport(), timeout=self.cfg.join_timeout + 60)
         self.transport.serve_state(self._provide)
         self.runner = RoundRunner(self.transport, self.codec, join_timeout=self.cfg.join_timeout,
-                                  round_timeout=self.method.timeout)
+                                  round_timeout=self.method.timeout, on_result=self._on_round)
         self._service = self.net.submit(self._serve())
         self.runner.wait_ready(10)
         self._agree_pacing()
@@ -196,12 +201,32 @@ class Peer:
         while True:
             try:
                 await asyncio.wait_for(self.transport.announce(self._info()), self.cfg.heartbeat * 2)
+                if self.metrics is not None:
+                    live = await asyncio.wait_for(self.transport.peers(), self.cfg.heartbeat * 2)
+                    self.metrics.live_peers.set(len(live))
                 if self.step_seconds is not None:
                     await asyncio.wait_for(self.transport.publish_meta({"step_seconds": self.step_seconds}),
                                            self.cfg.heartbeat * 2)
             except (TimeoutError, OSError, RoundFailed) as e:
                 log.info("event=heartbeat_failed reason=%s", e)
             await asyncio.sleep(self.cfg.heartbeat)
+
+    def _on_round(self, rnd: Round, last: Any) -> None:
+        """A round arrived or failed (called on the loop thread)."""
+        m = self.metrics
+        if m is None:
+            return
+        outcome = "failed" if not rnd.arrived else ("partial" if last is not None and last.partial else "complete")
+        m.rounds.labels(fragment=str(rnd.fragment), outcome=outcome).inc()
+        st = self.runner.stats if self.runner else None
+        if st is not None:
+            if rnd.arrived and st.seconds:
+                m.round_duration.observe(st.seconds[-1])
+            m.bandwidth.set(st.bandwidth)
+            m.rounds_in_flight.set(st.in_flight)
+            m.bytes_sent.labels(codec=self.codec.name).inc(max(0, st.bytes_sent - self._bytes_seen[0]))
+            m.bytes_received.labels(codec=self.codec.name).inc(max(0, st.bytes_received - self._bytes_seen[1]))
+            self._bytes_seen = (st.bytes_sent, st.bytes_received)
 
     def _info(self) -> PeerInfo:
         st = self.runner.stats if self.runner else None
@@ -301,6 +326,7 @@ class Peer:
         try:
             if self.transport is None:
                 self.start()
+            self._t_start = time.perf_counter()
             while self.trainer.step_count < self.cfg.steps and not self._stop.is_set():
                 if self.is_ddp:
                     self._ddp_step()
@@ -321,6 +347,19 @@ class Peer:
             seconds = self.cfg.min_step_seconds
         self.compute += seconds
         self.last_loss = st.loss
+        self._step_metrics(st.tokens, st.loss)
+
+    def _step_metrics(self, tokens: int, loss: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.inner_steps.inc()
+        m.tokens.inc(tokens)
+        m.train_loss.set(loss)
+        if self.compute > 0:
+            m.tokens_per_second.set(self.trainer.tokens_seen / self.compute)
+        if self._t_start is not None:
+            m.utilization.set(self.compute / max(1e-9, time.perf_counter() - self._t_start))
 
     def _outer(self) -> None:
         assert self.outer is not None
@@ -380,11 +419,15 @@ class Peer:
         if rnd.divergent:
             self._repair(rnd)
         with self.lock:
-            self.outer.finish(rnd, step, self.trainer)
+            rep = self.outer.finish(rnd, step, self.trainer)
             theta = self.outer.theta(rnd.fragment)
             self.applied_log[rnd.key] = (theta_digest(theta), [t.clone() for t in theta] if self.keep_applied else [])
         self.applied += 1
         self.in_flight.remove(rnd)
+        if self.metrics is not None:
+            self.metrics.staleness.observe(rep.delay)
+            if rep.correction_norm:
+                self.metrics.correction.set(rep.correction_norm)
 
     def _repair(self, rnd: Round) -> None:
         """Our θ^(p) disagreed with the round's majority: take theirs (as it was before the round)."""
@@ -490,6 +533,9 @@ class Peer:
         self.compute += (t1 - t0) + (time.perf_counter() - t2)
         self.stall += t2 - t1
         self.last_loss = loss
+        self._step_metrics(tokens, loss)
+        if self.metrics is not None:
+            self.metrics.rounds.labels(fragment="grad", outcome="complete" if avg is not None else "failed").inc()
 
     # ------------------------------------------------------------------ the end
     def _drain(self) -> None:

@@ -14,6 +14,7 @@ import typer
 from . import __version__
 from .cli import ConfigOpt, LogOpt, _model_and_trainer, app, fail
 from .data import DataConfig, DataError
+from .metrics import DEFAULT_METRICS_PORT, PeerMetrics
 from .settings import ConfigError, build, load_file, merged
 
 InitialPeers = Annotated[list[str] | None, typer.Option("--initial-peers", "-i", help="Multiaddr of a live peer or bootstrap node (repeatable).")]
@@ -60,6 +61,8 @@ def join(
     no_relay: Annotated[bool, typer.Option("--no-relay", help="Disable libp2p circuit relays.")] = False,
     join_window: Annotated[float | None, typer.Option("--join-window", help="Seconds a round leader waits for peers.")] = None,
     min_step_seconds: Annotated[float | None, typer.Option("--min-step-seconds", help="Pad each inner step to this long (emulate a slower device).")] = None,
+    metrics_port: Annotated[int, typer.Option("--metrics-port", help="Serve Prometheus metrics here (0: any free port, -1: off).")] = DEFAULT_METRICS_PORT,
+    metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address of the metrics endpoint.")] = "127.0.0.1",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the peer's summary as JSON here.")] = None,
     maddrs_file: Annotated[Path | None, typer.Option("--maddrs-file", help="Write this peer's multiaddrs here once listening.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line.")] = False,
@@ -98,7 +101,15 @@ def join(
     except (ConfigError, DataError, ValueError) as e:
         raise fail(str(e)) from None
 
-    peer = Peer(peer_cfg, method_cfg, trainer, lambda: HivemindTransport.create(swarm_cfg))
+    metrics = PeerMetrics(method=method_cfg.name, region=peer_cfg.region)
+    peer = Peer(peer_cfg, method_cfg, trainer, lambda: HivemindTransport.create(swarm_cfg), metrics=metrics)
+    if metrics_port >= 0:
+        try:
+            port = metrics.serve(metrics_port, metrics_host)
+        except OSError as e:
+            raise fail(f"cannot serve metrics on {metrics_host}:{metrics_port} ({e.strerror}); "
+                       "pick another --metrics-port, or -1 to turn them off") from None
+        console.print(f"metrics: http://{metrics_host}:{port}/metrics", highlight=False)
     if not swarm_cfg.initial_peers:
         console.print("[yellow]no --initial-peers: starting a new swarm[/]", highlight=False)
     console.print("[yellow]this swarm is open: any peer that knows an address can join (no swarm key)[/]",
@@ -134,8 +145,12 @@ def join(
                       f"rounds {s['rounds']} (failed {s['failed']})  in flight {s['in_flight']}", highlight=False)
 
     peer.on_status = on_status
-    summary = peer.run()
-    val = trainer.evaluate(summary.outer_params or None).loss
+    try:
+        summary = peer.run()
+        val = trainer.evaluate(summary.outer_params or None).loss
+        metrics.val_loss.set(val)
+    finally:
+        metrics.close()
     rows = [("peer", summary.peer_id), ("inner steps", summary.steps), ("val loss of θ", f"{val:.4f}"),
             ("rounds complete / partial / failed", f"{summary.rounds_complete} / {summary.rounds_partial} / "
                                                    f"{summary.rounds_failed}"),

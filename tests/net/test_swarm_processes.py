@@ -43,11 +43,11 @@ min_step_seconds = 0.1
 def _join(tmp: Path, name: str, steps: int, initial: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "p2ptrain", "join", "-c", str(tmp / "recipe.toml"), "--steps", str(steps),
            "--json", str(tmp / f"{name}.json"), "--maddrs-file", str(tmp / f"{name}.maddrs"), "-q",
-           "--log-level", "INFO"]
+           "--log-level", "INFO", "--metrics-port", "0"]
     for m in initial:
         cmd += ["--initial-peers", m]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+    log = open(tmp / f"{name}.log", "wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
 
 
