@@ -59,6 +59,7 @@ def join(
     client_mode: Annotated[bool, typer.Option("--client-mode", help="Behind NAT: dial out only, reached through relays.")] = False,
     use_auto_relay: Annotated[bool, typer.Option("--use-auto-relay", help="Look for libp2p relays to become reachable.")] = False,
     no_relay: Annotated[bool, typer.Option("--no-relay", help="Disable libp2p circuit relays.")] = False,
+    connect_attempts: Annotated[int, typer.Option("--connect-attempts", help="Tries (with backoff) when initial peers are unreachable.")] = 5,
     join_window: Annotated[float | None, typer.Option("--join-window", help="Seconds a round leader waits for peers.")] = None,
     min_step_seconds: Annotated[float | None, typer.Option("--min-step-seconds", help="Pad each inner step to this long (emulate a slower device).")] = None,
     metrics_port: Annotated[int, typer.Option("--metrics-port", help="Serve Prometheus metrics here (0: any free port, -1: off).")] = DEFAULT_METRICS_PORT,
@@ -96,7 +97,8 @@ def join(
             run_id=rid, initial_peers=list(initial_peers or peer_file.get("initial_peers", [])),
             host_maddrs=list(host_maddrs or ["/ip4/127.0.0.1/tcp/0"]), announce_maddrs=list(announce_maddrs or []),
             identity_path=str(identity) if identity else None, client_mode=client_mode,
-            use_relay=not no_relay, use_auto_relay=use_auto_relay, join_window=peer_cfg.join_window, ttl=peer_cfg.ttl)
+            use_relay=not no_relay, use_auto_relay=use_auto_relay, join_window=peer_cfg.join_window, ttl=peer_cfg.ttl,
+            connect_attempts=connect_attempts)
         trainer = make_trainer(model_cfg, trainer_cfg, data_cfg)
     except (ConfigError, DataError, ValueError) as e:
         raise fail(str(e)) from None

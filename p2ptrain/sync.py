@@ -26,6 +26,7 @@ import torch
 
 from .algo.compress import Codec
 from .algo.methods import Round
+from .net.bandwidth import ThroughputEMA
 from .net.transport import Decide, Group, JoinRequest, ReduceResult, RoundFailed, Transport
 
 __all__ = ["NetLoop", "RoundRunner", "RoundStats", "fingerprint", "theta_digest"]
@@ -128,6 +129,7 @@ class RoundRunner:
         self.transport, self.codec = transport, codec
         self.join_timeout, self.round_timeout, self.ema = join_timeout, round_timeout, ema
         self.stats = RoundStats()
+        self._meter = ThroughputEMA(alpha=ema, min_bytes=0)
         self.on_result = on_result
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -215,6 +217,9 @@ class RoundRunner:
     def _account(self, res: ReduceResult, seconds: float) -> None:
         self.stats.bytes_sent += res.bytes_sent
         self.stats.bytes_received += res.bytes_received
-        if seconds > 0 and res.bytes_received > 0:
-            bw = res.bytes_received / seconds
-            self.stats.bandwidth = bw if self.stats.bandwidth == 0 else (1 - self.ema) * self.stats.bandwidth + self.ema * bw
+        links = getattr(self.transport, "links", None)
+        if links is not None and links.slowest() > 0:
+            self.stats.bandwidth = links.slowest()  # per-link EMAs: a round runs at its slowest link
+        else:
+            self._meter.update(res.bytes_received, seconds)
+            self.stats.bandwidth = self._meter.rate

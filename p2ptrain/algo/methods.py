@@ -89,7 +89,7 @@ class MethodConfig:
     """
 
     name: ClassVar[str] = ""
-    H: int = 50
+    H: int = 40
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     codec: str = "fp32"

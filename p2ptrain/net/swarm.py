@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..algo.compress import Codec, get_codec
+from .bandwidth import LinkMeter
 from .butterfly import part_bounds, weighted_part_mean
 from .faults import maybe_die_in_allreduce
 from .membership import agreed_fragment, leader_of, majority_fingerprint
@@ -161,6 +162,7 @@ class HivemindTransport(Transport):
         self._live_at = 0.0
         self._maddrs: dict[str, list[str]] = {}
         self._provider: StateProvider | None = None
+        self.links = LinkMeter()
         self._tasks: asyncio.TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -459,9 +461,11 @@ class HivemindTransport(Transport):
             data = await asyncio.to_thread(codec.encode, flat[lo:hi])
             msg = {"key": group.key, "phase": phase, "part": j, "weight": float(weight), "fp": fp,
                    "codec": codec.name, "numel": hi - lo, "data": data}
-            reply, _ = await self._call(members[j], "part", msg, timeout=max(0.1, t0 + timeout * 0.5 - time.monotonic()))
+            reply, seconds = await self._call(members[j], "part", msg,
+                                              timeout=max(0.1, t0 + timeout * 0.5 - time.monotonic()))
             if "error" in reply:
                 raise RoundFailed(f"part {j}: {reply['error']}")
+            self.links.update(members[j], len(data), seconds)
             return len(data)
 
         lo, hi = bounds[me]
@@ -491,8 +495,9 @@ class HivemindTransport(Transport):
         # 3. all-gather: our averaged part to every other member
         async def send_result(j: int) -> int:
             assert own_result is not None
-            reply, _ = await self._call(members[j], "result", own_result,
-                                        timeout=max(0.1, t0 + timeout * 0.8 - time.monotonic()))
+            reply, seconds = await self._call(members[j], "result", own_result,
+                                              timeout=max(0.1, t0 + timeout * 0.8 - time.monotonic()))
+            self.links.update(members[j], len(own_result["data"]), seconds)
             return len(own_result["data"]) if reply.get("ok") else 0
 
         results_out = [asyncio.create_task(send_result(j)) for j in range(len(members)) if j != me and own_result]
