@@ -133,6 +133,7 @@ class Peer:
         self.runner: RoundRunner | None = None
         self.in_flight: list[Round] = []
         self.pending_groups: list[tuple[int, Any]] = []  # CoCoDC negotiations: (slot, future of Group)
+        self._assigned: dict[int, int] = {}  # as a slot leader: fragment -> slot it was assigned at
         self.lock = threading.Lock()  # guards the outer state against the state provider (loop thread)
         self.before: OrderedDict[str, bytes] = OrderedDict()  # θ^(p), momentum before a round, by key
         self.tokens_at_send: list[int] = [0] * len(self.frags)
@@ -457,13 +458,28 @@ class Peer:
             scores = self.outer.drift_scores(self.trainer, slot)
         req = JoinRequest(key=f"slot.L{slot}", peer_id=self.peer_id, weight=1.0, fragment=None, scores=scores,
                           busy=self.outer.busy_fragments(self.in_flight), last_sent=self.outer.last_sends(), step=slot)
-        H = self.method.H
+        self.pending_groups.append((slot, self.net.submit(self.runner.negotiate(req, self._decide))))
 
-        def decide(reqs: Sequence[JoinRequest]) -> int | None:
-            return choose_merged(step=max(r.step for r in reqs), H=H, last_sent=[r.last_sent for r in reqs],
-                                 busy=[r.busy for r in reqs], scores=[r.scores for r in reqs])
+    def _decide(self, reqs: Sequence[JoinRequest]) -> int | None:
+        """The leader's choice for a slot (runs on the leader's loop thread).
 
-        self.pending_groups.append((slot, self.net.submit(self.runner.negotiate(req, decide))))
+        Negotiations can overlap (a group may take longer to form than the gap between slots), so the
+        members' requests may predate rounds the leader has just assigned: a fragment assigned at slot
+        s stays busy until every member reports it sent since s and no longer in flight (or H steps pass).
+        """
+        step = max(r.step for r in reqs)
+        pending = set()
+        for f, at in list(self._assigned.items()):
+            done = all(f < len(r.last_sent) and r.last_sent[f] >= at and f not in r.busy for r in reqs)
+            if done or step - at > self.method.H:
+                del self._assigned[f]
+            else:
+                pending.add(f)
+        choice = choose_merged(step=step, H=self.method.H, last_sent=[r.last_sent for r in reqs],
+                               busy=[r.busy for r in reqs] + [sorted(pending)], scores=[r.scores for r in reqs])
+        if choice is not None:
+            self._assigned[choice] = step
+        return choice
 
     def _start_negotiated(self, step: int) -> None:
         keep = []

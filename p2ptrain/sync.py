@@ -155,6 +155,21 @@ class RoundRunner:
         if self._stopped is not None:
             self._stopped.set()
 
+    async def abstain(self, request: JoinRequest) -> None:
+        """Tell a round's leader, in the background, that this peer sits the round out."""
+        if self._group is None:
+            return
+
+        async def _go() -> None:
+            try:
+                await self.transport.form_group(request, None, timeout=self.join_timeout)
+            except Exception as e:  # an abstention that fails only costs the leader its window
+                log.debug("event=abstain_failed key=%s reason=%s", request.key, e)
+
+        task = self._group.create_task(_go(), name=f"abstain-{request.key}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def negotiate(self, request: JoinRequest, decide: Decide | None) -> Group:
         """Form a group without a round yet (CoCoDC: the leader picks the fragment)."""
         return await self.transport.form_group(request, decide, timeout=self.join_timeout)

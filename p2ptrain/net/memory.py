@@ -148,7 +148,7 @@ class MemoryTransport(Transport):
                 except TimeoutError:
                     pass
             assert f.group is not None
-            if self.peer_id not in f.group.members:
+            if self.peer_id not in f.group.members and not request.abstain:
                 raise RoundFailed(f"round {request.key}: not a member")
             return f.group
 
@@ -158,12 +158,13 @@ class MemoryTransport(Transport):
             raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s") from None
 
     def _close(self, f: _Forming, decide: Decide | None) -> None:
-        members = tuple(sorted(p for p in f.requests if p not in self.swarm.dead))
+        members = tuple(sorted(p for p, r in f.requests.items() if p not in self.swarm.dead and not r.abstain))
         reqs = [f.requests[p] for p in members]
         fragment = agreed_fragment(reqs)
-        if fragment is None and decide is not None:
+        if fragment is None and decide is not None and reqs:
             fragment = decide(reqs)
-        f.group = Group(reqs[0].key, members, leader_of(members), fragment)
+        key = next(iter(f.requests.values())).key
+        f.group = Group(key, members, leader_of(members) if members else "", fragment)
         f.closed.set()
 
     async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
@@ -178,7 +179,8 @@ class MemoryTransport(Transport):
         deadline = t0 + timeout
         while ph.result is None:
             present = {p for p in ph.contribs if p not in sw.dead}
-            if expected - sw.dead <= present or time.monotonic() >= deadline:
+            gone = sw.dead | (expected - set(sw.live(self._side)))  # dead, left, or expired: not waited for
+            if expected - gone <= present or time.monotonic() >= deadline:
                 self._reduce(ph, group, codec)
                 break
             try:

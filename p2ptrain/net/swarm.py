@@ -362,7 +362,7 @@ class HivemindTransport(Transport):
                 g = reply["group"]
                 group = Group(str(g["key"]), tuple(str(m) for m in g["members"]), str(g["leader"]),
                               None if g.get("fragment") is None else int(g["fragment"]))
-            if self.peer_id not in group.members:
+            if self.peer_id not in group.members and not request.abstain:
                 raise RoundFailed(f"round {request.key}: not a member of the group")
             return group
         raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s")
@@ -381,10 +381,10 @@ class HivemindTransport(Transport):
             live = set(await self._live_ids())
             now = time.monotonic()
             if live <= set(f.requests) or now >= f.first + self.cfg.join_window or now >= deadline:
-                members = tuple(sorted(f.requests))
+                members = tuple(sorted(p for p, r in f.requests.items() if not r.abstain))
                 reqs = [f.requests[m] for m in members]
                 fragment = agreed_fragment(reqs)
-                if fragment is None and f.decide is not None:
+                if fragment is None and f.decide is not None and reqs:
                     fragment = f.decide(reqs)
                 f.group = Group(request.key, members, self.peer_id, fragment)
                 f.closed.set()
@@ -477,8 +477,10 @@ class HivemindTransport(Transport):
             maybe_die_in_allreduce()  # tests only: a peer dying mid all-reduce
         # 2. collect the contributions to our own part (until everyone or half the timeout)
         gather_deadline = t0 + timeout * 0.5
-        while set(members) - set(box.contribs) and time.monotonic() < gather_deadline:
-            await box.wait(gather_deadline)
+        while (missing := set(members) - set(box.contribs)) and time.monotonic() < gather_deadline:
+            if not missing & set(await self._live_ids()):
+                break  # the missing members left or expired: do not wait for them
+            await box.wait(min(gather_deadline, time.monotonic() + 1.0))
         # Only members' contributions to *our* part, of our part's size, count.
         contribs = {p: c for p, c in box.contribs.items() if p in members and c[0] == me and c[1].numel() == hi - lo}
         prints = {p: c[3] for p, c in contribs.items() if c[3] is not None}
@@ -510,7 +512,10 @@ class HivemindTransport(Transport):
         # 4. wait for the other parts, then ask around for what is still missing
         result_deadline = t0 + timeout * 0.8
         while len(box.results) < len(members) and time.monotonic() < result_deadline:
-            await box.wait(result_deadline)
+            owners = {members[j] for j in range(len(members)) if j not in box.results}
+            if not owners & set(await self._live_ids()):
+                break  # the owners still missing are gone; ask the others below
+            await box.wait(min(result_deadline, time.monotonic() + 1.0))
         for j in range(len(members)):
             if j in box.results:
                 continue

@@ -49,10 +49,12 @@ class JoinRequest:
     busy: list[int] = field(default_factory=list)
     last_sent: list[int] = field(default_factory=list)
     step: int = 0
+    abstain: bool = False  # "I am here but sit this round out": counts as joined, is not a member
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "peer": self.peer_id, "weight": self.weight, "fragment": self.fragment,
-                "scores": self.scores, "busy": self.busy, "last_sent": self.last_sent, "step": self.step}
+                "scores": self.scores, "busy": self.busy, "last_sent": self.last_sent, "step": self.step,
+                "abstain": self.abstain}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> JoinRequest:
@@ -60,7 +62,7 @@ class JoinRequest:
                    fragment=None if m.get("fragment") is None else int(m["fragment"]),
                    scores=None if m.get("scores") is None else [float(x) for x in m["scores"]],
                    busy=[int(x) for x in m.get("busy", [])], last_sent=[int(x) for x in m.get("last_sent", [])],
-                   step=int(m.get("step", 0)))
+                   step=int(m.get("step", 0)), abstain=bool(m.get("abstain", False)))
 
 
 #: The leader's choice of fragment from all members' requests (None: nothing to send).
@@ -136,7 +138,8 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
         """Join round ``request.key``; returns the group once the leader closes it. RoundFailed if this
-        peer is not in it (too late, leader unreachable) or ``timeout`` passes."""
+        peer is not in it (too late, leader unreachable) or ``timeout`` passes. An abstaining request
+        counts as joined (the group need not wait for it) and gets the group without being a member."""
 
     @abc.abstractmethod
     async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
