@@ -61,6 +61,8 @@ class PeerConfig:
         drain_timeout: seconds to wait for rounds still in flight when leaving.
         min_step_seconds: pad every inner step to at least this long (emulates a slower device in
             tests and demos; the padding counts as compute).
+        warmup: seconds after joining before taking part in rounds (None: three heartbeats), so that
+            every peer's view of who is live includes us before a group can form without us.
     """
 
     run_id: str = "p2ptrain"
@@ -74,8 +76,11 @@ class PeerConfig:
     sync_on_join: bool = True
     drain_timeout: float = 60.0
     min_step_seconds: float = 0.0
+    warmup: float | None = None
 
     def __post_init__(self) -> None:
+        if self.warmup is None:
+            self.warmup = 3 * self.heartbeat
         if not self.run_id or any(c in self.run_id for c in " /"):
             raise ValueError(f"run id must be a non-empty word without spaces or '/', got {self.run_id!r}")
         if self.steps < 1:
@@ -144,10 +149,12 @@ class Peer:
         # θ^(p) after each applied round, by round key: its digest (and a copy when keep_applied, for tests).
         self.applied_log: dict[str, tuple[str, list[torch.Tensor]]] = {}
         self.keep_applied = False
+        self.history: list[tuple[str, str, tuple[str, ...], bool]] = []  # (key, digest, contributors, repaired)
         self.last_loss = math.nan
         self._stop = threading.Event()
         self._bytes_seen = (0, 0)
         self._t_start: float | None = None
+        self._warm_until = 0.0
         self._service: Any = None
         self._stopping: Any = None
 
@@ -182,6 +189,7 @@ class Peer:
         if self.cfg.sync_on_join:
             self._sync_from_swarm()
         self._announce_now()
+        self._warm_until = time.monotonic() + float(self.cfg.warmup or 0.0)
 
     async def _serve(self) -> None:
         import asyncio
@@ -271,12 +279,10 @@ class Peer:
                 raw = self.net.call(self.transport.fetch_state(info.peer_id, "outer", timeout=self.cfg.join_timeout),
                                     self.cfg.join_timeout + 5)
                 state = state_from_bytes(raw, f"state from {info.peer_id}")
-                with self.lock:
-                    if self.outer is None:
-                        names = list(self.trainer.params)
-                        self.trainer.apply_outer(names, [state["params"][n] for n in names])
-                        self.trainer.step_count = int(state["step"])
-                    else:
+                if self.outer is None:
+                    self._load_ddp_state(state)
+                else:
+                    with self.lock:
                         self.outer.load_state_dict(state)
                         for frag in self.frags:
                             self.trainer.apply_outer(frag.names, self.outer.theta(frag.index))
@@ -289,8 +295,11 @@ class Peer:
         """State other peers may ask for (called on the loop thread)."""
         if name == "outer":
             with self.lock:
+                if self.outer is not None and not self.outer.initialized:
+                    return None  # still starting: nothing to give yet
                 if self.outer is None:
-                    return state_to_bytes({"params": dict(self.trainer.params), "step": self.trainer.step_count})
+                    return state_to_bytes({"params": dict(self.trainer.params), "step": self.trainer.step_count,
+                                           "optimizer": self.trainer.optimizer.state_dict()})
                 return state_to_bytes(self.outer.shared_state())
         if self.outer is None:
             return None
@@ -328,6 +337,9 @@ class Peer:
             if self.transport is None:
                 self.start()
             self._t_start = time.perf_counter()
+            if self.is_ddp:
+                # Data parallel runs in lockstep from the first step: wait until every peer can see us.
+                time.sleep(max(0.0, self._warm_until - time.monotonic()))
             while self.trainer.step_count < self.cfg.steps and not self._stop.is_set():
                 if self.is_ddp:
                     self._ddp_step()
@@ -365,6 +377,11 @@ class Peer:
     def _outer(self) -> None:
         assert self.outer is not None
         lstep = self.logical_step()
+        if time.monotonic() < self._warm_until:
+            # Until the swarm has had time to see our announcement (and we theirs), a round could form
+            # from views that disagree on who is live and split into groups: train locally meanwhile.
+            self.last_lstep = max(self.last_lstep, lstep)
+            return
         for step in range(self.last_lstep + 1, lstep + 1) if lstep > self.last_lstep else [lstep]:
             self._plan(step)
             if self.outer.negotiated and self.outer.is_slot(step):
@@ -422,7 +439,9 @@ class Peer:
         with self.lock:
             rep = self.outer.finish(rnd, step, self.trainer)
             theta = self.outer.theta(rnd.fragment)
-            self.applied_log[rnd.key] = (theta_digest(theta), [t.clone() for t in theta] if self.keep_applied else [])
+            digest = theta_digest(theta)
+            self.applied_log[rnd.key] = (digest, [t.clone() for t in theta] if self.keep_applied else [])
+            self.history.append((rnd.key, digest[:8], tuple(c[-4:] for c in rnd.contributors), rnd.divergent))
         self.applied += 1
         self.in_flight.remove(rnd)
         if self.metrics is not None:
@@ -514,6 +533,9 @@ class Peer:
 
     # -- data parallel: a blocking gradient all-reduce every inner step
     def _ddp_step(self) -> None:
+        """One data-parallel step. Every member's parameters fingerprint rides along; a member whose
+        parameters left the majority (it missed a step's group) is excluded and takes the whole trainer
+        state (parameters, AdamW moments, step) from a member of the majority before stepping on."""
         assert self.runner is not None and self.transport is not None
         t0 = time.perf_counter()
         self.trainer.model.train()
@@ -522,36 +544,70 @@ class Peer:
         t1 = time.perf_counter()
         grads = list(self.trainer.gradients())
         step = self.trainer.step_count
+        with self.lock:
+            print_ = [float(p.detach().double().sum()) for p in self.trainer.params.values()]
         req = JoinRequest(key=f"g{step}", peer_id=self.peer_id, weight=float(tokens), fragment=0, step=step)
+        stats = self.runner.stats
 
-        async def _reduce() -> list[torch.Tensor] | None:
+        async def _reduce() -> Any:
             assert self.transport is not None
             try:
                 group = await self.transport.form_group(req, None, timeout=self.cfg.join_timeout)
                 res = await self.transport.allreduce(group, 0, grads, float(tokens), self.codec,
-                                                     timeout=self.method.timeout)
-                self.runner.stats.bytes_sent += res.bytes_sent  # type: ignore[union-attr]
-                self.runner.stats.bytes_received += res.bytes_received  # type: ignore[union-attr]
-                self.runner.stats.complete += 1  # type: ignore[union-attr]
-                return res.tensors
+                                                     timeout=self.method.timeout, fingerprint=print_)
+                stats.bytes_sent += res.bytes_sent
+                stats.bytes_received += res.bytes_received
+                stats.complete += 1
+                return res
             except RoundFailed as e:
-                log.info("event=ddp_step_alone step=%d reason=%s", step, e)
-                self.runner.stats.failed += 1  # type: ignore[union-attr]
+                log.info("event=ddp_step_missed step=%d reason=%s", step, e)
+                stats.failed += 1
                 return None
 
-        avg = self.net.call(_reduce(), self.cfg.join_timeout + self.method.timeout + 5)
+        res = self.net.call(_reduce(), self.cfg.join_timeout + self.method.timeout + 5)
         t2 = time.perf_counter()
-        if avg is not None:
-            for g, a in zip(grads, avg, strict=True):
-                g.copy_(a)
-        with self.lock:  # the state provider must not read half-updated parameters
-            self.trainer.optimizer_step()
+        if res is not None and res.divergent:
+            self._ddp_repair(res.contributors)
+        elif res is not None:
+            with self.lock:  # the state provider must not read half-updated parameters
+                for g, a in zip(grads, res.tensors, strict=True):
+                    g.copy_(a)
+                self.trainer.optimizer_step()
+        else:
+            # We missed this step's group: a lone update would fork our parameters. Drop the gradient;
+            # the next step's fingerprint shows whether we must take the swarm's state.
+            with self.lock:
+                self.trainer.optimizer.zero_grad(set_to_none=True)
+                self.trainer.step_count += 1
         self.compute += (t1 - t0) + (time.perf_counter() - t2)
         self.stall += t2 - t1
         self.last_loss = loss
         self._step_metrics(tokens, loss)
         if self.metrics is not None:
-            self.metrics.rounds.labels(fragment="grad", outcome="complete" if avg is not None else "failed").inc()
+            self.metrics.rounds.labels(fragment="grad", outcome="complete" if res is not None else "failed").inc()
+
+    def _ddp_repair(self, majority: Sequence[str]) -> None:
+        assert self.transport is not None
+        for peer in majority:
+            if peer == self.peer_id:
+                continue
+            try:
+                raw = self.net.call(self.transport.fetch_state(peer, "outer", timeout=self.cfg.join_timeout),
+                                    self.cfg.join_timeout + 5)
+                self._load_ddp_state(state_from_bytes(raw, f"state from {peer}"))
+                self.repairs += 1
+                log.warning("event=repaired what=ddp_state from=%s", peer)
+                return
+            except (RoundFailed, TimeoutError, ValueError, KeyError) as e:
+                log.info("event=repair_failed peer=%s reason=%s", peer, e)
+
+    def _load_ddp_state(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            names = list(self.trainer.params)
+            self.trainer.apply_outer(names, [state["params"][n] for n in names])
+            self.trainer.optimizer.load_state_dict(state["optimizer"])
+            self.trainer.optimizer.zero_grad(set_to_none=True)
+            self.trainer.step_count = int(state["step"])
 
     # ------------------------------------------------------------------ the end
     def _drain(self) -> None:

@@ -424,6 +424,10 @@ class OuterLoop:
         return Identity()
 
     @property
+    def initialized(self) -> bool:
+        return len(self._state) == len(self.fragments)
+
+    @property
     def tau(self) -> int:
         c = self.cfg
         if isinstance(c, StreamingConfig):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from .transport import JoinRequest
+from .transport import Group, JoinRequest, RoundFailed
 
-__all__ = ["agreed_fragment", "fingerprints_match", "leader_of", "majority_fingerprint"]
+__all__ = ["agreed_fragment", "alone_check", "fingerprints_match", "leader_of", "majority_fingerprint"]
 
 
 def leader_of(live: Sequence[str]) -> str:
@@ -46,3 +46,11 @@ def majority_fingerprint(prints: Mapping[str, Sequence[float]]) -> set[str]:
         if len(same) > len(best):
             best = same
     return best
+
+
+def alone_check(group: Group, me: str, live: Sequence[str]) -> None:
+    """A group of one while other peers are alive means the others met elsewhere (or we could not
+    reach them): averaging with ourselves would move our θ away from theirs. Raise RoundFailed; the
+    progress stays in θ − θ_i and goes into the next round."""
+    if group.members == (me,) and set(live) - {me}:
+        raise RoundFailed(f"round {group.key}: alone in the group while {len(set(live) - {me})} other peers are live")

@@ -19,7 +19,7 @@ import torch
 from ..algo.compress import Codec
 from ..sim.allreduce import quantized_mean
 from ..sim.network import ring_factor
-from .membership import agreed_fragment, leader_of, majority_fingerprint
+from .membership import agreed_fragment, alone_check, leader_of, majority_fingerprint
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 
 __all__ = ["MemorySwarm", "MemoryTransport"]
@@ -150,6 +150,7 @@ class MemoryTransport(Transport):
             assert f.group is not None
             if self.peer_id not in f.group.members and not request.abstain:
                 raise RoundFailed(f"round {request.key}: not a member")
+            alone_check(f.group, self.peer_id, sw.live(side))
             return f.group
 
         try:

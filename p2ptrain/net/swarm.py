@@ -37,7 +37,7 @@ from ..algo.compress import Codec, get_codec
 from .bandwidth import LinkMeter
 from .butterfly import part_bounds, weighted_part_mean
 from .faults import maybe_die_in_allreduce
-from .membership import agreed_fragment, leader_of, majority_fingerprint
+from .membership import agreed_fragment, alone_check, leader_of, majority_fingerprint
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 from .wire import MAX_FRAME, FrameError, read_frame, write_frame
 
@@ -133,6 +133,7 @@ class _Mailbox:
     """Frames that arrived for one (round, phase): contributions to our part, and results of parts."""
 
     contribs: dict[str, tuple[int, torch.Tensor, float, list[float] | None]] = field(default_factory=dict)
+    unreachable: set[str] = field(default_factory=set)  # members our sends could not reach
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
@@ -163,6 +164,7 @@ class HivemindTransport(Transport):
         self._maddrs: dict[str, list[str]] = {}
         self._provider: StateProvider | None = None
         self.links = LinkMeter()
+        self._left: set[str] = set()  # peers whose last announcement is a departure
         self._tasks: asyncio.TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -246,8 +248,12 @@ class HivemindTransport(Transport):
     async def peers(self) -> list[PeerInfo]:
         infos = []
         for sub, (value, exp) in (await self._records("peers")).items():
-            if value.get("left") or value.get("peer") != sub:
+            if value.get("left"):
+                self._left.add(sub)
                 continue
+            if value.get("peer") != sub:
+                continue
+            self._left.discard(sub)
             try:
                 info = PeerInfo.from_wire(value, expires=exp)
             except (KeyError, TypeError, ValueError):
@@ -330,13 +336,35 @@ class HivemindTransport(Transport):
             finally:
                 writer.close()
 
+        for attempt in (1, 2):
+            try:
+                reply = await asyncio.wait_for(_go(), max(0.05, timeout - (time.monotonic() - t0)))
+                return reply, time.monotonic() - t0
+            except (TimeoutError, FrameError, asyncio.IncompleteReadError) as e:
+                raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
+            except Exception as e:  # the daemon reports failed dials with its own error types
+                if attempt == 2 or not await self._redial(peer):
+                    raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
+        raise AssertionError("unreachable")
+
+    async def _redial(self, peer: str) -> bool:
+        """A dial failed: connect again with the addresses the peer announced (the daemon's peer store
+        may not have them yet, or its dial backoff is still on). True if that worked."""
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        addrs = self._maddrs.get(peer)
+        if not addrs:
+            await self.peers()
+            addrs = self._maddrs.get(peer)
+        if not addrs:
+            return False
         try:
-            reply = await asyncio.wait_for(_go(), timeout)
-        except (TimeoutError, ConnectionError, OSError, FrameError, asyncio.IncompleteReadError) as e:
-            raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
-        except Exception as e:  # the daemon reports unreachable peers with its own error types
-            raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
-        return reply, time.monotonic() - t0
+            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in addrs]), 5)
+            return True
+        except Exception as e:  # still unreachable
+            log.debug("event=redial_failed peer=%s reason=%s", peer[-8:], e)
+            return False
 
     # ------------------------------------------------------------------ groups
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
@@ -364,6 +392,7 @@ class HivemindTransport(Transport):
                               None if g.get("fragment") is None else int(g["fragment"]))
             if self.peer_id not in group.members and not request.abstain:
                 raise RoundFailed(f"round {request.key}: not a member of the group")
+            alone_check(group, self.peer_id, await self._live_ids())
             return group
         raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s")
 
@@ -379,6 +408,8 @@ class HivemindTransport(Transport):
             f.decide = decide
         while f.group is None:
             live = set(await self._live_ids())
+            if live <= set(f.requests):
+                live = set(await self._live_ids(max_age=0.2))  # closing early: on a fresh view only
             now = time.monotonic()
             if live <= set(f.requests) or now >= f.first + self.cfg.join_window or now >= deadline:
                 members = tuple(sorted(p for p, r in f.requests.items() if not r.abstain))
@@ -415,6 +446,12 @@ class HivemindTransport(Transport):
             del self._mail[k]
 
     # ------------------------------------------------------------------ all-reduce
+    def _gone(self, key: str, phase: int) -> set[str]:
+        """Members not worth waiting for: our sends to them failed, or they announced their departure.
+        (A member merely missing from our DHT view is still waited for: views are eventually consistent.)"""
+        box = self._mail.get((key, phase))
+        return (box.unreachable if box else set()) | self._left
+
     def _box(self, key: str, phase: int) -> _Mailbox:
         return self._mail.setdefault((key, phase), _Mailbox())
 
@@ -457,6 +494,14 @@ class HivemindTransport(Transport):
 
         # 1. reduce-scatter: our share of part j goes to its owner j
         async def send_part(j: int) -> int:
+            try:
+                return await _send_part(j)
+            except RoundFailed:
+                box.unreachable.add(members[j])  # a dead owner: nobody averages its part this round
+                box.poke()
+                raise
+
+        async def _send_part(j: int) -> int:
             lo, hi = bounds[j]
             data = await asyncio.to_thread(codec.encode, flat[lo:hi])
             msg = {"key": group.key, "phase": phase, "part": j, "weight": float(weight), "fp": fp,
@@ -478,9 +523,9 @@ class HivemindTransport(Transport):
         # 2. collect the contributions to our own part (until everyone or half the timeout)
         gather_deadline = t0 + timeout * 0.5
         while (missing := set(members) - set(box.contribs)) and time.monotonic() < gather_deadline:
-            if not missing & set(await self._live_ids()):
-                break  # the missing members left or expired: do not wait for them
-            await box.wait(min(gather_deadline, time.monotonic() + 1.0))
+            if missing <= self._gone(group.key, phase):
+                break  # every missing member is unreachable or has left: do not wait for them
+            await box.wait(min(gather_deadline, time.monotonic() + 0.5))
         # Only members' contributions to *our* part, of our part's size, count.
         contribs = {p: c for p, c in box.contribs.items() if p in members and c[0] == me and c[1].numel() == hi - lo}
         prints = {p: c[3] for p, c in contribs.items() if c[3] is not None}
@@ -513,9 +558,9 @@ class HivemindTransport(Transport):
         result_deadline = t0 + timeout * 0.8
         while len(box.results) < len(members) and time.monotonic() < result_deadline:
             owners = {members[j] for j in range(len(members)) if j not in box.results}
-            if not owners & set(await self._live_ids()):
-                break  # the owners still missing are gone; ask the others below
-            await box.wait(min(result_deadline, time.monotonic() + 1.0))
+            if owners <= self._gone(group.key, phase):
+                break  # the owners still missing are unreachable or left; ask the others below
+            await box.wait(min(result_deadline, time.monotonic() + 0.5))
         for j in range(len(members)):
             if j in box.results:
                 continue

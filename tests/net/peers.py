@@ -114,8 +114,15 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
     threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(n) if specs[i].run]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join(timeout)
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):  # never leave a peer running behind a test
+        for p in out.peers:
+            p.request_stop()
+        for t in threads:
+            t.join(60)
+        out.errors.append(TimeoutError(f"peers still running after {timeout:.0f} s"))
     if shared is not None:
         shared.close()
     out.step_rates = rates
