@@ -155,6 +155,8 @@ class Peer:
         self._bytes_seen = (0, 0)
         self._t_start: float | None = None
         self._warm_until = 0.0
+        self._synced_after_warmup = False
+        self.loop_seconds = 0.0  # wall time of the inner-step loop (without start-up and the final drain)
         self._service: Any = None
         self._stopping: Any = None
 
@@ -269,7 +271,7 @@ class Peer:
         self.net.call(self.transport.publish_meta({"step_seconds": self.step_seconds}), timeout=self.cfg.join_timeout)
         self.last_lstep = self.logical_step()
 
-    def _sync_from_swarm(self) -> None:
+    def _sync_from_swarm(self, keep_progress: bool = False) -> None:
         """A late joiner starts from the swarm's θ and outer state, not its own initialisation
         (data parallel: from its parameters and step, so that gradient rounds line up)."""
         assert self.transport is not None
@@ -283,9 +285,14 @@ class Peer:
                     self._load_ddp_state(state)
                 else:
                     with self.lock:
+                        before = {f.index: [t.clone() for t in self.outer.theta(f.index)] for f in self.frags}
                         self.outer.load_state_dict(state)
                         for frag in self.frags:
-                            self.trainer.apply_outer(frag.names, self.outer.theta(frag.index))
+                            new = self.outer.theta(frag.index)
+                            if keep_progress:  # local ← θ_new + (local − θ_old)
+                                local = self.trainer.snapshot(frag.names)
+                                new = [n + (x - o) for n, x, o in zip(new, local, before[frag.index], strict=True)]
+                            self.trainer.apply_outer(frag.names, new)
                 log.info("event=synced_from peer=%s", info.peer_id)
                 return
             except (RoundFailed, TimeoutError, ValueError, KeyError) as e:
@@ -347,6 +354,7 @@ class Peer:
                     self._inner_step()
                     self._outer()
                 self._status()
+            self.loop_seconds = time.perf_counter() - self._t_start
             self._drain()
             return self._summary(time.perf_counter() - t0)
         finally:
@@ -382,6 +390,12 @@ class Peer:
             # from views that disagree on who is live and split into groups: train locally meanwhile.
             self.last_lstep = max(self.last_lstep, lstep)
             return
+        if not self._synced_after_warmup:
+            # The swarm moved on while we warmed up (rounds applied, low-rank ranks adapted): take its
+            # outer state again, keeping the local progress made since the first sync.
+            self._synced_after_warmup = True
+            if self.cfg.sync_on_join:
+                self._sync_from_swarm(keep_progress=True)
         for step in range(self.last_lstep + 1, lstep + 1) if lstep > self.last_lstep else [lstep]:
             self._plan(step)
             if self.outer.negotiated and self.outer.is_slot(step):

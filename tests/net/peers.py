@@ -98,9 +98,8 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
                 time.sleep(delay)
             if peer.transport is None:
                 peer.start()
-            started = time.monotonic()
             out.results[i] = peer.run()
-            rates[i] = peer.trainer.step_count / (time.monotonic() - started)
+            rates[i] = peer.trainer.step_count / max(peer.loop_seconds, 1e-9)
         except BaseException as e:
             out.errors.append(e)
             peer.close()
