@@ -390,6 +390,10 @@ class Peer:
             # from views that disagree on who is live and split into groups: train locally meanwhile.
             self.last_lstep = max(self.last_lstep, lstep)
             return
+        if self.runner is not None and self.runner.needs_resync.is_set():
+            self.runner.needs_resync.clear()
+            log.warning("event=resync reason=round state differs from the swarm's")
+            self._sync_from_swarm(keep_progress=True)
         if not self._synced_after_warmup:
             # The swarm moved on while we warmed up (rounds applied, low-rank ranks adapted): take its
             # outer state again, keeping the local progress made since the first sync.
@@ -416,7 +420,7 @@ class Peer:
             for kind, x in plan.actions:
                 if kind == "send":
                     self._send(x, step, JoinRequest(key=f"f{x}.L{step}", peer_id=self.peer_id, weight=0.0,
-                                                    fragment=x, step=step))
+                                                    fragment=x, step=step, signature=self.outer.signature(x)))
                 else:
                     self._apply(x, step)
         raise RuntimeError(f"outer loop made no progress at step {step}")

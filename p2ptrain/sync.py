@@ -27,7 +27,7 @@ import torch
 from .algo.compress import Codec
 from .algo.methods import Round
 from .net.bandwidth import ThroughputEMA
-from .net.transport import Decide, Group, JoinRequest, ReduceResult, RoundFailed, Transport
+from .net.transport import Decide, Group, JoinRequest, ReduceResult, RoundFailed, StateMismatch, Transport
 
 __all__ = ["NetLoop", "RoundRunner", "RoundStats", "fingerprint", "theta_digest"]
 
@@ -129,6 +129,7 @@ class RoundRunner:
         self.transport, self.codec = transport, codec
         self.join_timeout, self.round_timeout, self.ema = join_timeout, round_timeout, ema
         self.stats = RoundStats()
+        self.needs_resync = threading.Event()  # a group said our round state differs from the swarm's
         self._meter = ThroughputEMA(alpha=ema, min_bytes=0)
         self.on_result = on_result
         self._group: asyncio.TaskGroup | None = None
@@ -219,6 +220,11 @@ class RoundRunner:
         except asyncio.CancelledError:
             rnd.abort()
             raise
+        except StateMismatch as e:
+            self.stats.failed += 1
+            rnd.abort()
+            self.needs_resync.set()
+            log.warning("event=round_failed key=%s reason=%s", rnd.key, e)
         except Exception as e:  # a round's failure must never take the TaskGroup (and other rounds) down
             self.stats.failed += 1
             rnd.abort()

@@ -474,6 +474,12 @@ class OuterLoop:
         """θ^(p): this peer's outer parameters of a fragment (do not modify)."""
         return self._state[fragment].theta
 
+    def signature(self, fragment: int) -> str:
+        """The shape of what this peer sends for a fragment (low-rank: its ranks); peers of one round
+        must agree on it."""
+        ranks = getattr(self._state[fragment].compressor, "ranks", None)
+        return ",".join(str(r) for r in ranks()) if callable(ranks) else ""
+
     def momentum(self, fragment: int) -> list[torch.Tensor]:
         """The outer Nesterov buffer of a fragment (do not modify)."""
         return self._state[fragment].momentum

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from .transport import Group, JoinRequest, RoundFailed
+from .transport import Group, JoinRequest, RoundFailed, StateMismatch
 
-__all__ = ["agreed_fragment", "alone_check", "fingerprints_match", "leader_of", "majority_fingerprint"]
+__all__ = ["agreed_fragment", "alone_check", "fingerprints_match", "leader_of", "majority_fingerprint",
+           "members_by_signature", "membership_check"]
 
 
 def leader_of(live: Sequence[str]) -> str:
@@ -54,3 +55,24 @@ def alone_check(group: Group, me: str, live: Sequence[str]) -> None:
     progress stays in θ − θ_i and goes into the next round."""
     if group.members == (me,) and set(live) - {me}:
         raise RoundFailed(f"round {group.key}: alone in the group while {len(set(live) - {me})} other peers are live")
+
+
+def members_by_signature(requests: Mapping[str, JoinRequest]) -> list[str]:
+    """The joined (non-abstaining) peers whose signature is the most common one (ties: the signature
+    of the smallest peer id). Peers with another signature would send payloads of other shapes."""
+    live = {p: r for p, r in requests.items() if not r.abstain}
+    if not live:
+        return []
+    counts = Counter(r.signature for r in live.values())
+    best = max(counts.values())
+    sig = next(live[p].signature for p in sorted(live) if counts[live[p].signature] == best)
+    return sorted(p for p, r in live.items() if r.signature == sig)
+
+
+def membership_check(group: Group, request: JoinRequest) -> None:
+    """RoundFailed for a joiner left out of the group; StateMismatch if it was left out for its signature."""
+    if request.peer_id in group.members or request.abstain:
+        return
+    if group.signature and request.signature != group.signature:
+        raise StateMismatch(f"round {group.key}: our round state differs from the group's; resync")
+    raise RoundFailed(f"round {group.key}: not a member of the group")

@@ -19,7 +19,14 @@ import torch
 from ..algo.compress import Codec
 from ..sim.allreduce import quantized_mean
 from ..sim.network import ring_factor
-from .membership import agreed_fragment, alone_check, leader_of, majority_fingerprint
+from .membership import (
+    agreed_fragment,
+    alone_check,
+    leader_of,
+    majority_fingerprint,
+    members_by_signature,
+    membership_check,
+)
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 
 __all__ = ["MemorySwarm", "MemoryTransport"]
@@ -148,8 +155,7 @@ class MemoryTransport(Transport):
                 except TimeoutError:
                     pass
             assert f.group is not None
-            if self.peer_id not in f.group.members and not request.abstain:
-                raise RoundFailed(f"round {request.key}: not a member")
+            membership_check(f.group, request)
             alone_check(f.group, self.peer_id, sw.live(side))
             return f.group
 
@@ -159,13 +165,14 @@ class MemoryTransport(Transport):
             raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s") from None
 
     def _close(self, f: _Forming, decide: Decide | None) -> None:
-        members = tuple(sorted(p for p, r in f.requests.items() if p not in self.swarm.dead and not r.abstain))
+        members = tuple(members_by_signature({p: r for p, r in f.requests.items() if p not in self.swarm.dead}))
         reqs = [f.requests[p] for p in members]
         fragment = agreed_fragment(reqs)
         if fragment is None and decide is not None and reqs:
             fragment = decide(reqs)
         key = next(iter(f.requests.values())).key
-        f.group = Group(key, members, leader_of(members) if members else "", fragment)
+        f.group = Group(key, members, leader_of(members) if members else "", fragment,
+                        reqs[0].signature if reqs else "")
         f.closed.set()
 
     async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,

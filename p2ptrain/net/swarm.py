@@ -37,7 +37,14 @@ from ..algo.compress import Codec, get_codec
 from .bandwidth import LinkMeter
 from .butterfly import part_bounds, weighted_part_mean
 from .faults import maybe_die_in_allreduce
-from .membership import agreed_fragment, alone_check, leader_of, majority_fingerprint
+from .membership import (
+    agreed_fragment,
+    alone_check,
+    leader_of,
+    majority_fingerprint,
+    members_by_signature,
+    membership_check,
+)
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 from .wire import MAX_FRAME, FrameError, read_frame, write_frame
 
@@ -389,9 +396,8 @@ class HivemindTransport(Transport):
                     raise RoundFailed(f"round {request.key}: leader says {reply['error']}")
                 g = reply["group"]
                 group = Group(str(g["key"]), tuple(str(m) for m in g["members"]), str(g["leader"]),
-                              None if g.get("fragment") is None else int(g["fragment"]))
-            if self.peer_id not in group.members and not request.abstain:
-                raise RoundFailed(f"round {request.key}: not a member of the group")
+                              None if g.get("fragment") is None else int(g["fragment"]), str(g.get("sig", "")))
+            membership_check(group, request)
             alone_check(group, self.peer_id, await self._live_ids())
             return group
         raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s")
@@ -412,12 +418,12 @@ class HivemindTransport(Transport):
                 live = set(await self._live_ids(max_age=0.2))  # closing early: on a fresh view only
             now = time.monotonic()
             if live <= set(f.requests) or now >= f.first + self.cfg.join_window or now >= deadline:
-                members = tuple(sorted(p for p, r in f.requests.items() if not r.abstain))
+                members = tuple(members_by_signature(f.requests))
                 reqs = [f.requests[m] for m in members]
                 fragment = agreed_fragment(reqs)
                 if fragment is None and f.decide is not None and reqs:
                     fragment = f.decide(reqs)
-                f.group = Group(request.key, members, self.peer_id, fragment)
+                f.group = Group(request.key, members, self.peer_id, fragment, reqs[0].signature if reqs else "")
                 f.closed.set()
                 break
             try:
@@ -436,7 +442,7 @@ class HivemindTransport(Transport):
         except RoundFailed as e:
             return {"error": str(e)}
         return {"group": {"key": group.key, "members": list(group.members), "leader": group.leader,
-                          "fragment": group.fragment}}
+                          "fragment": group.fragment, "sig": group.signature}}
 
     def _gc(self, max_age: float = 600.0) -> None:
         now = time.monotonic()

@@ -25,11 +25,25 @@ import torch
 
 from ..algo.compress import Codec
 
-__all__ = ["Decide", "Group", "JoinRequest", "PeerInfo", "ReduceResult", "RoundFailed", "StateProvider", "Transport"]
+__all__ = [
+    "Decide",
+    "Group",
+    "JoinRequest",
+    "PeerInfo",
+    "ReduceResult",
+    "RoundFailed",
+    "StateMismatch",
+    "StateProvider",
+    "Transport",
+]
 
 
 class RoundFailed(RuntimeError):
     """A round could not complete at all (no group, or nothing averaged): the caller aborts it."""
+
+
+class StateMismatch(RoundFailed):
+    """This peer's round state (e.g. its low-rank ranks) differs from the group's: it must resync."""
 
 
 @dataclass
@@ -50,11 +64,12 @@ class JoinRequest:
     last_sent: list[int] = field(default_factory=list)
     step: int = 0
     abstain: bool = False  # "I am here but sit this round out": counts as joined, is not a member
+    signature: str = ""  # the shape of what this peer will send (e.g. low-rank ranks): must match the group's
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "peer": self.peer_id, "weight": self.weight, "fragment": self.fragment,
                 "scores": self.scores, "busy": self.busy, "last_sent": self.last_sent, "step": self.step,
-                "abstain": self.abstain}
+                "abstain": self.abstain, "sig": self.signature}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> JoinRequest:
@@ -62,7 +77,7 @@ class JoinRequest:
                    fragment=None if m.get("fragment") is None else int(m["fragment"]),
                    scores=None if m.get("scores") is None else [float(x) for x in m["scores"]],
                    busy=[int(x) for x in m.get("busy", [])], last_sent=[int(x) for x in m.get("last_sent", [])],
-                   step=int(m.get("step", 0)), abstain=bool(m.get("abstain", False)))
+                   step=int(m.get("step", 0)), abstain=bool(m.get("abstain", False)), signature=str(m.get("sig", "")))
 
 
 #: The leader's choice of fragment from all members' requests (None: nothing to send).
@@ -79,6 +94,7 @@ class Group:
     members: tuple[str, ...]
     leader: str
     fragment: int | None
+    signature: str = ""
 
     def __post_init__(self) -> None:
         if list(self.members) != sorted(set(self.members)):
