@@ -22,6 +22,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from .faults import maybe_die_mid_write
+
 __all__ = [
     "CheckpointDir",
     "CheckpointError",
@@ -111,7 +113,11 @@ def write_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(payload)
+            view, half = memoryview(payload), len(payload) // 2
+            f.write(view[:half])
+            f.flush()
+            maybe_die_mid_write()  # fault injection (tests): off unless an environment variable asks
+            f.write(view[half:])
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -164,6 +170,15 @@ class CheckpointDir:
             return []
         found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _NAME.match(p.name))]
         return sorted(found)
+
+    def remove_temporaries(self) -> int:
+        """Delete temporary files of writes that never finished (call only when no write is running)."""
+        if not self.root.is_dir():
+            return 0
+        stale = [p for p in self.root.iterdir() if p.name.startswith(".ckpt-") and p.name.endswith(".tmp")]
+        for p in stale:
+            p.unlink(missing_ok=True)
+        return len(stale)
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         path = write_checkpoint(self.root / f"ckpt-{step:010d}.safetensors", state)

@@ -36,6 +36,7 @@ from .algo.priority import choose_merged, sends_per_window
 from .checkpoint import state_from_bytes, state_to_bytes
 from .metrics import PeerMetrics
 from .net.transport import Group, JoinRequest, PeerInfo, RoundFailed, Transport
+from .peer_checkpoint import PeerCheckpoints, resumable_digest
 from .sync import NetLoop, RoundRunner, fingerprint, theta_digest
 from .trainer import Trainer
 
@@ -63,6 +64,8 @@ class PeerConfig:
             tests and demos; the padding counts as compute).
         warmup: seconds after joining before taking part in rounds (None: three heartbeats), so that
             every peer's view of who is live includes us before a group can form without us.
+        checkpoint_dir: where to write checkpoints (None: none); every ``checkpoint_every`` applied
+            rounds (data parallel: steps) and on leave, keeping the last ``keep_checkpoints``.
     """
 
     run_id: str = "p2ptrain"
@@ -77,6 +80,9 @@ class PeerConfig:
     drain_timeout: float = 60.0
     min_step_seconds: float = 0.0
     warmup: float | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
 
     def __post_init__(self) -> None:
         if self.warmup is None:
@@ -141,6 +147,7 @@ class Peer:
         self._assigned: dict[int, int] = {}  # as a slot leader: fragment -> slot it was assigned at
         self.lock = threading.Lock()  # guards the outer state against the state provider (loop thread)
         self.before: OrderedDict[str, bytes] = OrderedDict()  # θ^(p), momentum before a round, by key
+        self.after: OrderedDict[str, bytes] = OrderedDict()  # θ^(p), momentum after an applied round, by key
         self.tokens_at_send: list[int] = [0] * len(self.frags)
         self.step_seconds = cfg.step_seconds
         self.last_lstep = -1
@@ -159,6 +166,13 @@ class Peer:
         self.loop_seconds = 0.0  # wall time of the inner-step loop (without start-up and the final drain)
         self._service: Any = None
         self._stopping: Any = None
+        self.checkpoints = (PeerCheckpoints(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
+                            if cfg.checkpoint_dir else None)
+        self.resume_state: dict[str, Any] | None = None  # set by PeerCheckpoints.restore before start()
+        self.synced_from: str | None = None  # the peer whose state this one took at start, if any
+        self.start_digests: list[str] = []  # digest of θ per fragment when start() returned
+        self.served_digests: list[list[str]] = []  # digest of θ per fragment in every outer state served
+        self.loss_log: list[tuple[float, int, float]] = []  # (unix time, inner step, train loss)
 
     # ------------------------------------------------------------------ identity & clock
     @property
@@ -169,6 +183,11 @@ class Peer:
     def logical_step(self, now: float | None = None) -> int:
         assert self.step_seconds is not None
         return int((time.time() if now is None else now) / self.step_seconds)
+
+    def theta_digests(self) -> list[str]:
+        """Digest of θ^(p) per fragment (call with the lock held)."""
+        assert self.outer is not None
+        return [theta_digest(self.outer.theta(f.index)) for f in self.frags]
 
     def request_stop(self) -> None:
         """Ask the compute loop to leave at its next step (thread-safe; used by signal handlers)."""
@@ -185,11 +204,25 @@ class Peer:
         self._service = self.net.submit(self._serve())
         self.runner.wait_ready(10)
         self._agree_pacing()
+        resumed = self.resume_state
         if self.outer is not None:
             with self.lock:
                 self.outer.init(self.trainer)
+                if resumed is not None:
+                    self.outer.load_state_dict(resumed["outer"])
+        if resumed is not None:
+            digest = resumable_digest(self.trainer.state_dict(), None if self.outer is None else self.outer.state_dict())
+            log.info("event=resumed step=%d state=%s", self.trainer.step_count, digest)
+            st = self.runner.stats
+            for k, v in resumed["peer"]["rounds"].items():
+                setattr(st, k, int(v))
+            self.resume_state = None
         if self.cfg.sync_on_join:
-            self._sync_from_swarm()
+            # A resumed peer keeps its local progress and own state where the swarm's θ still fits it.
+            self._sync_from_swarm(keep_progress=resumed is not None)
+        if self.outer is not None:
+            with self.lock:
+                self.start_digests = self.theta_digests()
         self._announce_now()
         self._warm_until = time.monotonic() + float(self.cfg.warmup or 0.0)
 
@@ -272,31 +305,92 @@ class Peer:
         self.last_lstep = self.logical_step()
 
     def _sync_from_swarm(self, keep_progress: bool = False) -> None:
-        """A late joiner starts from the swarm's θ and outer state, not its own initialisation
-        (data parallel: from its parameters and step, so that gradient rounds line up)."""
+        """Take the swarm's θ and outer state (data parallel: its parameters, AdamW state and step),
+        downloaded chunked and hash-verified from the first live peer that delivers it whole.
+        ``keep_progress``: local ← θ_new + (local − θ_old), and this peer's own per-fragment state
+        (eager's Δ_i, error feedback) is kept where it still fits."""
         assert self.transport is not None
         others = [p for p in self.net.call(self.transport.peers(), self.cfg.join_timeout) if p.peer_id != self.peer_id]
-        for info in sorted(others, key=lambda i: i.peer_id):
+        # Most advanced first (it holds the newest θ), then by id so that joiners agree.
+        sources = [i.peer_id for i in sorted(others, key=lambda i: (-i.step, i.peer_id))]
+        if not sources:
+            return
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            if time.monotonic() - last[0] > 2.0 or done == total:
+                last[0] = time.monotonic()
+                log.info("event=state_download bytes=%d total=%d", done, total)
+
+        while sources:
             try:
-                raw = self.net.call(self.transport.fetch_state(info.peer_id, "outer", timeout=self.cfg.join_timeout),
-                                    self.cfg.join_timeout + 5)
-                state = state_from_bytes(raw, f"state from {info.peer_id}")
-                if self.outer is None:
-                    self._load_ddp_state(state)
-                else:
-                    with self.lock:
-                        before = {f.index: [t.clone() for t in self.outer.theta(f.index)] for f in self.frags}
-                        self.outer.load_state_dict(state)
-                        for frag in self.frags:
-                            new = self.outer.theta(frag.index)
-                            if keep_progress:  # local ← θ_new + (local − θ_old)
-                                local = self.trainer.snapshot(frag.names)
-                                new = [n + (x - o) for n, x, o in zip(new, local, before[frag.index], strict=True)]
-                            self.trainer.apply_outer(frag.names, new)
-                log.info("event=synced_from peer=%s", info.peer_id)
+                source, raw = self.net.call(self.transport.download_state(
+                    sources, "outer", timeout=self.cfg.join_timeout, progress=progress), None)
+                state = state_from_bytes(raw, f"state from {source}")
+                self._take_state(state, keep_progress)
+            except (RoundFailed, TimeoutError) as e:
+                log.warning("event=sync_failed reason=%s", e)
                 return
-            except (RoundFailed, TimeoutError, ValueError, KeyError) as e:
-                log.warning("event=sync_failed peer=%s reason=%s", info.peer_id, e)
+            except (ValueError, KeyError) as e:  # a verified download that does not fit: try the others
+                log.warning("event=sync_rejected peer=%s reason=%s", source, e)
+                sources = sources[sources.index(source) + 1:]
+                continue
+            self.synced_from = source
+            log.info("event=synced_from peer=%s", source)
+            if self.outer is not None:
+                self._catch_up(source, state.get("pending", []), keep_progress)
+            return
+
+    def _catch_up(self, source: str, pending: Sequence[Sequence[Any]], keep_progress: bool) -> None:
+        """The state we took did not include the source's rounds then in flight; take θ after each
+        of them once the source has applied it, or we would start one round behind the swarm on
+        that fragment (bounded wait: a round the source never applies is left to repair)."""
+        assert self.transport is not None and self.outer is not None
+        deadline = time.monotonic() + self.method.timeout + self.cfg.join_timeout
+        t0 = time.perf_counter()
+        for fragment, key in pending:
+            while time.monotonic() < deadline:
+                try:
+                    raw = self.net.call(self.transport.fetch_state(source, f"after:{key}",
+                                                                   timeout=self.cfg.join_timeout),
+                                        self.cfg.join_timeout + 5)
+                except RoundFailed:  # not applied yet
+                    time.sleep(0.25 * (self.step_seconds or 0.2))
+                    continue
+                except TimeoutError:
+                    return
+                st = state_from_bytes(raw, f"θ after {key} from {source}")
+                if st.get("gone"):
+                    break
+                names = self.frags[int(fragment)].names
+                with self.lock:
+                    old = [t.clone() for t in self.outer.theta(int(fragment))]
+                    self.outer.overwrite(int(fragment), st["theta"], st["momentum"])
+                    new = self.outer.theta(int(fragment))
+                    if keep_progress:
+                        local = self.trainer.snapshot(names)
+                        new = [n + (x - o) for n, x, o in zip(new, local, old, strict=True)]
+                    self.trainer.apply_outer(names, new)
+                log.info("event=caught_up fragment=%s key=%s", fragment, key)
+                break
+        self.stall += time.perf_counter() - t0
+
+    def _take_state(self, state: dict[str, Any], keep_progress: bool) -> None:
+        if self.outer is None:
+            self._load_ddp_state(state)
+            return
+        with self.lock:
+            before = {f.index: [t.clone() for t in self.outer.theta(f.index)] for f in self.frags}
+            mine = self.outer.state_dict() if keep_progress else None
+            self.outer.load_state_dict(state)
+            if mine is not None:
+                self.outer.keep_own(mine)
+            for frag in self.frags:
+                new = self.outer.theta(frag.index)
+                if keep_progress:  # local ← θ_new + (local − θ_old)
+                    local = self.trainer.snapshot(frag.names)
+                    new = [n + (x - o) for n, x, o in zip(new, local, before[frag.index], strict=True)]
+                self.trainer.apply_outer(frag.names, new)
 
     def _provide(self, name: str) -> bytes | None:
         """State other peers may ask for (called on the loop thread)."""
@@ -307,11 +401,24 @@ class Peer:
                 if self.outer is None:
                     return state_to_bytes({"params": dict(self.trainer.params), "step": self.trainer.step_count,
                                            "optimizer": self.trainer.optimizer.state_dict()})
-                return state_to_bytes(self.outer.shared_state())
+                self.served_digests.append(self.theta_digests())
+                state = self.outer.shared_state()
+                # Rounds this θ does not include yet: the taker fetches θ after each ("after:KEY").
+                state["pending"] = [[r.fragment, r.key] for r in list(self.in_flight)
+                                    if r.state in (RoundState.AVERAGING, RoundState.ARRIVED)]
+                return state_to_bytes(state)
         if self.outer is None:
             return None
         if name.startswith("before:"):
             return self.before.get(name[len("before:"):])
+        if name.startswith("after:"):
+            key = name[len("after:"):]
+            if key in self.after:
+                return self.after[key]
+            if any(r.key == key for r in list(self.in_flight)):
+                return None  # not applied yet: ask again
+            return state_to_bytes({"gone": True})  # failed or long gone: θ never included it
+        return None
         return None
 
     def close(self) -> None:
@@ -356,6 +463,8 @@ class Peer:
                 self._status()
             self.loop_seconds = time.perf_counter() - self._t_start
             self._drain()
+            if self.checkpoints is not None:
+                self.checkpoints.save(self, "leave")
             return self._summary(time.perf_counter() - t0)
         finally:
             self.close()
@@ -368,6 +477,7 @@ class Peer:
             seconds = self.cfg.min_step_seconds
         self.compute += seconds
         self.last_loss = st.loss
+        self.loss_log.append((time.time(), self.trainer.step_count, st.loss))
         self._step_metrics(st.tokens, st.loss)
 
     def _step_metrics(self, tokens: int, loss: float) -> None:
@@ -458,10 +568,15 @@ class Peer:
             rep = self.outer.finish(rnd, step, self.trainer)
             theta = self.outer.theta(rnd.fragment)
             digest = theta_digest(theta)
+            self.after[rnd.key] = state_to_bytes({"theta": theta, "momentum": self.outer.momentum(rnd.fragment)})
+            while len(self.after) > 4 * len(self.frags) + 4:
+                self.after.popitem(last=False)
             self.applied_log[rnd.key] = (digest, [t.clone() for t in theta] if self.keep_applied else [])
             self.history.append((rnd.key, digest[:8], tuple(c[-4:] for c in rnd.contributors), rnd.divergent))
         self.applied += 1
         self.in_flight.remove(rnd)
+        if self.checkpoints is not None:
+            self.checkpoints.after_round(self)
         if self.metrics is not None:
             self.metrics.staleness.observe(rep.delay)
             if rep.correction_norm:
@@ -600,7 +715,10 @@ class Peer:
         self.compute += (t1 - t0) + (time.perf_counter() - t2)
         self.stall += t2 - t1
         self.last_loss = loss
+        self.loss_log.append((time.time(), self.trainer.step_count, loss))
         self._step_metrics(tokens, loss)
+        if self.checkpoints is not None:
+            self.checkpoints.after_round(self)
         if self.metrics is not None:
             self.metrics.rounds.labels(fragment="grad", outcome="complete" if res is not None else "failed").inc()
 

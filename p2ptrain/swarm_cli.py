@@ -64,6 +64,9 @@ def join(
     min_step_seconds: Annotated[float | None, typer.Option("--min-step-seconds", help="Pad each inner step to this long (emulate a slower device).")] = None,
     metrics_port: Annotated[int, typer.Option("--metrics-port", help="Serve Prometheus metrics here (0: any free port, -1: off).")] = DEFAULT_METRICS_PORT,
     metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address of the metrics endpoint.")] = "127.0.0.1",
+    checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write checkpoints here (every --checkpoint-every rounds and on leave).")] = None,
+    checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every", help="Applied rounds between checkpoints.")] = None,
+    resume: Annotated[Path | None, typer.Option("--resume", help="Continue from the newest checkpoint in this folder (and keep writing there).")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the peer's summary as JSON here.")] = None,
     maddrs_file: Annotated[Path | None, typer.Option("--maddrs-file", help="Write this peer's multiaddrs here once listening.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line.")] = False,
@@ -72,8 +75,10 @@ def join(
 ) -> None:
     """Join a swarm (or start one, with no --initial-peers) and train until --steps."""
     from .algo.methods import method_config
+    from .checkpoint import CheckpointError
     from .net.swarm import HivemindTransport, SwarmConfig, SwarmError
     from .peer import Peer, PeerConfig
+    from .peer_checkpoint import PeerCheckpoints
     from .trainer import make_trainer
     from .ui import console, out, setup_logging, table
 
@@ -92,7 +97,9 @@ def join(
         rid = run_id or peer_file.get("run_id") or "p2ptrain"
         peer_cfg = build(PeerConfig, merged({k: v for k, v in peer_file.items() if k not in ("initial_peers",)}, {
             "run_id": rid, "region": region, "steps": total, "step_seconds": step_seconds,
-            "join_window": join_window, "min_step_seconds": min_step_seconds}), "peer")
+            "join_window": join_window, "min_step_seconds": min_step_seconds,
+            "checkpoint_dir": str(checkpoint_dir or resume) if (checkpoint_dir or resume) else None,
+            "checkpoint_every": checkpoint_every}), "peer")
         swarm_cfg = SwarmConfig(
             run_id=rid, initial_peers=list(initial_peers or peer_file.get("initial_peers", [])),
             host_maddrs=list(host_maddrs or ["/ip4/127.0.0.1/tcp/0"]), announce_maddrs=list(announce_maddrs or []),
@@ -105,6 +112,17 @@ def join(
 
     metrics = PeerMetrics(method=method_cfg.name, region=peer_cfg.region)
     peer = Peer(peer_cfg, method_cfg, trainer, lambda: HivemindTransport.create(swarm_cfg), metrics=metrics)
+    resumed_step: int | None = None
+    if resume is not None:
+        try:
+            found = PeerCheckpoints(resume).latest()
+            if found is None:
+                raise fail(f"--resume {resume}: no checkpoint there")
+            PeerCheckpoints.restore(peer, found[1])
+        except (CheckpointError, ValueError, KeyError) as e:
+            raise fail(f"--resume {resume}: {e}") from None
+        resumed_step = trainer.step_count
+        console.print(f"resuming from {found[0].name} (inner step {resumed_step})", highlight=False)
     if metrics_port >= 0:
         try:
             port = metrics.serve(metrics_port, metrics_host)
@@ -121,7 +139,8 @@ def join(
     except SwarmError as e:
         peer.close()
         raise fail(str(e), 1) from None
-    trainer.stream.reseed(data_cfg.seed, _rank_of(peer.peer_id))
+    if resumed_step is None:  # a resumed peer keeps its data position
+        trainer.stream.reseed(data_cfg.seed, _rank_of(peer.peer_id))
     maddrs = peer.net.call(peer.transport.visible_maddrs(), 10)  # type: ignore[union-attr]
     if maddrs_file:
         maddrs_file.write_text("\n".join(maddrs) + "\n")
@@ -169,6 +188,7 @@ def join(
             "rounds_applied": summary.rounds_applied, "repairs": summary.repairs, "bytes_sent": summary.bytes_sent,
             "bytes_received": summary.bytes_received, "final_train_loss": summary.final_train_loss,
             "applied": {k: v[0] for k, v in summary.applied.items()}, "method": method_cfg.name,
+            "resumed_step": resumed_step, "synced_from": peer.synced_from, "loss_log": peer.loss_log,
         }, indent=2))
 
 
@@ -255,7 +275,15 @@ def status(
         try:
             peers = [p for p in await t.peers() if p.peer_id != t.peer_id]
             if json_mode:
-                print(json.dumps([{**p.to_wire(), "expires": p.expires} for p in peers], indent=2))
+                from hivemind.utils import get_dht_time
+
+                now = get_dht_time()
+                print(json.dumps([{"peer_id": p.peer_id, "region": p.region, "method": p.method, "step": p.step,
+                                   "logical_step": p.logical_step, "loss": p.loss,
+                                   "tokens_per_second": p.tokens_per_second,
+                                   "bandwidth_bytes_per_second": p.bandwidth, "maddrs": p.maddrs,
+                                   "expires": p.expires, "last_seen_seconds": max(0.0, now - (p.expires - cfg.ttl))}
+                                  for p in peers], indent=2))
                 return
             if not watch:
                 out.print(table(f"run {run_id}: {len(peers)} peers", cols, rows(peers)))

@@ -56,8 +56,9 @@ class NetLoop:
         """Schedule ``coro`` on the loop; returns a thread-safe future."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coro`` on the loop and wait for it (compute thread only)."""
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Run ``coro`` on the loop and wait for it (compute thread only). ``timeout=None`` only for a
+        coroutine that bounds every one of its own waits (e.g. a chunked download)."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("NetLoop.call() from the loop thread would deadlock; await the coroutine instead")
@@ -66,7 +67,7 @@ class NetLoop:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            raise TimeoutError(f"network call did not finish within {timeout:.1f} s") from None
+            raise TimeoutError(f"network call did not finish within {timeout} s") from None
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel what is left on the loop, stop it and join the thread."""

@@ -656,6 +656,29 @@ class OuterLoop:
                 frag["compressor"] = {**frag["compressor"], "error": []}
         return state
 
+    def keep_own(self, saved: dict[str, Any]) -> int:
+        """After taking a shared state (:meth:`shared_state` of another peer), put back this peer's own
+        per-fragment state from ``saved`` (its :meth:`state_dict` from before) where it still fits:
+        eager's Δ_i when the fragment's round counter is unchanged, error feedback when the
+        compressor's layout and ranks are. Returns the number of fragments that kept something."""
+        kept = 0
+        for st, old in zip(self._state, saved["fragments"], strict=True):
+            took = False
+            if old["own"] and int(old["seq"]) == st.seq:
+                st.own = {int(k): v for k, v in old["own"].items()}
+                took = True
+            error = old["compressor"].get("error")
+            if error:
+                cur = st.compressor.state_dict()
+                if cur.get("index") == old["compressor"].get("index") and cur.get("rank") == old["compressor"].get("rank"):
+                    try:
+                        st.compressor.load_state_dict({**cur, "error": error})
+                        took = True
+                    except ValueError:
+                        pass
+            kept += took
+        return kept
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["method"]["method"] != self.cfg.name:
             raise ValueError(f"outer state is for method {state['method']['method']!r}, not {self.cfg.name!r}")
@@ -669,6 +692,7 @@ class OuterLoop:
             theta = [t.float().clone() for t in s["theta"]]
             if [tuple(t.shape) for t in theta] != frag.shapes:
                 raise ValueError(f"outer state of fragment {frag.index} does not match the model's shapes")
+            own = {int(k): v for k, v in s["own"].items()}  # checkpoints store keys as text
             self._state.append(_FragmentState(theta, [m.float().clone() for m in s["momentum"]], comp,
-                                              s["last_send"], int(s["seq"]), dict(s["own"])))
+                                              s["last_send"], int(s["seq"]), own))
         self.sends_per_window = state.get("sends_per_window")

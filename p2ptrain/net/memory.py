@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,7 +113,8 @@ class MemoryTransport(Transport):
     def serve_state(self, provider: StateProvider) -> None:
         self.swarm.providers[self.peer_id] = provider
 
-    async def fetch_state(self, peer_id: str, name: str, *, timeout: float) -> bytes:
+    async def fetch_state(self, peer_id: str, name: str, *, timeout: float,
+                          progress: Callable[[int, int], None] | None = None) -> bytes:
         await self._lag()
         sw = self.swarm
         if peer_id in sw.dead or sw.side.get(peer_id, 0) != self._side or peer_id not in sw.providers:
@@ -122,6 +123,8 @@ class MemoryTransport(Transport):
         data = sw.providers[peer_id](name)
         if data is None:
             raise RoundFailed(f"state {name!r}: peer {peer_id} has none")
+        if progress is not None:
+            progress(len(data), len(data))
         return data
 
     async def publish_meta(self, meta: dict[str, Any]) -> None:

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from ..algo.compress import Codec, get_codec
+from ..faults import maybe_die_in_allreduce
 from .bandwidth import LinkMeter
 from .butterfly import part_bounds, weighted_part_mean
-from .faults import maybe_die_in_allreduce
 from .membership import (
     agreed_fragment,
     alone_check,
@@ -45,6 +45,7 @@ from .membership import (
     members_by_signature,
     membership_check,
 )
+from .state_transfer import DEFAULT_CHUNK, MAX_STATE, StateServer, fetch_chunked
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 from .wire import MAX_FRAME, FrameError, read_frame, write_frame
 
@@ -74,6 +75,7 @@ class SwarmConfig:
         connect_attempts, connect_backoff: retries when initial peers are unreachable.
         recontact_every: seconds between re-pings of known peers (heals splits).
         max_message: the largest frame accepted from the network, bytes.
+        state_chunk: bytes per reply of a state transfer; max_state: the largest state accepted.
     """
 
     run_id: str = "p2ptrain"
@@ -90,6 +92,8 @@ class SwarmConfig:
     connect_backoff: float = 1.0
     recontact_every: float = 10.0
     max_message: int = MAX_FRAME
+    state_chunk: int = DEFAULT_CHUNK
+    max_state: int = MAX_STATE
 
 
 async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any]:
@@ -169,7 +173,7 @@ class HivemindTransport(Transport):
         self._live: list[PeerInfo] = []
         self._live_at = 0.0
         self._maddrs: dict[str, list[str]] = {}
-        self._provider: StateProvider | None = None
+        self._states = StateServer(cfg.state_chunk)
         self.links = LinkMeter()
         self._left: set[str] = set()  # peers whose last announcement is a departure
         self._tasks: asyncio.TaskGroup | None = None
@@ -621,17 +625,14 @@ class HivemindTransport(Transport):
 
     # ------------------------------------------------------------------ state
     def serve_state(self, provider: StateProvider) -> None:
-        self._provider = provider
+        self._states.provider = provider
 
     async def _on_state(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
-        if self._provider is None:
-            return {"error": "no state here"}
-        data = await asyncio.to_thread(self._provider, str(msg["name"]))
-        return {"error": "unknown state"} if data is None else {"data": data}
+        return await self._states.handle(msg)
 
-    async def fetch_state(self, peer_id: str, name: str, *, timeout: float) -> bytes:
-        reply, _ = await self._call(peer_id, "state", {"name": name}, timeout=timeout)
-        data = reply.get("data")
-        if not isinstance(data, bytes):
-            raise RoundFailed(f"state {name!r} from {peer_id[-8:]}: {reply.get('error', 'no data')}")
-        return data
+    async def fetch_state(self, peer_id: str, name: str, *, timeout: float,
+                          progress: Callable[[int, int], None] | None = None) -> bytes:
+        async def call(msg: dict[str, Any]) -> dict[str, Any]:
+            return (await self._call(peer_id, "state", msg, timeout=timeout))[0]
+
+        return await fetch_chunked(call, name, max_bytes=self.cfg.max_state, progress=progress)

@@ -181,8 +181,23 @@ class Transport(abc.ABC):
         The provider is called on the loop thread and must be thread-safe."""
 
     @abc.abstractmethod
-    async def fetch_state(self, peer_id: str, name: str, *, timeout: float) -> bytes:
-        """Ask ``peer_id`` for the state called ``name``; RoundFailed if it has none or does not answer."""
+    async def fetch_state(self, peer_id: str, name: str, *, timeout: float,
+                          progress: Callable[[int, int], None] | None = None) -> bytes:
+        """Download the state called ``name`` from ``peer_id`` (chunked and verified where the transport
+        crosses a network; ``timeout`` bounds each wait); RoundFailed if it has none, does not answer,
+        dies mid-transfer or sends bytes that do not match the hash it announced."""
+
+    async def download_state(self, sources: Sequence[str], name: str, *, timeout: float,
+                             progress: Callable[[int, int], None] | None = None) -> tuple[str, bytes]:
+        """Download ``name`` from the first of ``sources`` that delivers it whole: (source, bytes).
+        A source that fails mid-transfer is skipped and the download starts again from the next."""
+        errors = []
+        for peer in sources:
+            try:
+                return peer, await self.fetch_state(peer, name, timeout=timeout, progress=progress)
+            except RoundFailed as e:
+                errors.append(f"{peer[-8:]}: {e}")
+        raise RoundFailed(f"state {name!r}: no source delivered it ({'; '.join(errors) or 'no sources'})")
 
     @abc.abstractmethod
     async def publish_meta(self, meta: dict[str, Any]) -> None:

@@ -38,12 +38,20 @@ def test_every_method_on_three_libp2p_peers(name: str, knobs: dict[str, Any], co
 
 
 def test_late_joiner_syncs_and_takes_part(corpus: Corpus) -> None:
-    specs = [Spec(steps=120, delay=0.03)] * 3 + [Spec(steps=50, delay=0.03, start_after=2.0)]
+    specs = [Spec(steps=120, delay=0.03)] * 3 + [Spec(steps=50, delay=0.03, start_after=4.0)]
     run = run_peers(method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10), specs, corpus,
                     libp2p_transports("late"), step_seconds=0.05)
     assert not run.errors, run.errors
     late = run.results[3]
     assert late is not None and late.rounds_complete + late.rounds_partial >= 2
+    # Before its first inner step the joiner's θ was, bitwise, the θ a live peer held: the one it served,
+    # or the one after a round the source then had in flight (the joiner catches up on those).
+    joiner = run.peers[3]
+    assert joiner.synced_from is not None and joiner.start_digests
+    source = next(p for p in run.peers[:3] if p.peer_id == joiner.synced_from)
+    held = {d for served in source.served_digests for d in served} | {d for d, _ in source.applied_log.values()}
+    assert all(d in held for d in joiner.start_digests), (joiner.start_digests, held)
+    assert joiner.start_digests != run.peers[0].start_digests  # the swarm had moved on from the initial θ
     assert applied_agree(run.results, min_common=1)  # the joiner's θ matches the swarm's after shared rounds
 
 

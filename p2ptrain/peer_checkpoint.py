@@ -1,0 +1,117 @@
+"""A swarm peer's checkpoints: everything needed to continue where it stopped.
+
+One safetensors file per checkpoint (atomic: temp file, fsync, rename; the last K kept)
+holding the trainer (model, inner AdamW, schedule step, data position), the full outer
+state (per-fragment θ and momentum, counters, this peer's own method state: eager's
+Δ_i, error feedback), the peer's counters and the torch RNG. A peer writes one every
+``every`` applied rounds (data parallel: every ``every`` steps) and when it leaves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .checkpoint import CheckpointDir, pack
+from .faults import maybe_die_in_checkpoint
+
+if TYPE_CHECKING:
+    from .peer import Peer
+
+__all__ = ["PeerCheckpoints", "resumable_digest", "state_digest"]
+
+log = logging.getLogger(__name__)
+
+KIND = "p2ptrain-peer"
+COUNTERS = ("complete", "partial", "failed", "divergent", "bytes_sent", "bytes_received")
+
+
+def state_digest(state: Any) -> str:
+    """SHA-256 over a state tree: its structure, scalars, and every tensor's dtype, shape and bytes."""
+    tree, tensors = pack(state)
+    h = hashlib.sha256(json.dumps(tree, sort_keys=True).encode())
+    for name in sorted(tensors, key=lambda n: int(n[1:])):
+        t = tensors[name]
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def resumable_digest(trainer: dict[str, Any], outer: dict[str, Any] | None) -> str:
+    """Digest of what a resume must restore exactly: the trainer's state (model, AdamW, data position,
+    counters; not its config, which flags may change) and the outer state."""
+    return state_digest({"trainer": {k: v for k, v in trainer.items() if k != "trainer_config"}, "outer": outer})
+
+
+class PeerCheckpoints:
+    """Checkpoints of one peer in ``root`` (``every`` rounds between them, the last ``keep`` kept)."""
+
+    def __init__(self, root: str | Path, every: int = 10, keep: int = 3) -> None:
+        if every < 1:
+            raise ValueError("checkpoint_every must be at least 1")
+        self.dir, self.every = CheckpointDir(root, keep), every
+        self.dir.remove_temporaries()  # left by a write that was killed half-way
+        self.last_saved: float | None = None
+        self._since = 0
+
+    @staticmethod
+    def state(peer: Peer) -> dict[str, Any]:
+        stats = peer.runner.stats if peer.runner is not None else None
+        with peer.lock:
+            return {
+                "kind": KIND,
+                "run_id": peer.cfg.run_id,
+                "method": peer.method.name,
+                "trainer": peer.trainer.state_dict(),
+                "outer": None if peer.outer is None else peer.outer.state_dict(),
+                "peer": {"applied": peer.applied, "repairs": peer.repairs, "tokens_at_send": list(peer.tokens_at_send),
+                         "rounds": {k: int(getattr(stats, k)) if stats else 0 for k in COUNTERS}},
+                "rng": torch.get_rng_state(),
+                "saved_at": time.time(),
+            }
+
+    def save(self, peer: Peer, why: str) -> Path:
+        state = self.state(peer)
+        maybe_die_in_checkpoint()
+        path = self.dir.save(peer.trainer.step_count, state)
+        self.last_saved, self._since = time.time(), 0
+        log.info("event=checkpoint why=%s step=%d path=%s", why, peer.trainer.step_count, path)
+        if peer.metrics is not None:
+            peer.metrics.checkpoint_time.set(self.last_saved)
+        return path
+
+    def after_round(self, peer: Peer) -> None:
+        """Count an applied round (or a data-parallel step); save every ``every``."""
+        self._since += 1
+        if self._since >= self.every:
+            self.save(peer, "rounds")
+
+    def latest(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest readable checkpoint (CheckpointError if there are files but none reads back)."""
+        return self.dir.latest()
+
+    @staticmethod
+    def restore(peer: Peer, state: dict[str, Any]) -> None:
+        """Put a checkpoint's state into a peer that has not started yet (the outer state is taken
+        when the peer starts, after which the swarm's newer θ may replace the shared part)."""
+        if state.get("kind") != KIND:
+            raise ValueError("not a checkpoint of a swarm peer (a `p2ptrain train` checkpoint?)")
+        if state["method"] != peer.method.name:
+            raise ValueError(f"checkpoint is of method {state['method']!r}, this peer runs {peer.method.name!r}")
+        if state["run_id"] != peer.cfg.run_id:
+            log.warning("event=resume_other_run saved=%s now=%s", state["run_id"], peer.cfg.run_id)
+        peer.trainer.load_state_dict(state["trainer"])
+        if (state["outer"] is None) != (peer.outer is None):
+            raise ValueError("checkpoint and peer disagree on whether the method has an outer loop")
+        counters = state["peer"]
+        peer.applied, peer.repairs = int(counters["applied"]), int(counters["repairs"])
+        if len(counters["tokens_at_send"]) == len(peer.tokens_at_send):
+            peer.tokens_at_send = [int(x) for x in counters["tokens_at_send"]]
+        peer.resume_state = state
+        torch.set_rng_state(state["rng"])
