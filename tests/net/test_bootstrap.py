@@ -93,7 +93,8 @@ def test_peers_meet_through_our_bootstrap_and_survive_its_death(tmp_path: Path) 
     async def go() -> None:
         ts = await _pair_round(maddrs, "viaboot")
         try:
-            _stop(proc)  # the entry point dies; the swarm knows itself
+            proc.kill()  # the entry point dies (SIGKILL); the swarm knows itself
+            proc.wait(10)
             live = await ts[0].visible_maddrs()
             late = await HivemindTransport.create(SwarmConfig(run_id="viaboot", initial_peers=live))
             ts.append(late)
