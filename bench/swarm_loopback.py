@@ -46,7 +46,8 @@ def run_swarm(method: str, args: argparse.Namespace, work: Path, env: dict[str, 
         maddrs = _wait_lines(work / f"{method}.boot", 60)
         cmd = [sys.executable, "-m", "p2ptrain", "join", "--run-id", f"loop-{method}-{os.getpid()}", "--method",
                method, "--preset", args.preset, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-               "--H", str(args.H), "--metrics-port", "-1", "-q", "--step-seconds", str(args.step_seconds)]
+               "--H", str(args.H), "--metrics-port", "-1", "-q", "--step-seconds", str(args.step_seconds),
+               "--log-level", "INFO"]
         if method in ("streaming", "cocodc"):
             cmd += ["--P", "4", "--tau", str(args.tau)]
         for m in maddrs:
@@ -93,28 +94,33 @@ def main() -> None:
                     "--batch-size", str(args.batch_size), "-q", "--json", str(base)], check=True, env=env,
                    stdout=subprocess.DEVNULL)
     single = json.loads(base.read_text())["final_val_loss"]
-    rows, report = [["single (train)", 1, f"{single:.4f}", "1.000", "-", "-"]], []
+    rows, report = [["single (train)", 1, f"{single:.4f}", "1.000", "1.000", "-", "-", "-"]], []
     for method in args.methods.split(","):
         t0 = time.monotonic()
         peers = run_swarm(method, args, work, env)
         wall = time.monotonic() - t0
         if not peers:
-            rows.append([method, 0, "failed", "-", "-", "-"])
+            rows.append([method, 0, "failed", "-", "-", "-", "-", "-"])
             report.append({"method": method, "peers": 0, "logs": str(work)})
             continue
         loss = statistics.mean(p["val_loss"] for p in peers)
         util = statistics.mean(p["utilization"] for p in peers)
+        loop_util = statistics.mean(p["compute_seconds"] / max(1e-9, p["loop_seconds"]) for p in peers)
+        drain = statistics.mean(p["drain_seconds"] for p in peers)
         sent = statistics.mean(p["bytes_sent"] for p in peers) / max(1, args.steps)
         rounds = sum(p["rounds_complete"] + p["rounds_partial"] for p in peers) / len(peers)
-        rows.append([method, len(peers), f"{loss:.4f}", f"{util:.3f}", f"{sent / 1e3:.1f}", f"{rounds:.0f}"])
-        report.append({"method": method, "peers": len(peers), "val_loss_mean": loss, "utilization_mean": util,
+        rows.append([method, len(peers), f"{loss:.4f}", f"{loop_util:.3f}", f"{util:.3f}", f"{drain:.1f}",
+                     f"{sent / 1e3:.1f}", f"{rounds:.0f}"])
+        report.append({"method": method, "peers": len(peers), "val_loss_mean": loss, "utilization_mean": util, "loop_utilization_mean": loop_util,
+                       "drain_seconds_mean": drain,
                        "bytes_sent_per_step": sent, "rounds_mean": rounds, "wall_seconds": wall, "summaries": peers})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": "python bench/swarm_loopback.py", "machine": platform.platform(),
                                     "args": {k: str(v) for k, v in vars(args).items()}, "single_val_loss": single,
                                     "methods": report, "logs": str(work)}, indent=2))
     out.print(table(f"4 real peers on 127.0.0.1, {args.preset}, {args.steps} steps each",
-                    ["method", "peers", "val loss of θ", "utilization", "kB sent/step", "rounds"], rows))
+                    ["method", "peers", "val loss of θ", "utilization (loop)", "utilization (all)", "drain s",
+                     "kB sent/step", "rounds"], rows))
 
 
 if __name__ == "__main__":

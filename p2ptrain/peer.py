@@ -116,6 +116,8 @@ class PeerSummary:
     bytes_received: int
     final_train_loss: float
     val_loss: float = math.nan
+    loop_seconds: float = 0.0  # the inner-step loop alone (no start-up, no final drain)
+    drain_seconds: float = 0.0  # waiting for the rounds in flight when leaving
     outer_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     applied: dict[str, tuple[str, list[torch.Tensor]]] = field(default_factory=dict, repr=False)
 
@@ -164,6 +166,7 @@ class Peer:
         self._warm_until = 0.0
         self._synced_after_warmup = False
         self.loop_seconds = 0.0  # wall time of the inner-step loop (without start-up and the final drain)
+        self.drain_seconds = 0.0
         self._service: Any = None
         self._stopping: Any = None
         self.checkpoints = (PeerCheckpoints(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
@@ -462,7 +465,9 @@ class Peer:
                     self._outer()
                 self._status()
             self.loop_seconds = time.perf_counter() - self._t_start
+            t_drain = time.perf_counter()
             self._drain()
+            self.drain_seconds = time.perf_counter() - t_drain
             if self.checkpoints is not None:
                 self.checkpoints.save(self, "leave")
             return self._summary(time.perf_counter() - t0)
@@ -778,4 +783,5 @@ class Peer:
             stall_seconds=self.stall, rounds_complete=st.complete if st else 0, rounds_partial=st.partial if st else 0,
             rounds_failed=st.failed if st else 0, rounds_applied=self.applied, repairs=self.repairs,
             bytes_sent=st.bytes_sent if st else 0, bytes_received=st.bytes_received if st else 0,
-            final_train_loss=self.last_loss, outer_params=outer, applied=dict(self.applied_log))
+            final_train_loss=self.last_loss, outer_params=outer, applied=dict(self.applied_log),
+            loop_seconds=self.loop_seconds, drain_seconds=self.drain_seconds)

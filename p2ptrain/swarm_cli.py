@@ -183,6 +183,7 @@ def join(
         json_out.write_text(json.dumps({
             "peer_id": summary.peer_id, "steps": summary.steps, "val_loss": val, "wall_seconds": summary.wall_seconds,
             "compute_seconds": summary.compute_seconds, "stall_seconds": summary.stall_seconds,
+            "loop_seconds": summary.loop_seconds, "drain_seconds": summary.drain_seconds,
             "utilization": summary.utilization, "rounds_complete": summary.rounds_complete,
             "rounds_partial": summary.rounds_partial, "rounds_failed": summary.rounds_failed,
             "rounds_applied": summary.rounds_applied, "repairs": summary.repairs, "bytes_sent": summary.bytes_sent,

@@ -1,0 +1,78 @@
+"""A peer that resumes from its checkpoint into a swarm that moved on meanwhile: it takes the swarm's θ
+and keeps its own inner state (AdamW, step, data position)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from p2ptrain.algo.methods import method_config
+from p2ptrain.data import Corpus, DataConfig
+from p2ptrain.net.memory import MemorySwarm
+from p2ptrain.peer import Peer, PeerConfig
+from p2ptrain.peer_checkpoint import PeerCheckpoints
+from p2ptrain.sync import NetLoop
+from p2ptrain.trainer import TrainerConfig, make_trainer
+
+from .peers import MODEL
+
+
+def test_resume_takes_the_swarms_theta_and_keeps_its_own_inner_state(corpus: Corpus, tmp_path: Path) -> None:
+    net, swarm = NetLoop(), MemorySwarm(join_window=0.3, ttl=3.0)
+    method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10)
+
+    def peer(name: str, steps: int, rank: int, ckdir: Path | None = None) -> Peer:
+        tr = make_trainer(MODEL, TrainerConfig(batch_size=2, warmup_steps=2, total_steps=300), DataConfig(),
+                          rank=rank, world=4, corpus=corpus)
+        cfg = PeerConfig(run_id="r", steps=steps, step_seconds=0.03, join_window=0.3, join_timeout=10, heartbeat=0.2,
+                         ttl=3.0, drain_timeout=10, min_step_seconds=0.03,
+                         checkpoint_dir=str(ckdir) if ckdir else None, checkpoint_every=2)
+
+        async def make() -> object:
+            return swarm.transport(name)
+
+        return Peer(cfg, method, tr, make, net=net)  # type: ignore[arg-type]
+
+    try:
+        a, b = peer("a", 220, 0), peer("b", 220, 1)
+        c = peer("c", 40, 2, tmp_path / "c")
+        for p in (a, b, c):
+            p.start()
+        threads = [threading.Thread(target=p.run, daemon=True) for p in (a, b, c)]
+        for t in threads:
+            t.start()
+        threads[2].join(60)  # c leaves after 40 steps, writing a checkpoint
+        assert not threads[2].is_alive()
+        _, saved = PeerCheckpoints(tmp_path / "c").latest()  # type: ignore[misc]
+        assert saved["trainer"]["step"] == 40
+        # ... the swarm moves on without c (four more rounds), then c comes back from its checkpoint
+        target = a.applied + 4
+        while a.applied < target and threads[0].is_alive():
+            threads[0].join(0.1)
+        assert a.applied >= target
+        back = peer("c", 80, 2, tmp_path / "c")
+        PeerCheckpoints.restore(back, saved)
+        back.start()
+        assert back.synced_from in {a.peer_id, b.peer_id}
+        source = a if back.synced_from == a.peer_id else b
+        held = {d for served in source.served_digests for d in served} | {d for d, _ in source.applied_log.values()}
+        assert all(d in held for d in back.start_digests)  # the swarm's θ, not the checkpoint's
+        saved_theta = torch.cat([t.flatten() for f in saved["outer"]["fragments"] for t in f["theta"]])
+        now_theta = torch.cat([t.flatten() for f in back.frags for t in back.outer.theta(f.index)])  # type: ignore[union-attr]
+        assert not torch.equal(saved_theta, now_theta)
+        # its own inner state is the checkpoint's: step, tokens, data position, AdamW moments
+        assert back.trainer.step_count == 40 and back.trainer.tokens_seen == saved["trainer"]["tokens_seen"]
+        assert back.trainer.stream.state_dict() == saved["trainer"]["stream"]
+        opt = back.trainer.optimizer.state_dict()["state"]
+        for i, st in saved["trainer"]["optimizer"]["state"].items():
+            assert torch.equal(opt[i]["exp_avg"], st["exp_avg"]) and torch.equal(opt[i]["exp_avg_sq"], st["exp_avg_sq"])
+        summary = back.run()  # and it trains on with the swarm
+        assert summary.steps == 80 and summary.rounds_complete > 0
+        for t in threads:
+            t.join(60)
+    finally:
+        for p in (a, b, c):
+            p.request_stop()
+        net.close()
