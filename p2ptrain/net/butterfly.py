@@ -10,11 +10,7 @@ each direction, the same as a ring, in two steps instead of 2(k−1).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-import torch
-
-__all__ = ["part_bounds", "weighted_part_mean"]
+__all__ = ["part_bounds"]
 
 
 def part_bounds(numel: int, members: int) -> list[tuple[int, int]]:
@@ -28,18 +24,3 @@ def part_bounds(numel: int, members: int) -> list[tuple[int, int]]:
         out.append((start, end))
         start = end
     return out
-
-
-def weighted_part_mean(contribs: Mapping[str, tuple[torch.Tensor, float]],
-                       use: Sequence[str]) -> tuple[torch.Tensor, float]:
-    """Σ w_i·x_i / Σ w_i over the members in ``use`` (sorted, so every owner sums in the same order)."""
-    if not use:
-        raise ValueError("nothing to average")
-    total = float(sum(contribs[p][1] for p in use))
-    if total <= 0:
-        raise ValueError("contributions carry no weight")
-    acc = torch.zeros_like(contribs[use[0]][0], dtype=torch.float32)
-    for p in sorted(use):
-        x, w = contribs[p]
-        acc.add_(x.float(), alpha=w / total)
-    return acc, total

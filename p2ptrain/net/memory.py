@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +18,10 @@ from typing import Any
 import torch
 
 from ..algo.compress import Codec
-from ..sim.allreduce import quantized_mean
+from ..faults import corrupt_update
+from ..sim.allreduce import wire_roundtrip
 from ..sim.network import ring_factor
+from .guard import Guard, GuardConfig
 from .membership import (
     agreed_fragment,
     alone_check,
@@ -50,8 +53,10 @@ class _Phase:
 class MemorySwarm:
     """Shared state of an in-process swarm (one event loop)."""
 
-    def __init__(self, *, join_window: float = 1.0, ttl: float = 5.0) -> None:
+    def __init__(self, *, join_window: float = 1.0, ttl: float = 5.0, guard: GuardConfig | None = None) -> None:
         self.join_window, self.ttl = join_window, ttl
+        self.guard = Guard(guard)  # one for the whole swarm: every reduction happens once, here
+        self.corrupt: dict[str, str] = {}  # peer -> kind of broken update it sends (faults.CORRUPTIONS)
         self.infos: dict[str, PeerInfo] = {}
         self.forming: dict[tuple[int, str], _Forming] = {}
         self.phases: dict[tuple[int, str, int], _Phase] = {}
@@ -185,7 +190,12 @@ class MemoryTransport(Transport):
         key = (self._side, group.key, phase)
         ph = sw.phases.setdefault(key, _Phase())
         await self._lag()
-        ph.contribs[self.peer_id] = ([t.detach().float().cpu().clone() for t in tensors], float(weight), fingerprint)
+        mine = [t.detach().float().cpu().clone() for t in tensors]
+        if self.peer_id in sw.corrupt:
+            flat = torch.cat([t.reshape(-1) for t in mine]) if mine else torch.zeros(0)
+            mode = sw.corrupt[self.peer_id]
+            mine = [flat[: flat.numel() // 2] if mode == "truncate" else corrupt_update(flat, mode)]
+        ph.contribs[self.peer_id] = (mine, float(weight), fingerprint)
         expected = set(group.members)
         deadline = t0 + timeout
         while ph.result is None:
@@ -214,9 +224,24 @@ class MemoryTransport(Transport):
         prints = {p: c[2] for p, c in present.items() if c[2] is not None}
         agree = majority_fingerprint(prints) if prints else set(present)
         use = sorted(p for p in present if p in agree)
-        if not use:
-            ph.result = ([], 0.0, (), agree)
-        else:
-            avg, _ = quantized_mean([present[p][0] for p in use], [present[p][1] for p in use], codec)
-            ph.result = (avg, sum(present[p][1] for p in use), tuple(use), agree)
+        ph.result = ([], 0.0, (), agree)
+        if use:
+            guard = self.swarm.guard
+            flats = {p: torch.cat([t.reshape(-1) for t in present[p][0]]) if present[p][0] else torch.zeros(0)
+                     for p in use}
+            numel = Counter(f.numel() for f in flats.values()).most_common(1)[0][0]
+            for p in [p for p in use if flats[p].numel() != numel]:
+                guard.strike(p, f"update of {flats[p].numel()} values, expected {numel}")
+            sizes = [p for p in use if flats[p].numel() == numel]
+            try:
+                avg, total, used = guard.aggregate({p: (wire_roundtrip(codec, flats[p]), present[p][1]) for p in sizes})
+            except ValueError:
+                used = []
+            if used:
+                out, shapes, offset, pieces = wire_roundtrip(codec, avg), [t.shape for t in present[used[0]][0]], 0, []
+                for shape in shapes:
+                    n = int(torch.Size(shape).numel())
+                    pieces.append(out[offset : offset + n].view(shape))
+                    offset += n
+                ph.result = (pieces, total, tuple(used), agree)
         ph.done.set()

@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from ..algo.compress import Codec, get_codec
-from ..faults import maybe_die_in_allreduce
+from ..faults import corrupt_payload, maybe_die_in_allreduce
 from .bandwidth import LinkMeter
-from .butterfly import part_bounds, weighted_part_mean
+from .butterfly import part_bounds
+from .guard import Guard, GuardConfig
 from .membership import (
     agreed_fragment,
     alone_check,
@@ -76,6 +77,8 @@ class SwarmConfig:
         recontact_every: seconds between re-pings of known peers (heals splits).
         max_message: the largest frame accepted from the network, bytes.
         state_chunk: bytes per reply of a state transfer; max_state: the largest state accepted.
+        guard: what this peer accepts from others and how it aggregates (net/guard.py).
+        corrupt: fault injection (tests only): send broken updates of this kind (faults.CORRUPTIONS).
     """
 
     run_id: str = "p2ptrain"
@@ -94,6 +97,8 @@ class SwarmConfig:
     max_message: int = MAX_FRAME
     state_chunk: int = DEFAULT_CHUNK
     max_state: int = MAX_STATE
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    corrupt: str | None = None
 
 
 async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any]:
@@ -174,6 +179,7 @@ class HivemindTransport(Transport):
         self._live_at = 0.0
         self._maddrs: dict[str, list[str]] = {}
         self._states = StateServer(cfg.state_chunk)
+        self.guard = Guard(cfg.guard)
         self.links = LinkMeter()
         self._left: set[str] = set()  # peers whose last announcement is a departure
         self._tasks: asyncio.TaskGroup | None = None
@@ -320,13 +326,15 @@ class HivemindTransport(Transport):
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = str(info.peer_id)
             try:
+                if self.guard.is_banned(sender):
+                    return  # dropped unread
                 msg, _ = await read_frame(reader, timeout=30, max_size=self.cfg.max_message)
                 reply = await handler(sender, msg)
                 await write_frame(writer, reply, timeout=30)
             except (FrameError, TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
                 log.info("event=bad_message kind=%s peer=%s reason=%s", kind, sender, e)
-            except (KeyError, TypeError, ValueError) as e:
-                log.info("event=bad_message kind=%s peer=%s reason=%s: %s", kind, sender, type(e).__name__, e)
+            except (KeyError, TypeError, ValueError) as e:  # a message that does not fit its schema
+                self.guard.strike(sender, f"malformed {kind} message ({type(e).__name__}: {e})")
             finally:
                 writer.close()
 
@@ -472,8 +480,17 @@ class HivemindTransport(Transport):
             return {"error": "bad size"}
         data = msg["data"]
         if not isinstance(data, bytes) or len(data) != codec.encoded_size(numel):
+            self.guard.strike(sender, f"part payload of {len(data) if isinstance(data, bytes) else '?'} bytes "
+                                      f"for {numel} values")
             return {"error": "payload size does not match"}
-        x = await asyncio.to_thread(codec.decode, data, numel)
+        if (reason := self.guard.bad_weight(msg["weight"])) is not None:
+            self.guard.strike(sender, reason)
+            return {"error": reason}
+        try:
+            x = await asyncio.to_thread(codec.decode, data, numel)
+        except ValueError as e:
+            self.guard.strike(sender, f"undecodable part ({e})")
+            return {"error": "undecodable part"}
         fp = msg.get("fp")
         box = self._box(str(msg["key"]), int(msg["phase"]))
         box.contribs[sender] = (int(msg["part"]), x, float(msg["weight"]), None if fp is None else [float(v) for v in fp])
@@ -482,7 +499,7 @@ class HivemindTransport(Transport):
 
     async def _on_result(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         box = self._box(str(msg["key"]), int(msg["phase"]))
-        box.results.setdefault(int(msg["part"]), msg)
+        box.results.setdefault(int(msg["part"]), {**msg, "_from": sender})
         box.poke()
         return {"ok": True}
 
@@ -513,9 +530,14 @@ class HivemindTransport(Transport):
 
         async def _send_part(j: int) -> int:
             lo, hi = bounds[j]
-            data = await asyncio.to_thread(codec.encode, flat[lo:hi])
+            mine = flat[lo:hi]
+            if self.cfg.corrupt is None:
+                data = await asyncio.to_thread(codec.encode, mine)
+            else:  # fault injection: what a broken or hostile peer would put on the wire
+                data, mine = corrupt_payload(codec, mine, self.cfg.corrupt)
+            numel = mine.numel()
             msg = {"key": group.key, "phase": phase, "part": j, "weight": float(weight), "fp": fp,
-                   "codec": codec.name, "numel": hi - lo, "data": data}
+                   "codec": codec.name, "numel": numel, "data": data}
             reply, seconds = await self._call(members[j], "part", msg,
                                               timeout=max(0.1, t0 + timeout * 0.5 - time.monotonic()))
             if "error" in reply:
@@ -537,13 +559,21 @@ class HivemindTransport(Transport):
                 break  # every missing member is unreachable or has left: do not wait for them
             await box.wait(min(gather_deadline, time.monotonic() + 0.5))
         # Only members' contributions to *our* part, of our part's size, count.
-        contribs = {p: c for p, c in box.contribs.items() if p in members and c[0] == me and c[1].numel() == hi - lo}
+        contribs = {p: c for p, c in box.contribs.items() if p in members and c[0] == me}
+        for p in [p for p, c in contribs.items() if c[1].numel() != hi - lo]:
+            self.guard.strike(p, f"part of {contribs[p][1].numel()} values, expected {hi - lo}")
+            del contribs[p]
         prints = {p: c[3] for p, c in contribs.items() if c[3] is not None}
         agree = majority_fingerprint(prints) if prints else set(contribs)
         use = sorted(p for p in contribs if p in agree)
         own_result: dict[str, Any] | None = None
         if use:
-            avg, total = weighted_part_mean({p: (c[1], c[2]) for p, c in contribs.items()}, use)
+            try:
+                avg, total, use = self.guard.aggregate({p: (contribs[p][1], contribs[p][2]) for p in use},
+                                                       me=self.peer_id)
+            except ValueError:
+                use = []
+        if use:
             data = await asyncio.to_thread(codec.encode, avg)
             own_result = {"key": group.key, "phase": phase, "part": me, "contributors": use, "total": total,
                           "agree": sorted(agree), "numel": hi - lo, "codec": codec.name, "data": data}
@@ -583,7 +613,7 @@ class HivemindTransport(Transport):
                 except RoundFailed:
                     continue
                 if isinstance(reply.get("result"), dict):
-                    box.results[j] = reply["result"]
+                    box.results[j] = {**reply["result"], "_from": other}  # relayed by a member
                     break
         for done in await asyncio.gather(*results_out, return_exceptions=True):
             if isinstance(done, int):
@@ -598,11 +628,23 @@ class HivemindTransport(Transport):
             if res is None:
                 partial = True
                 continue
-            numel = int(res["numel"])
-            if numel != b - a or str(res["codec"]) != codec.name:
+            numel = res.get("numel")
+            data = res.get("data")
+            if res.get("_from", self.peer_id) not in members:
+                partial = True  # a result from outside the group is never used
+                continue
+            if (numel != b - a or res.get("codec") != codec.name or not isinstance(data, bytes)
+                    or len(data) != codec.encoded_size(b - a) or not isinstance(res.get("contributors"), list)
+                    or not isinstance(res.get("agree"), list) or self.guard.bad_weight(res.get("total")) is not None):
+                if members[j] != self.peer_id:
+                    self.guard.strike(members[j], f"averaged part {j} is malformed")
                 partial = True
                 continue
-            part = await asyncio.to_thread(codec.decode, res["data"], numel)
+            part = await asyncio.to_thread(codec.decode, data, b - a)
+            if (reason := self.guard.bad_values(part)) is not None:
+                self.guard.strike(members[j], f"averaged part {j}: {reason}")
+                partial = True
+                continue
             out[a:b] = part
             if j != me:
                 received += len(res["data"])

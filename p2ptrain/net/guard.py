@@ -1,0 +1,102 @@
+"""What a peer accepts from others: checks on every received update, strikes and bans, and the
+(optionally robust) aggregation of a part.
+
+Shared by both transports. A contribution is refused, with a log line naming the peer and the
+reason, when its weight is not a positive finite number, a value is not finite, or its norm is
+more than ``norm_bound`` times the median norm of the round's contributions (the receiver's own
+among them; the median rather than the receiver's own alone, because a peer that has just joined
+has a near-zero pseudo-gradient and would refuse every honest one). Sizes are checked by the
+transports before anything is decoded. A peer refused ``ban_after`` times is banned for the run:
+its messages are dropped unread and it is left out of the groups this peer leads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..algo.aggregate import AGGREGATIONS, aggregate
+
+__all__ = ["Guard", "GuardConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GuardConfig:
+    """aggregation: mean | trimmed-mean | centered-clip; norm_bound: None turns the norm check off."""
+
+    aggregation: str = "mean"
+    norm_bound: float | None = 10.0
+    ban_after: int = 3
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {self.aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
+        if self.norm_bound is not None and not self.norm_bound > 1.0:
+            raise ValueError("norm_bound must be above 1 (or None for no bound)")
+        if self.ban_after < 1:
+            raise ValueError("ban_after must be at least 1")
+
+
+class Guard:
+    def __init__(self, cfg: GuardConfig | None = None) -> None:
+        self.cfg = cfg or GuardConfig()
+        self.strikes: Counter[str] = Counter()
+        self.banned: set[str] = set()
+
+    def strike(self, peer: str, reason: str) -> None:
+        """Refuse something ``peer`` sent; ban it after ``ban_after`` refusals."""
+        self.strikes[peer] += 1
+        log.warning("event=rejected peer=%s reason=%s strikes=%d", peer, reason, self.strikes[peer])
+        if self.strikes[peer] >= self.cfg.ban_after and peer not in self.banned:
+            self.banned.add(peer)
+            log.warning("event=banned peer=%s strikes=%d", peer, self.strikes[peer])
+
+    def is_banned(self, peer: str) -> bool:
+        return peer in self.banned
+
+    @staticmethod
+    def bad_weight(weight: object) -> str | None:
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool):
+            return "weight is not a number"
+        if not math.isfinite(weight) or weight <= 0:
+            return f"weight {weight!r} is not a positive finite number"
+        return None
+
+    @staticmethod
+    def bad_values(x: torch.Tensor) -> str | None:
+        return None if bool(torch.isfinite(x).all()) else "non-finite values"
+
+    def aggregate(self, contribs: Mapping[str, tuple[torch.Tensor, float]], me: str | None = None
+                  ) -> tuple[torch.Tensor, float, list[str]]:
+        """Check every contribution and aggregate the accepted ones: (result, their total weight, who).
+        ``me`` (the receiver's own contribution) is never refused. ValueError if none is accepted."""
+        ok: dict[str, tuple[torch.Tensor, float]] = {}
+        for peer in sorted(contribs):
+            x, w = contribs[peer]
+            if peer != me and self.is_banned(peer):
+                continue
+            reason = self.bad_weight(w) or self.bad_values(x)
+            if reason is not None:
+                if peer != me:
+                    self.strike(peer, reason)
+                continue
+            ok[peer] = (x, float(w))
+        if self.cfg.norm_bound is not None and len(ok) > 2:
+            norms = {p: float(x.float().norm()) for p, (x, _) in ok.items()}
+            ref = sorted(norms.values())[len(norms) // 2]
+            if ref > 0:
+                for p in [p for p, n in norms.items() if p != me and n > self.cfg.norm_bound * ref]:
+                    self.strike(p, f"norm {norms[p]:.3g} is over {self.cfg.norm_bound:g}× the round's median {ref:.3g}")
+                    del ok[p]
+        if not ok:
+            raise ValueError("no contribution was accepted")
+        use = sorted(ok)
+        out = aggregate([ok[p][0] for p in use], [ok[p][1] for p in use], self.cfg.aggregation)
+        return out.float(), float(sum(ok[p][1] for p in use)), use
