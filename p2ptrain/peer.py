@@ -118,6 +118,7 @@ class PeerSummary:
     val_loss: float = math.nan
     loop_seconds: float = 0.0  # the inner-step loop alone (no start-up, no final drain)
     drain_seconds: float = 0.0  # waiting for the rounds in flight when leaving
+    stuck_rounds: int = 0  # rounds that outlived every timeout of their own and were aborted
     outer_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     applied: dict[str, tuple[str, list[torch.Tensor]]] = field(default_factory=dict, repr=False)
 
@@ -167,6 +168,7 @@ class Peer:
         self._synced_after_warmup = False
         self.loop_seconds = 0.0  # wall time of the inner-step loop (without start-up and the final drain)
         self.drain_seconds = 0.0
+        self.stuck = 0  # rounds the compute thread had to abort: their own timeouts never fired
         self._service: Any = None
         self._stopping: Any = None
         self.checkpoints = (PeerCheckpoints(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
@@ -546,6 +548,7 @@ class Peer:
         for r in rounds:
             if not r.done.wait(max(0.0, limit - (time.perf_counter() - t0))):
                 log.warning("event=round_timeout key=%s", r.key)
+                self.stuck += 1
                 r.abort()
         self.stall += time.perf_counter() - t0
 
@@ -759,6 +762,8 @@ class Peer:
         step = max(self.last_lstep, self.logical_step())
         for rnd in sorted(self.in_flight, key=lambda r: r.send_step):
             if not rnd.done.wait(max(0.0, deadline - time.perf_counter())):
+                log.warning("event=round_timeout key=%s when=leaving", rnd.key)
+                self.stuck += 1
                 rnd.abort()
             if rnd.arrived:
                 self._apply(rnd, step)
@@ -784,4 +789,4 @@ class Peer:
             rounds_failed=st.failed if st else 0, rounds_applied=self.applied, repairs=self.repairs,
             bytes_sent=st.bytes_sent if st else 0, bytes_received=st.bytes_received if st else 0,
             final_train_loss=self.last_loss, outer_params=outer, applied=dict(self.applied_log),
-            loop_seconds=self.loop_seconds, drain_seconds=self.drain_seconds)
+            loop_seconds=self.loop_seconds, drain_seconds=self.drain_seconds, stuck_rounds=self.stuck)

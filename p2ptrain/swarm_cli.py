@@ -19,6 +19,7 @@ from .settings import ConfigError, build, load_file, merged
 
 InitialPeers = Annotated[list[str] | None, typer.Option("--initial-peers", "-i", help="Multiaddr of a live peer or bootstrap node (repeatable).")]
 HostMaddrs = Annotated[list[str] | None, typer.Option("--host-maddrs", help="Listen address(es), e.g. /ip4/0.0.0.0/tcp/31337.")]
+SwarmKeyOpt = Annotated[Path | None, typer.Option("--swarm-key", help="A private swarm's shared key file (see `p2ptrain keygen`): only peers holding it are accepted.")]
 AnnounceMaddrs = Annotated[list[str] | None, typer.Option("--announce-maddrs", help="Address(es) others should dial (public IP, explicit port).")]
 
 
@@ -64,6 +65,9 @@ def join(
     min_step_seconds: Annotated[float | None, typer.Option("--min-step-seconds", help="Pad each inner step to this long (emulate a slower device).")] = None,
     metrics_port: Annotated[int, typer.Option("--metrics-port", help="Serve Prometheus metrics here (0: any free port, -1: off).")] = DEFAULT_METRICS_PORT,
     metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address of the metrics endpoint.")] = "127.0.0.1",
+    swarm_key_file: SwarmKeyOpt = None,
+    aggregation: Annotated[str, typer.Option("--aggregation", help="How this peer averages what it receives: mean, trimmed-mean, centered-clip.")] = "mean",
+    norm_bound: Annotated[float | None, typer.Option("--norm-bound", help="Refuse updates with a norm over this many times the round's median (off by default).")] = None,
     checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write checkpoints here (every --checkpoint-every rounds and on leave).")] = None,
     checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every", help="Applied rounds between checkpoints.")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue from the newest checkpoint in this folder (and keep writing there).")] = None,
@@ -76,6 +80,8 @@ def join(
     """Join a swarm (or start one, with no --initial-peers) and train until --steps."""
     from .algo.methods import method_config
     from .checkpoint import CheckpointError
+    from .net.auth import SwarmKey
+    from .net.guard import GuardConfig
     from .net.swarm import HivemindTransport, SwarmConfig, SwarmError
     from .peer import Peer, PeerConfig
     from .peer_checkpoint import PeerCheckpoints
@@ -105,7 +111,8 @@ def join(
             host_maddrs=list(host_maddrs or ["/ip4/127.0.0.1/tcp/0"]), announce_maddrs=list(announce_maddrs or []),
             identity_path=str(identity) if identity else None, client_mode=client_mode,
             use_relay=not no_relay, use_auto_relay=use_auto_relay, join_window=peer_cfg.join_window, ttl=peer_cfg.ttl,
-            connect_attempts=connect_attempts)
+            connect_attempts=connect_attempts, guard=GuardConfig(aggregation=aggregation, norm_bound=norm_bound),
+            swarm_key=SwarmKey.load(swarm_key_file) if swarm_key_file else None)
         trainer = make_trainer(model_cfg, trainer_cfg, data_cfg)
     except (ConfigError, DataError, ValueError) as e:
         raise fail(str(e)) from None
@@ -132,8 +139,11 @@ def join(
         console.print(f"metrics: http://{metrics_host}:{port}/metrics", highlight=False)
     if not swarm_cfg.initial_peers:
         console.print("[yellow]no --initial-peers: starting a new swarm[/]", highlight=False)
-    console.print("[yellow]this swarm is open: any peer that knows an address can join (no swarm key)[/]",
-                  highlight=False)
+    if swarm_cfg.swarm_key is None:
+        console.print("[yellow]this swarm is open: any peer that knows an address can join (no swarm key)[/]",
+                      highlight=False)
+    else:
+        console.print(f"private swarm: key fingerprint {swarm_cfg.swarm_key.fingerprint}", highlight=False)
     try:
         peer.start()
     except SwarmError as e:
@@ -184,6 +194,7 @@ def join(
             "peer_id": summary.peer_id, "steps": summary.steps, "val_loss": val, "wall_seconds": summary.wall_seconds,
             "compute_seconds": summary.compute_seconds, "stall_seconds": summary.stall_seconds,
             "loop_seconds": summary.loop_seconds, "drain_seconds": summary.drain_seconds,
+            "stuck_rounds": summary.stuck_rounds,
             "utilization": summary.utilization, "rounds_complete": summary.rounds_complete,
             "rounds_partial": summary.rounds_partial, "rounds_failed": summary.rounds_failed,
             "rounds_applied": summary.rounds_applied, "repairs": summary.repairs, "bytes_sent": summary.bytes_sent,
@@ -246,6 +257,7 @@ def status(
     json_mode: Annotated[bool, typer.Option("--json", help="Print the peers as JSON once and exit.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh the table until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")] = 2.0,
+    swarm_key_file: SwarmKeyOpt = None,
     log_level: LogOpt = None,
 ) -> None:
     """Show the swarm of a run as the DHT sees it: peers, regions, step, loss, tokens/s, bandwidth."""
@@ -259,7 +271,14 @@ def status(
     setup_logging(log_level)
     if not initial_peers:
         raise fail("status needs --initial-peers of a live peer or bootstrap node")
-    cfg = SwarmConfig(run_id=run_id, initial_peers=list(initial_peers), client_mode=True, connect_attempts=3)
+    from .net.auth import SwarmKey
+
+    try:
+        key = SwarmKey.load(swarm_key_file) if swarm_key_file else None
+    except ValueError as e:
+        raise fail(str(e)) from None
+    cfg = SwarmConfig(run_id=run_id, initial_peers=list(initial_peers), client_mode=True, connect_attempts=3,
+                      swarm_key=key)
 
     def rows(peers: list[Any]) -> list[list[Any]]:
         from hivemind.utils import get_dht_time
@@ -303,3 +322,18 @@ def status(
         raise fail(str(e), 1) from None
     except KeyboardInterrupt:
         pass
+
+
+@app.command()
+def keygen(path: Annotated[Path, typer.Argument(help="Where to write the new key (must not exist).")]) -> None:
+    """Create a private swarm's key file (random, readable by you only). Give it to every peer of the run
+    with --swarm-key; never commit it or paste it into logs."""
+    from .net.auth import generate_key_file
+
+    try:
+        key = generate_key_file(path)
+    except FileExistsError:
+        raise fail(f"{path} exists: not overwriting a key") from None
+    except OSError as e:
+        raise fail(f"cannot write {path}: {e.strerror}") from None
+    print(f"wrote {path} (fingerprint {key.fingerprint})")

@@ -8,6 +8,10 @@ among them; the median rather than the receiver's own alone, because a peer that
 has a near-zero pseudo-gradient and would refuse every honest one). Sizes are checked by the
 transports before anything is decoded. A peer refused ``ban_after`` times is banned for the run:
 its messages are dropped unread and it is left out of the groups this peer leads.
+
+With a robust aggregation, a part with fewer than three accepted contributions is not aggregated
+at all (the round is partial or fails, and the progress stays for the next one): two
+contributions have no majority, and a robust rule would side with one of them.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class GuardConfig:
-    """aggregation: mean | trimmed-mean | centered-clip; norm_bound: None turns the norm check off."""
+    """aggregation: mean | trimmed-mean | centered-clip; norm_bound: None (the default) turns the norm
+    check off: honest pseudo-gradients can differ tens of times in norm (CoCoDC: a peer that has not
+    sent a fragment for a while carries more steps of drift; a peer that has just joined carries
+    almost none), so a bound is for swarms that expect hostile peers, with a robust aggregation."""
 
     aggregation: str = "mean"
-    norm_bound: float | None = 10.0
+    norm_bound: float | None = None
     ban_after: int = 3
 
     def __post_init__(self) -> None:
@@ -97,6 +104,9 @@ class Guard:
                     del ok[p]
         if not ok:
             raise ValueError("no contribution was accepted")
+        if self.cfg.aggregation != "mean" and len(ok) < 3:
+            # Two contributions have no majority: any "robust" rule would side with one of them.
+            raise ValueError(f"{self.cfg.aggregation} needs at least 3 contributions, got {len(ok)}")
         use = sorted(ok)
         out = aggregate([ok[p][0] for p in use], [ok[p][1] for p in use], self.cfg.aggregation)
         return out.float(), float(sum(ok[p][1] for p in use)), use

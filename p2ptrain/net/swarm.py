@@ -35,6 +35,7 @@ import torch
 
 from ..algo.compress import Codec, get_codec
 from ..faults import corrupt_payload, maybe_die_in_allreduce
+from .auth import MAC_FIELD, SwarmKey
 from .bandwidth import LinkMeter
 from .butterfly import part_bounds
 from .guard import Guard, GuardConfig
@@ -48,7 +49,7 @@ from .membership import (
 )
 from .state_transfer import DEFAULT_CHUNK, MAX_STATE, StateServer, fetch_chunked
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
-from .wire import MAX_FRAME, FrameError, read_frame, write_frame
+from .wire import MAX_FRAME, SCHEMA_ERRORS, FrameError, read_frame, write_frame
 
 __all__ = ["HivemindTransport", "SwarmConfig", "SwarmError", "start_p2p"]
 
@@ -78,6 +79,7 @@ class SwarmConfig:
         max_message: the largest frame accepted from the network, bytes.
         state_chunk: bytes per reply of a state transfer; max_state: the largest state accepted.
         guard: what this peer accepts from others and how it aggregates (net/guard.py).
+        swarm_key: a private swarm's shared key: records and messages are tagged and checked (net/auth.py).
         corrupt: fault injection (tests only): send broken updates of this kind (faults.CORRUPTIONS).
     """
 
@@ -98,6 +100,7 @@ class SwarmConfig:
     state_chunk: int = DEFAULT_CHUNK
     max_state: int = MAX_STATE
     guard: GuardConfig = field(default_factory=GuardConfig)
+    swarm_key: SwarmKey | None = None
     corrupt: str | None = None
 
 
@@ -237,8 +240,7 @@ class HivemindTransport(Transport):
 
         if not info.maddrs:
             info.maddrs = await self.visible_maddrs()
-        ok = await self.node.store(self._key("peers"), info.to_wire(), get_dht_time() + self.cfg.ttl,
-                                   subkey=self.peer_id)
+        ok = await self._store("peers", info.to_wire(), get_dht_time() + self.cfg.ttl)
         if not ok:
             log.debug("event=announce_not_stored")
 
@@ -246,8 +248,13 @@ class HivemindTransport(Transport):
         from hivemind.utils import get_dht_time
 
         # A DHT cannot delete: a short-lived tombstone replaces the announcement.
-        await self.node.store(self._key("peers"), {"peer": self.peer_id, "left": True}, get_dht_time() + self.cfg.ttl,
-                              subkey=self.peer_id)
+        await self._store("peers", {"peer": self.peer_id, "left": True}, get_dht_time() + self.cfg.ttl)
+
+    async def _store(self, what: str, value: dict[str, Any], expiration: float) -> bool:
+        """Store our record (our peer id is the subkey), tagged with the swarm key if there is one."""
+        if self.cfg.swarm_key is not None:
+            value = self.cfg.swarm_key.seal(value, self._key(what), self.peer_id)
+        return bool(await self.node.store(self._key(what), value, expiration, subkey=self.peer_id))
 
     async def _records(self, what: str) -> dict[str, tuple[dict[str, Any], float]]:
         from hivemind.utils import get_dht_time
@@ -258,8 +265,14 @@ class HivemindTransport(Transport):
         now, out = get_dht_time(), {}
         for sub, item in found.value.items():
             value, exp = item.value, item.expiration_time
-            if exp > now and isinstance(value, dict) and isinstance(sub, str):
-                out[sub] = (value, exp)
+            if not (exp > now and isinstance(value, dict) and isinstance(sub, str)):
+                continue
+            key = self.cfg.swarm_key
+            if key is not None:
+                if not key.verify(value, self._key(what), sub):
+                    continue  # not from a member of this private swarm
+                value = {k: v for k, v in value.items() if k != MAC_FIELD}
+            out[sub] = (value, exp)
         return out
 
     async def peers(self) -> list[PeerInfo]:
@@ -291,7 +304,7 @@ class HivemindTransport(Transport):
     async def publish_meta(self, meta: dict[str, Any]) -> None:
         from hivemind.utils import get_dht_time
 
-        await self.node.store(self._key("meta"), dict(meta), get_dht_time() + self.cfg.ttl, subkey=self.peer_id)
+        await self._store("meta", dict(meta), get_dht_time() + self.cfg.ttl)
 
     async def get_meta(self) -> dict[str, dict[str, Any]]:
         return {p: v for p, (v, _) in (await self._records("meta")).items()}
@@ -329,11 +342,19 @@ class HivemindTransport(Transport):
                 if self.guard.is_banned(sender):
                     return  # dropped unread
                 msg, _ = await read_frame(reader, timeout=30, max_size=self.cfg.max_message)
+                key = self.cfg.swarm_key
+                if key is not None:
+                    if not key.verify(msg, sender, kind, self.cfg.run_id):
+                        self.guard.strike(sender, f"{kind} message without a valid swarm-key tag")
+                        return
+                    msg = {k: v for k, v in msg.items() if k != MAC_FIELD}
                 reply = await handler(sender, msg)
+                if key is not None:
+                    reply = key.seal(reply, self.peer_id, kind + "/reply", self.cfg.run_id)
                 await write_frame(writer, reply, timeout=30)
             except (FrameError, TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
                 log.info("event=bad_message kind=%s peer=%s reason=%s", kind, sender, e)
-            except (KeyError, TypeError, ValueError) as e:  # a message that does not fit its schema
+            except SCHEMA_ERRORS as e:  # a message that does not fit its schema
                 self.guard.strike(sender, f"malformed {kind} message ({type(e).__name__}: {e})")
             finally:
                 writer.close()
@@ -348,9 +369,15 @@ class HivemindTransport(Transport):
 
         async def _go() -> dict[str, Any]:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(kind))
+            key = self.cfg.swarm_key
             try:
-                await write_frame(writer, msg, timeout=timeout)
+                await write_frame(writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
+                                  timeout=timeout)
                 reply, _ = await read_frame(reader, timeout=timeout, max_size=self.cfg.max_message)
+                if key is not None:
+                    if not key.verify(reply, peer, kind + "/reply", self.cfg.run_id):
+                        raise FrameError("reply without a valid swarm-key tag")
+                    reply = {k: v for k, v in reply.items() if k != MAC_FIELD}
                 return reply
             finally:
                 writer.close()

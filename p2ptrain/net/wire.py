@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["MAX_FRAME", "FrameError", "decode_message", "encode_message", "read_frame", "write_frame"]
+__all__ = ["MAX_FRAME", "SCHEMA_ERRORS", "FrameError", "decode_message", "encode_message", "read_frame", "write_frame"]
 
 MAX_FRAME = 512 * 1024 * 1024  # 512 MiB: above any single fragment part we send
 _HEADER = 4
@@ -21,6 +21,12 @@ _HEADER = 4
 
 class FrameError(ValueError):
     """A frame or message is malformed, too large, or of the wrong shape."""
+
+
+# What reading fields of a decoded message that does not fit its schema can raise (a missing key, a
+# string where a number belongs, int(inf), an index out of range): the handlers turn these into a
+# refusal of the sender, never into a crash.
+SCHEMA_ERRORS = (KeyError, TypeError, ValueError, OverflowError, IndexError, AttributeError)
 
 
 def encode_message(msg: dict[str, Any]) -> bytes:

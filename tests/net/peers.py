@@ -38,8 +38,8 @@ class SwarmRun:
     step_rates: list[float] = field(default_factory=list)
 
 
-def memory_transports() -> Callable[[int, list[str]], Callable[[], Any]]:
-    swarm = MemorySwarm(join_window=0.5, ttl=3.0)
+def memory_transports(swarm: MemorySwarm | None = None) -> Callable[[int, list[str]], Callable[[], Any]]:
+    swarm = swarm or MemorySwarm(join_window=0.5, ttl=3.0)
 
     def make(i: int, initial: list[str]) -> Callable[[], Any]:
         async def create() -> Transport:

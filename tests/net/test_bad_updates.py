@@ -79,7 +79,7 @@ def test_each_kind_of_bad_update_is_refused_and_its_sender_banned(make: Any, cor
     honest = torch.stack([_update(i) for i in range(N - 1)]).mean(0)
 
     async def go() -> None:
-        async with make(corrupt, GuardConfig(ban_after=2)) as ts:
+        async with make(corrupt, GuardConfig(ban_after=2, norm_bound=10.0)) as ts:
             results = await _rounds(ts, 3)
             bad = ts[-1].peer_id
             for r, res in enumerate(results):

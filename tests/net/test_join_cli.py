@@ -23,3 +23,16 @@ def test_unreachable_initial_peers_give_a_clear_error_after_retries() -> None:
     assert "could not join the swarm after 2 attempts" in text
     assert "event=connect_retry attempt=1 of=2" in text
     assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--aggregation", "median-of-means"], "unknown aggregation 'median-of-means'"),
+    (["--norm-bound", "0.5"], "norm_bound must be above 1"),
+    (["--resume", "/nonexistent/p2ptrain-ck"], "no checkpoint there"),
+])
+def test_bad_flags_give_a_clear_error(flags: list[str], message: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--steps", "1", "-q", "--metrics-port", "-1", *flags],
+                       capture_output=True, text=True, timeout=100)
+    text = " ".join((r.stdout + r.stderr).split())
+    assert r.returncode != 0 and message in text, text[-2000:]
+    assert "Traceback" not in text

@@ -1,0 +1,77 @@
+"""Training through faults on the in-memory swarm: a peer sending scaled updates (centered clip holds,
+the plain mean does not), and a partition of two regions that heals."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+from p2ptrain.algo.methods import method_config
+from p2ptrain.data import Corpus
+from p2ptrain.net.guard import GuardConfig
+from p2ptrain.net.memory import MemorySwarm
+
+from .peers import Spec, SwarmRun, memory_transports, run_peers
+
+METHOD = method_config("diloco", H=8, outer_lr=0.7, outer_momentum=0.5, codec="fp32", timeout=10)
+
+
+def _run(corpus: Corpus, peers: int, aggregation: str, attacker: bool) -> tuple[SwarmRun, float]:
+    swarm = MemorySwarm(join_window=0.5, ttl=3.0, guard=GuardConfig(aggregation=aggregation))
+    if attacker:
+        swarm.corrupt[f"peer{peers - 1}"] = "scale"  # ×100 every round
+    run = run_peers(METHOD, [Spec(steps=64, delay=0.02)] * peers, corpus, memory_transports(swarm),
+                    shared_loop=True)
+    assert not run.errors, run.errors
+    honest = run.results[0]
+    assert honest is not None and honest.rounds_complete >= 4
+    return run, run.peers[0].trainer.evaluate(honest.outer_params).loss
+
+
+def test_centered_clip_holds_one_scaled_peer_of_five_where_the_mean_does_not(corpus: Corpus) -> None:
+    _, honest = _run(corpus, 4, "mean", attacker=False)
+    _, clipped = _run(corpus, 5, "centered-clip", attacker=True)
+    _, plain = _run(corpus, 5, "mean", attacker=True)
+    assert clipped <= 1.05 * honest, (honest, clipped)
+    assert not plain <= 1.05 * honest, (honest, plain)  # also when the mean turned θ into NaN
+    assert math.isfinite(clipped)
+
+
+def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(corpus: Corpus) -> None:
+    method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10)
+    step = 0.03
+    swarm = MemorySwarm(join_window=0.5, ttl=1.0)
+    times: dict[str, float] = {}
+
+    def weather() -> None:
+        time.sleep(2.0)
+        swarm.partition(["peer0", "peer1"], ["peer2", "peer3"])
+        times["split"] = time.time()
+        time.sleep(2.5)
+        swarm.heal()
+        times["heal"] = time.time()
+
+    t = threading.Thread(target=weather, daemon=True)
+    t.start()
+    run = run_peers(method, [Spec(steps=200, delay=0.02)] * 4, corpus, memory_transports(swarm), shared_loop=True,
+                    step_seconds=step)
+    t.join(10)
+    assert not run.errors, run.errors
+    logs = [p.applied_log for p in run.peers]
+
+    def at(key: str) -> float:
+        return int(key.split(".L")[1]) * step
+
+    during = [k for k in set(logs[0]) & set(logs[1]) & set(logs[2]) & set(logs[3])
+              if times["split"] + 1.0 < at(k) < times["heal"]]
+    assert during
+    for k in during:  # while split, each side averaged on its own: agreeing within, not across
+        assert logs[0][k][0] == logs[1][k][0] and logs[2][k][0] == logs[3][k][0], k
+    assert any(logs[0][k][0] != logs[2][k][0] for k in during)
+    settle = times["heal"] + 2 * method.H * step + 2.0  # two rounds per fragment, and the ttl of stale views
+    after = set.intersection(*(set(lg) for lg in logs))
+    after = {k for k in after if at(k) > settle}
+    assert len(after) >= 2, sorted(logs[0])
+    for k in after:  # after healing, one θ again
+        assert len({lg[k][0] for lg in logs}) == 1, k
