@@ -63,7 +63,7 @@ def join(
     connect_attempts: Annotated[int, typer.Option("--connect-attempts", help="Tries (with backoff) when initial peers are unreachable.")] = 5,
     join_window: Annotated[float | None, typer.Option("--join-window", help="Seconds a round leader waits for peers.")] = None,
     min_step_seconds: Annotated[float | None, typer.Option("--min-step-seconds", help="Pad each inner step to this long (emulate a slower device).")] = None,
-    metrics_port: Annotated[int, typer.Option("--metrics-port", help="Serve Prometheus metrics here (0: any free port, -1: off).")] = DEFAULT_METRICS_PORT,
+    metrics_port: Annotated[int | None, typer.Option("--metrics-port", help=f"Serve Prometheus metrics here (0: any free port, -1: off; default {DEFAULT_METRICS_PORT}, or the next free one when several peers share a machine).")] = None,
     metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address of the metrics endpoint.")] = "127.0.0.1",
     swarm_key_file: SwarmKeyOpt = None,
     aggregation: Annotated[str, typer.Option("--aggregation", help="How this peer averages what it receives: mean, trimmed-mean, centered-clip.")] = "mean",
@@ -130,12 +130,24 @@ def join(
             raise fail(f"--resume {resume}: {e}") from None
         resumed_step = trainer.step_count
         console.print(f"resuming from {found[0].name} (inner step {resumed_step})", highlight=False)
-    if metrics_port >= 0:
+    port: int | None = None
+    if metrics_port is None:  # the default: the first free of a few ports from DEFAULT_METRICS_PORT
+        for candidate in range(DEFAULT_METRICS_PORT, DEFAULT_METRICS_PORT + 16):
+            try:
+                port = metrics.serve(candidate, metrics_host)
+                break
+            except OSError:
+                continue
+        if port is None:
+            raise fail(f"ports {DEFAULT_METRICS_PORT}-{DEFAULT_METRICS_PORT + 15} are all taken; "
+                       "pick one with --metrics-port, or -1 to turn metrics off")
+    elif metrics_port >= 0:
         try:
             port = metrics.serve(metrics_port, metrics_host)
         except OSError as e:
             raise fail(f"cannot serve metrics on {metrics_host}:{metrics_port} ({e.strerror}); "
                        "pick another --metrics-port, or -1 to turn them off") from None
+    if port is not None:
         console.print(f"metrics: http://{metrics_host}:{port}/metrics", highlight=False)
     if not swarm_cfg.initial_peers:
         console.print("[yellow]no --initial-peers: starting a new swarm[/]", highlight=False)

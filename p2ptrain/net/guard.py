@@ -6,7 +6,9 @@ reason, when its weight is not a positive finite number, a value is not finite, 
 more than ``norm_bound`` times the median norm of the round's contributions (the receiver's own
 among them; the median rather than the receiver's own alone, because a peer that has just joined
 has a near-zero pseudo-gradient and would refuse every honest one). Sizes are checked by the
-transports before anything is decoded. A peer refused ``ban_after`` times is banned for the run:
+transports before anything is decoded: a payload that does not match its own announced size is a
+strike, a well-formed part of another size than expected is dropped without one (honest members
+whose views of a round differ send those). A peer refused ``ban_after`` times is banned for the run:
 its messages are dropped unread and it is left out of the groups this peer leads.
 
 With a robust aggregation, a part with fewer than three accepted contributions is not aggregated

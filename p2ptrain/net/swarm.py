@@ -588,7 +588,10 @@ class HivemindTransport(Transport):
         # Only members' contributions to *our* part, of our part's size, count.
         contribs = {p: c for p, c in box.contribs.items() if p in members and c[0] == me}
         for p in [p for p, c in contribs.items() if c[1].numel() != hi - lo]:
-            self.guard.strike(p, f"part of {contribs[p][1].numel()} values, expected {hi - lo}")
+            # Not a strike: members whose views of the round differ (e.g. two leaders chose different
+            # fragments for one slot) send honest parts of other sizes. Dropped, never summed.
+            log.info("event=part_dropped key=%s peer=%s reason=%d values, expected %d", group.key, p,
+                     contribs[p][1].numel(), hi - lo)
             del contribs[p]
         prints = {p: c[3] for p, c in contribs.items() if c[3] is not None}
         agree = majority_fingerprint(prints) if prints else set(contribs)
@@ -660,9 +663,12 @@ class HivemindTransport(Transport):
             if res.get("_from", self.peer_id) not in members:
                 partial = True  # a result from outside the group is never used
                 continue
-            if (numel != b - a or res.get("codec") != codec.name or not isinstance(data, bytes)
-                    or len(data) != codec.encoded_size(b - a) or not isinstance(res.get("contributors"), list)
-                    or not isinstance(res.get("agree"), list) or self.guard.bad_weight(res.get("total")) is not None):
+            if numel != b - a or res.get("codec") != codec.name:
+                partial = True  # an owner whose view of the round differs (see above): not used, no strike
+                continue
+            if (not isinstance(data, bytes) or len(data) != codec.encoded_size(b - a)
+                    or not isinstance(res.get("contributors"), list) or not isinstance(res.get("agree"), list)
+                    or self.guard.bad_weight(res.get("total")) is not None):
                 if members[j] != self.peer_id:
                     self.guard.strike(members[j], f"averaged part {j} is malformed")
                 partial = True

@@ -95,7 +95,10 @@ def test_each_kind_of_bad_update_is_refused_and_its_sender_banned(make: Any, cor
                         keep[lo:hi] = False
                     assert torch.allclose(x.tensors[0][keep], honest[keep], atol=1e-6), (r, i)
             guards = [ts[0].swarm.guard] if make is memory else [t.guard for t in ts[: N - 1]]
-            assert any(bad in g.banned for g in guards), [dict(g.strikes) for g in guards]  # refused twice: banned
+            # A well-formed part of another size is dropped, not held against its sender (in memory a
+            # truncated update is just that; on the wire its bytes contradict its own header).
+            if corrupt != "shape" and not (corrupt == "truncate" and make is memory):
+                assert any(bad in g.banned for g in guards), [dict(g.strikes) for g in guards]  # banned
             assert all(set(g.strikes) <= {bad} for g in guards)  # and no honest peer was ever refused
 
     asyncio.run(go())
