@@ -27,16 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from p2ptrain.procs import wait_lines
+
 RESULTS = Path(__file__).parent / "results"
 
-
-def _wait_lines(path: Path, timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().split()
-        time.sleep(0.2)
-    raise TimeoutError(f"{path} did not appear")
 
 
 def _ema(values: list[float], beta: float = 0.9) -> list[float]:
@@ -85,7 +79,7 @@ def main() -> None:
     t0 = time.time()
     try:
         start("a", [])
-        initial = _wait_lines(work / "a.maddrs", 90)
+        initial = wait_lines(work / "a.maddrs", 90)
         start("b", initial)
         events.append((0.0, "a, b start", 2))
         time.sleep(args.phase)

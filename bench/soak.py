@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from p2ptrain.procs import wait_lines
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -35,14 +37,6 @@ def rss_mb(pid: int) -> float:
         pass
     return float("nan")
 
-
-def _wait_lines(path: Path, timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().split()
-        time.sleep(0.2)
-    raise TimeoutError(f"{path} did not appear")
 
 
 def main() -> None:
@@ -69,7 +63,7 @@ def main() -> None:
                                  "--maddrs-file", str(work / "boot.maddrs")], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, env=env)
         procs.append(boot)
-        maddrs = _wait_lines(work / "boot.maddrs", 60)
+        maddrs = wait_lines(work / "boot.maddrs", 60)
         cmd = [sys.executable, "-m", "p2ptrain", "join", "--run-id", f"soak-{os.getpid()}", "--method", args.method,
                "--preset", args.preset, "--steps", "100000000", "--step-seconds", str(args.step_seconds),
                "--metrics-port", "-1", "-q", "--log-level", "INFO"]

@@ -25,16 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from p2ptrain.procs import wait_lines
+
 RESULTS = Path(__file__).parent / "results"
 
-
-def _wait_lines(path: Path, timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().split()
-        time.sleep(0.2)
-    raise TimeoutError(f"{path} did not appear")
 
 
 def run_swarm(method: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -> list[dict]:
@@ -43,7 +37,7 @@ def run_swarm(method: str, args: argparse.Namespace, work: Path, env: dict[str, 
                             stderr=subprocess.DEVNULL, env=env)
     procs = [boot]
     try:
-        maddrs = _wait_lines(work / f"{method}.boot", 60)
+        maddrs = wait_lines(work / f"{method}.boot", 60)
         cmd = [sys.executable, "-m", "p2ptrain", "join", "--run-id", f"loop-{method}-{os.getpid()}", "--method",
                method, "--preset", args.preset, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--H", str(args.H), "--metrics-port", "-1", "-q", "--step-seconds", str(args.step_seconds),

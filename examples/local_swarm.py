@@ -1,14 +1,15 @@
 """A 4-peer swarm on this machine, in two regions, learning: the whole product in one command.
 
-    python examples/local_swarm.py                       # 4 peers, cocodc, tiny preset, ~3 minutes
-    python examples/local_swarm.py --method streaming --steps 400
+    python examples/local_swarm.py                       # 4 peers, streaming, tiny preset, ~4 minutes
+    python examples/local_swarm.py --method cocodc --seconds 240
 
 It starts a bootstrap node and four ``p2ptrain join`` processes on 127.0.0.1 (two
 labelled ``us``, two ``eu``; the ``eu`` peers are padded to run 1.5× slower, as a
 second cloud with older GPUs would), watches the swarm through the DHT as
-``p2ptrain status`` does, and prints each peer's validation loss of θ at the end
-next to the one-peer baseline's (``p2ptrain train`` for the same number of steps).
-Every process is stopped when it ends, also on Ctrl-C.
+``p2ptrain status`` does, lets them train for ``--seconds``, asks all to leave
+(SIGTERM: a graceful leave) and prints each peer's validation loss of θ next to
+the one-peer baseline's (``p2ptrain train`` for as many steps as a ``us`` peer
+made). Every process is stopped when it ends, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from p2ptrain.procs import wait_lines
+
 console = Console()
 
 
@@ -35,22 +39,14 @@ def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
                             stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_lines(path: Path, timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().split()
-        time.sleep(0.2)
-    raise TimeoutError(f"{path} did not appear in {timeout:.0f} s")
 
-
-async def _watch(initial: list[str], run_id: str, procs: list[subprocess.Popen[bytes]]) -> None:
+async def _watch(initial: list[str], run_id: str, procs: list[subprocess.Popen[bytes]], deadline: float) -> None:
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 
     t = await HivemindTransport.create(SwarmConfig(run_id=run_id, initial_peers=initial, client_mode=True))
     try:
         with Live(console=console, refresh_per_second=2) as live:
-            while any(p.poll() is None for p in procs):
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 peers = [p for p in await t.peers() if p.peer_id != t.peer_id]
                 table = Table(title=f"run {run_id}: {len(peers)} live peers")
                 for col in ("peer", "region", "step", "train loss", "tok/s", "rounds"):
@@ -66,11 +62,11 @@ async def _watch(initial: list[str], run_id: str, procs: list[subprocess.Popen[b
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", default="cocodc")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--method", default="streaming")
+    ap.add_argument("--seconds", type=float, default=150.0, help="how long the swarm trains (then all leave)")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--H", type=int, default=40)
+    ap.add_argument("--H", type=int, default=20)
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-peer baseline run")
     args = ap.parse_args()
 
@@ -81,10 +77,10 @@ def main() -> int:
     try:
         procs.append(_spawn(["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--maddrs-file",
                              str(work / "boot.maddrs")], work / "boot.log", env))
-        boot = _wait_lines(work / "boot.maddrs", 60)
+        boot = wait_lines(work / "boot.maddrs", 60)
         console.print(f"bootstrap node: {boot[0]}\nlogs in {work}")
-        common = ["join", "--metrics-port", "0", "--run-id", run_id, "--method", args.method, "--preset", args.preset, "--steps",
-                  str(args.steps), "--batch-size", str(args.batch_size), "--H", str(args.H), "-q"]
+        common = ["join", "--metrics-port", "0", "--run-id", run_id, "--method", args.method, "--preset", args.preset,
+                  "--steps", "100000000", "--batch-size", str(args.batch_size), "--H", str(args.H), "-q"]
         for a in boot:
             common += ["--initial-peers", a]
         peers = []
@@ -95,29 +91,37 @@ def main() -> int:
             peers.append(_spawn(common + extra, work / f"peer{i}.log", env))
             time.sleep(3 if i == 0 else 0.5)  # the first peer sets the pacing
         procs += peers
-        asyncio.run(_watch(boot, run_id, peers))
-        codes = [p.wait() for p in peers]
+        deadline = time.monotonic() + args.seconds
+        asyncio.run(_watch(boot, run_id, peers, deadline))
+        for p in peers:
+            p.send_signal(signal.SIGTERM)  # all leave together: a graceful leave, with a summary
+        codes = [p.wait(120) for p in peers]
+        summaries = [json.loads((work / f"peer{i}.json").read_text()) if (work / f"peer{i}.json").exists() else None
+                     for i in range(len(peers))]
+        us_steps = sorted(s["steps"] for s, r in zip(summaries, ["us", "us", "eu", "eu"], strict=True)
+                          if s is not None and r == "us")
+        steps = us_steps[len(us_steps) // 2] if us_steps else 100
         baseline = None
         if not args.no_baseline:
-            console.print("one-peer baseline: p2ptrain train ...")
+            console.print(f"one-peer baseline: p2ptrain train for {steps} steps (as many as a 'us' peer made) ...")
             out = work / "baseline.json"
             subprocess.run([sys.executable, "-m", "p2ptrain", "train", "--preset", args.preset, "--steps",
-                            str(args.steps), "--batch-size", str(args.batch_size), "-q", "--json", str(out)],
+                            str(steps), "--batch-size", str(args.batch_size), "-q", "--json", str(out)],
                            check=True, env=env, stdout=subprocess.DEVNULL)
             baseline = json.loads(out.read_text())["final_val_loss"]
-        table = Table(title=f"{args.method}: 4 peers × {args.steps} inner steps")
-        for col in ("peer", "exit", "val loss of θ", "rounds ok/partial/failed", "utilization"):
+        table = Table(title=f"{args.method}: 4 peers for {args.seconds:.0f} s (eu peers 1.5× slower)")
+        for col in ("peer", "region", "exit", "inner steps", "val loss of θ", "rounds ok/partial/failed",
+                    "utilization"):
             table.add_column(col, justify="right")
-        for i, code in enumerate(codes):
-            f = work / f"peer{i}.json"
-            if not f.exists():
-                table.add_row(f"peer{i}", str(code), "-", "-", "-")
+        for i, (code, s, region) in enumerate(zip(codes, summaries, ["us", "us", "eu", "eu"], strict=True)):
+            if s is None:
+                table.add_row(f"peer{i}", region, str(code), "-", "-", "-", "-")
                 continue
-            s = json.loads(f.read_text())
-            table.add_row(f"peer{i}", str(code), f"{s['val_loss']:.4f}",
-                          f"{s['rounds_complete']}/{s['rounds_partial']}/{s['rounds_failed']}", f"{s['utilization']:.2f}")
+            table.add_row(f"peer{i}", region, str(code), str(s["steps"]), f"{s['val_loss']:.4f}",
+                          f"{s['rounds_complete']}/{s['rounds_partial']}/{s['rounds_failed']}",
+                          f"{s['compute_seconds'] / max(1e-9, s['loop_seconds']):.2f}")
         if baseline is not None:
-            table.add_row("one peer (train)", "0", f"{baseline:.4f}", "-", "1.00")
+            table.add_row("one peer (train)", "-", "0", str(steps), f"{baseline:.4f}", "-", "1.00")
         console.print(table)
         return 0 if all(c == 0 for c in codes) else 1
     except KeyboardInterrupt:

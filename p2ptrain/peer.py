@@ -209,6 +209,7 @@ class Peer:
         self._service = self.net.submit(self._serve())
         self.runner.wait_ready(10)
         self._agree_pacing()
+        self.compute = 0.0  # steps taken to measure the pacing are start-up, not the loop's compute
         resumed = self.resume_state
         if self.outer is not None:
             with self.lock:

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from p2ptrain.procs import wait_lines
+
 RECIPE = """
 preset = "tiny"
 [model]
@@ -65,13 +67,8 @@ def join(tmp: Path, name: str, steps: int, initial: list[str], env: dict[str, st
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
 
 
-def wait_file(path: Path, timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().split()
-        time.sleep(0.2)
-    raise TimeoutError(f"{path} did not appear")
+
+wait_file = wait_lines
 
 
 def wait_log(path: Path, pattern: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> re.Match[str]:
