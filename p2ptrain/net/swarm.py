@@ -183,6 +183,7 @@ class HivemindTransport(Transport):
         self._maddrs: dict[str, list[str]] = {}
         self._states = StateServer(cfg.state_chunk)
         self.guard = Guard(cfg.guard)
+        self.blocked: set[str] = set()  # fault injection: peers this one cannot reach (a partition)
         self.links = LinkMeter()
         self._left: set[str] = set()  # peers whose last announcement is a departure
         self._tasks: asyncio.TaskGroup | None = None
@@ -281,7 +282,7 @@ class HivemindTransport(Transport):
             if value.get("left"):
                 self._left.add(sub)
                 continue
-            if value.get("peer") != sub:
+            if value.get("peer") != sub or sub in self.blocked:
                 continue
             self._left.discard(sub)
             try:
@@ -339,7 +340,7 @@ class HivemindTransport(Transport):
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = str(info.peer_id)
             try:
-                if self.guard.is_banned(sender):
+                if self.guard.is_banned(sender) or sender in self.blocked:
                     return  # dropped unread
                 msg, _ = await read_frame(reader, timeout=30, max_size=self.cfg.max_message)
                 key = self.cfg.swarm_key
@@ -365,6 +366,8 @@ class HivemindTransport(Transport):
         """One request/response on a fresh stream; returns (reply, seconds)."""
         from hivemind.p2p import PeerID
 
+        if peer in self.blocked:
+            raise RoundFailed(f"{kind} to {peer[-8:]}: unreachable (partitioned)")
         t0 = time.monotonic()
 
         async def _go() -> dict[str, Any]:

@@ -64,7 +64,7 @@ def libp2p_transports(run_id: str, join_window: float = 0.5) -> Callable[[int, l
 def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
               transports: Callable[[int, list[str]], Callable[[], Any]], *, step_seconds: float = 0.03,
               join_window: float = 0.5, shared_loop: bool = False, timeout: float = 120.0,
-              keep_applied: bool = False) -> SwarmRun:
+              keep_applied: bool = False, started: Callable[[SwarmRun], Any] | None = None) -> SwarmRun:
     """Start the peers in order (the first creates the run), run them concurrently, collect summaries."""
     shared = NetLoop() if shared_loop else None
     n = len(specs)
@@ -110,6 +110,8 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
         initial.extend(first.net.call(first.transport.visible_maddrs(), 10))  # type: ignore[union-attr]
         for i in range(1, n):
             out.peers[i]._make_transport = transports(i, list(initial))
+    if started is not None:
+        started(out)  # the peers exist (the first has started): a test may reach into them from now on
     threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(n) if specs[i].run]
     for t in threads:
         t.start()

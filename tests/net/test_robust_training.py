@@ -7,12 +7,14 @@ import math
 import threading
 import time
 
+import pytest
+
 from p2ptrain.algo.methods import method_config
 from p2ptrain.data import Corpus
 from p2ptrain.net.guard import GuardConfig
 from p2ptrain.net.memory import MemorySwarm
 
-from .peers import Spec, SwarmRun, memory_transports, run_peers
+from .peers import Spec, SwarmRun, libp2p_transports, memory_transports, run_peers
 
 METHOD = method_config("diloco", H=8, outer_lr=0.7, outer_momentum=0.5, codec="fp32", timeout=10)
 
@@ -38,24 +40,38 @@ def test_centered_clip_holds_one_scaled_peer_of_five_where_the_mean_does_not(cor
     assert math.isfinite(clipped)
 
 
-def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(corpus: Corpus) -> None:
+@pytest.mark.parametrize("kind", ["memory", pytest.param("libp2p", marks=[pytest.mark.net, pytest.mark.timeout(180)])])
+def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(corpus: Corpus, kind: str) -> None:
     method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10)
-    step = 0.03
+    step = 0.03 if kind == "memory" else 0.05
     swarm = MemorySwarm(join_window=0.5, ttl=1.0)
+    transports = memory_transports(swarm) if kind == "memory" else libp2p_transports("partition")
+    sides = ([0, 1], [2, 3])
     times: dict[str, float] = {}
+    box: dict[str, SwarmRun] = {}
+
+    def split(on: bool) -> None:
+        if kind == "memory":
+            swarm.partition(["peer0", "peer1"], ["peer2", "peer3"]) if on else swarm.heal()
+            return
+        peers = box["run"].peers
+        for mine, other in (sides, sides[::-1]):
+            for i in mine:
+                blocked = {peers[j].peer_id for j in other} if on else set()
+                peers[i].transport.blocked = blocked  # type: ignore[union-attr]
 
     def weather() -> None:
-        time.sleep(2.0)
-        swarm.partition(["peer0", "peer1"], ["peer2", "peer3"])
+        time.sleep(3.0)
+        split(True)
         times["split"] = time.time()
-        time.sleep(2.5)
-        swarm.heal()
+        time.sleep(3.0)
+        split(False)
         times["heal"] = time.time()
 
     t = threading.Thread(target=weather, daemon=True)
     t.start()
-    run = run_peers(method, [Spec(steps=200, delay=0.02)] * 4, corpus, memory_transports(swarm), shared_loop=True,
-                    step_seconds=step)
+    run = run_peers(method, [Spec(steps=200 if kind == "memory" else 160, delay=0.02)] * 4, corpus, transports,
+                    shared_loop=kind == "memory", step_seconds=step, started=lambda r: box.setdefault("run", r))
     t.join(10)
     assert not run.errors, run.errors
     logs = [p.applied_log for p in run.peers]
