@@ -28,6 +28,9 @@ class ModelConfig:
         d_model: residual width.
         n_layers: number of transformer blocks.
         n_heads: attention heads; ``d_model`` must be divisible by it.
+        n_kv_heads: key/value heads for grouped-query attention (each serves
+            ``n_heads / n_kv_heads`` query heads); None (the default) means ``n_heads``,
+            plain multi-head attention. A value equal to ``n_heads`` is stored as None.
         d_ff: hidden width of the SwiGLU MLP; defaults to ~8/3·d_model rounded up to 64.
         tie_embeddings: share the input embedding with the output head.
         rope_base: base of the rotary frequencies.
@@ -39,6 +42,7 @@ class ModelConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
+    n_kv_heads: int | None = None
     d_ff: int | None = None
     tie_embeddings: bool = True
     rope_base: float = 10_000.0
@@ -56,6 +60,22 @@ class ModelConfig:
             raise ValueError("model: the head dimension d_model/n_heads must be even for rotary positions")
         if self.d_ff is not None and self.d_ff <= 0:
             raise ValueError(f"model: d_ff must be positive, got {self.d_ff}")
+        if self.n_kv_heads is not None:
+            if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+                raise ValueError(
+                    f"model: n_kv_heads ({self.n_kv_heads}) must be positive and divide n_heads ({self.n_heads})"
+                )
+            if self.n_kv_heads == self.n_heads:
+                object.__setattr__(self, "n_kv_heads", None)  # one spelling of plain multi-head attention
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads actually used (``n_heads`` without grouped-query attention)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
 
     @property
     def hidden(self) -> int:
@@ -65,7 +85,12 @@ class ModelConfig:
         return 64 * math.ceil(8 * self.d_model / 3 / 64)
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The fields as a dict; ``n_kv_heads`` only when grouped-query attention is on, so the
+        configs saved before it existed compare equal."""
+        out = asdict(self)
+        if out["n_kv_heads"] is None:
+            del out["n_kv_heads"]
+        return out
 
 
 #: Named architectures. ``tiny`` trains on a 2-core CPU in minutes; ``small`` is
@@ -106,17 +131,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """Causal self-attention with rotary positions; grouped-query when ``n_kv_heads < n_heads``.
+
+    ``qkv`` is one fused projection whose output rows are ``[q (n_heads·d); k (n_kv_heads·d);
+    v (n_kv_heads·d)]``; key/value head j serves query heads ``j·g … j·g+g−1`` (g = n_heads/n_kv_heads).
+    """
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.head_dim = cfg.d_model // cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([c, kv, kv], dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, d]
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            group = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, d]
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
@@ -159,7 +197,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        cos, sin = rotary_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_base)
+        cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
