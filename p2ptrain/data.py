@@ -5,6 +5,10 @@ The built-in corpus is the running interpreter's own standard library source
 text file, a folder of text files, or a pre-tokenized ``uint16`` ``.bin`` token
 file (memory-mapped). Validation is held out by *file* (a hash of the relative
 path), or the last 1% of a ``.bin`` file, and is the same on every peer.
+
+``.jsonl`` and ``.parquet`` files (or a folder holding them), and any text source
+when a ``tokenizer`` is given, go through :mod:`p2ptrain.textdata`: read streamed,
+tokenized once into an on-disk cache, then memory-mapped.
 """
 
 from __future__ import annotations
@@ -61,14 +65,23 @@ class DataConfig:
         split: ``iid``: every peer samples the whole training set with its own seed;
             ``non-iid``: peer r of M samples only its own contiguous share of the files.
         seed: base seed; peer r draws from ``(seed, r)``.
+        tokenizer: a local ``tokenizer.json`` (or a folder holding one) to tokenize text,
+            ``.jsonl`` and ``.parquet`` sources with; None: UTF-8 bytes.
+        text_field: the ``.jsonl`` field / ``.parquet`` column holding a document's text.
+        cache_dir: where tokenized sources are cached (default ``~/.cache/p2ptrain/tokens``).
     """
 
     path: str | None = None
     val_percent: float = 2.0
     split: Literal["iid", "non-iid"] = "iid"
     seed: int = 0
+    tokenizer: str | None = None
+    text_field: str = "text"
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if not self.text_field:
+            raise DataError("data: text_field must not be empty")
         if not 0.0 < self.val_percent < 50.0:
             raise DataError(f"data: val_percent must be in (0, 50), got {self.val_percent}")
         if self.split not in ("iid", "non-iid"):
@@ -160,12 +173,23 @@ def _bin_corpus(path: Path, val_percent: float) -> Corpus:
     return Corpus(path.name, tokens[:cut], tokens[cut:], vocab, np.zeros(1, dtype=np.int64))
 
 
+def _tokenized(cfg: DataConfig, name: str, files: list[Path]) -> Corpus:
+    from .textdata import tokenized_corpus
+
+    return tokenized_corpus(name, files, tokenizer=cfg.tokenizer, text_field=cfg.text_field,
+                            val_percent=cfg.val_percent, cache_dir=cfg.cache_dir)
+
+
 def load_corpus(cfg: DataConfig) -> Corpus:
     """Load the corpus named by ``cfg`` (see module docstring); raises :class:`DataError`."""
+    from .textdata import RECORD_SUFFIXES
+
     if cfg.path is None:
         root, files = builtin_files()
         if not files:
             raise DataError(f"data: no standard library sources found under {root}; pass --data PATH")
+        if cfg.tokenizer:
+            return _tokenized(cfg, f"stdlib ({root})", files)
         return _text_corpus(f"stdlib ({root})", root, files, cfg.val_percent)
     path = Path(cfg.path).expanduser()
     if not path.exists():
@@ -174,11 +198,20 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
         if not files:
             raise DataError(f"data: folder {path} holds no files")
+        records = [p for p in files if p.suffix in RECORD_SUFFIXES]
+        if records:  # a data set folder: its .jsonl/.parquet files only
+            return _tokenized(cfg, str(path), records)
+        if cfg.tokenizer:
+            return _tokenized(cfg, str(path), files)
         return _text_corpus(str(path), path, files, cfg.val_percent)
     if path.suffix == BIN_SUFFIX:
+        if cfg.tokenizer:
+            raise DataError(f"data: {path} holds token ids already; a tokenizer is only for text sources")
         return _bin_corpus(path, cfg.val_percent)
     if not os.access(path, os.R_OK):
         raise DataError(f"data: {path} is not readable")
+    if path.suffix in RECORD_SUFFIXES or cfg.tokenizer:
+        return _tokenized(cfg, str(path), [path])
     return _text_corpus(str(path), path.parent, [path], cfg.val_percent)
 
 
