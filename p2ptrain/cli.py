@@ -26,6 +26,9 @@ app = typer.Typer(
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file; flags override it.")]
 LogOpt = Annotated[str | None, typer.Option("--log-level", help="DEBUG/INFO/WARNING/ERROR (env P2PTRAIN_LOG_LEVEL).")]
+TokenizerOpt = Annotated[str | None, typer.Option("--tokenizer", help="A local tokenizer.json (or its folder) for text/.jsonl/.parquet data; default: bytes, or the --init-from folder's.")]
+InitFromOpt = Annotated[str | None, typer.Option("--init-from", help="Start from a local Llama checkpoint folder (config.json + safetensors); sets the architecture.")]
+SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", help="Context length in tokens (caps an --init-from checkpoint's max_position_embeddings).")]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -67,7 +70,10 @@ def _model_and_trainer(file: dict[str, Any], preset_name: str | None, model_flag
 def train(
     preset_name: Annotated[str | None, typer.Option("--preset", "-p", help=f"Model preset: {', '.join(PRESETS)}.")] = None,
     steps: Annotated[int | None, typer.Option("--steps", "-n", help="Total inner steps.")] = None,
-    data: Annotated[str | None, typer.Option("--data", help="Text file, folder, or uint16 .bin tokens (default: built-in corpus).")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="Text file, folder, .jsonl/.parquet, or uint16 .bin tokens (default: built-in corpus).")] = None,
+    tokenizer: TokenizerOpt = None,
+    init_from: InitFromOpt = None,
+    seq_len: SeqLenOpt = None,
     checkpoint_dir: Annotated[str | None, typer.Option("--checkpoint-dir", help="Where to write checkpoints.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --checkpoint-dir.")] = False,
     batch_size: Annotated[int | None, typer.Option("--batch-size", help="Sequences per micro-batch.")] = None,
@@ -89,19 +95,31 @@ def train(
         file = load_file(config)
         job_vals = merged({k: v for k, v in file.items() if not isinstance(v, dict) and k != "preset"},
                           {"steps": steps, "checkpoint_dir": checkpoint_dir, "eval_every": eval_every})
+        job_vals.pop("init_from", None)
         total = int(job_vals.get("steps", 300))
+        from .hf_cli import open_init_from
+
+        init = open_init_from(file, preset_name, init_from, seq_len)
         model_cfg, trainer_cfg = _model_and_trainer(
-            file, preset_name, {},
+            {k: v for k, v in file.items() if k != "model"} if init else file, None if init else preset_name,
+            {"seq_len": seq_len},
             {"batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
              "total_steps": file.get("trainer", {}).get("total_steps", total)})
-        data_cfg = build(DataConfig, merged(file.get("data"), {"path": data, "seed": seed}), "data")
+        data_cfg = build(DataConfig, merged(file.get("data"), {"path": data, "seed": seed, "tokenizer": tokenizer}), "data")
+        start = None
+        if init is not None:
+            from .hf import data_for, trainer_from_hf
+
+            data_cfg = data_for(init, data_cfg)
+            model_cfg = init.model_config
+            start = trainer_from_hf(init, trainer_cfg, data_cfg)
         job = build(TrainJob, {**job_vals, "model": model_cfg, "trainer": trainer_cfg, "data": data_cfg,
                                "resume": resume}, "job")
     except (ConfigError, DataError, ValueError) as e:
         raise fail(str(e)) from None
 
-    console.print(f"p2ptrain {__version__} · train · preset {preset_name or file.get('preset', 'tiny')} "
-                  f"· {total} steps", highlight=False)
+    arch = f"from {init.path}" if init else f"preset {preset_name or file.get('preset', 'tiny')}"
+    console.print(f"p2ptrain {__version__} · train · {arch} · {total} steps", highlight=False)
     try:
         with progress_bar(job.steps, "train", disable=quiet) as prog:
             task = prog.task_ids[0]
@@ -114,7 +132,7 @@ def train(
                 prog.update(task, completed=step)
                 prog.console.print(f"step {step}: val loss {loss:.4f}", highlight=False)
 
-            summary = run_train(job, on_step=on_step, on_eval=on_eval)
+            summary = run_train(job, on_step=on_step, on_eval=on_eval, trainer=start)
     except (DataError, CheckpointError, ValueError) as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
@@ -251,7 +269,7 @@ def run() -> None:  # console-script entry point
     app()
 
 
-from . import swarm_cli  # noqa: E402,F401  (registers join / bootstrap / status on the app)
+from . import hf_cli, swarm_cli  # noqa: E402,F401  (register join / bootstrap / status / export on the app)
 
 if __name__ == "__main__":
     sys.exit(app())

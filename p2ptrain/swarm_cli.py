@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from . import __version__
-from .cli import ConfigOpt, LogOpt, _model_and_trainer, app, fail
+from .cli import ConfigOpt, InitFromOpt, LogOpt, SeqLenOpt, TokenizerOpt, _model_and_trainer, app, fail
 from .data import DataConfig, DataError
 from .metrics import DEFAULT_METRICS_PORT, PeerMetrics
 from .settings import ConfigError, build, load_file, merged
@@ -50,6 +50,9 @@ def join(
     codec: Annotated[str | None, typer.Option("--codec", help="Wire codec.")] = None,
     timeout: Annotated[float | None, typer.Option("--round-timeout", help="Seconds a round may take.")] = None,
     data: Annotated[str | None, typer.Option("--data", help="Corpus (default: built-in).")] = None,
+    tokenizer: TokenizerOpt = None,
+    init_from: InitFromOpt = None,
+    seq_len: SeqLenOpt = None,
     batch_size: Annotated[int | None, typer.Option("--batch-size")] = None,
     lr: Annotated[float | None, typer.Option("--lr")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Model-init seed (identical on every peer).")] = None,
@@ -93,10 +96,15 @@ def join(
         file = load_file(config)
         peer_file = file.get("peer", {})
         total = steps or int(peer_file.get("steps", file.get("steps", 300)))
-        model_cfg, trainer_cfg = _model_and_trainer(file, preset_name, {}, {
-            "batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
-            "total_steps": file.get("trainer", {}).get("total_steps", total)})
-        data_cfg = build(DataConfig, merged(file.get("data"), {"path": data}), "data")
+        from .hf_cli import open_init_from
+
+        init = open_init_from(file, preset_name, init_from, seq_len)
+        model_cfg, trainer_cfg = _model_and_trainer(
+            {k: v for k, v in file.items() if k != "model"} if init else file, None if init else preset_name,
+            {"seq_len": seq_len}, {
+                "batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
+                "total_steps": file.get("trainer", {}).get("total_steps", total)})
+        data_cfg = build(DataConfig, merged(file.get("data"), {"path": data, "tokenizer": tokenizer}), "data")
         name, knobs = _method_knobs(file, {"name": method, "H": H, "P": P, "tau": tau, "codec": codec,
                                            "timeout": timeout})
         method_cfg = method_config(name, **knobs)
@@ -113,7 +121,13 @@ def join(
             use_relay=not no_relay, use_auto_relay=use_auto_relay, join_window=peer_cfg.join_window, ttl=peer_cfg.ttl,
             connect_attempts=connect_attempts, guard=GuardConfig(aggregation=aggregation, norm_bound=norm_bound),
             swarm_key=SwarmKey.load(swarm_key_file) if swarm_key_file else None)
-        trainer = make_trainer(model_cfg, trainer_cfg, data_cfg)
+        if init is not None:  # every peer that loads the same folder starts from the same θ
+            from .hf import data_for, trainer_from_hf
+
+            data_cfg = data_for(init, data_cfg)
+            trainer = trainer_from_hf(init, trainer_cfg, data_cfg)
+        else:
+            trainer = make_trainer(model_cfg, trainer_cfg, data_cfg)
     except (ConfigError, DataError, ValueError) as e:
         raise fail(str(e)) from None
 
@@ -170,7 +184,8 @@ def join(
     console.print(f"p2ptrain {__version__} · peer {peer.peer_id} · run {rid} · {method_cfg.name} · "
                   f"step pacing {peer.step_seconds}s", highlight=False)
     console.print(f"another machine joins with:\n  p2ptrain join {others} --run-id {rid} --method {method_cfg.name} "
-                  f"--preset {preset_name or file.get('preset', 'tiny')}", highlight=False, soft_wrap=True)
+                  + (f"--init-from {init.path}" if init else f"--preset {preset_name or file.get('preset', 'tiny')}"),
+                  highlight=False, soft_wrap=True)
 
     def on_signal(signum: int, _frame: Any) -> None:
         console.print(f"signal {signal.Signals(signum).name}: leaving after this step", highlight=False)

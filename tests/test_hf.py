@@ -31,7 +31,7 @@ def hf_config(*, tied: bool, dtype: str = "float32", **extra: object) -> dict[st
     }
 
 
-def hf_weights(*, tied: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+def hf_weights(*, tied: bool, seed: int = 0, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape: int) -> torch.Tensor:
@@ -41,7 +41,7 @@ def hf_weights(*, tied: bool, seed: int = 0) -> dict[str, torch.Tensor]:
         return 1.0 + 0.2 * torch.randn(HIDDEN, generator=g)
 
     hd = HIDDEN // HEADS
-    t = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g), "model.norm.weight": gain()}
+    t = {"model.embed_tokens.weight": torch.randn(vocab, HIDDEN, generator=g), "model.norm.weight": gain()}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         t |= {p + "input_layernorm.weight": gain(), p + "post_attention_layernorm.weight": gain(),
@@ -50,18 +50,18 @@ def hf_weights(*, tied: bool, seed: int = 0) -> dict[str, torch.Tensor]:
               p + "mlp.gate_proj.weight": w(FF, HIDDEN), p + "mlp.up_proj.weight": w(FF, HIDDEN),
               p + "mlp.down_proj.weight": w(HIDDEN, FF)}
     if not tied:
-        t["lm_head.weight"] = w(VOCAB, HIDDEN)
+        t["lm_head.weight"] = w(vocab, HIDDEN)
     return t
 
 
 def write_checkpoint(path: Path, *, tied: bool, dtype: torch.dtype = torch.float32, shards: int = 1,
-                     norms_fp32: bool = False) -> dict[str, torch.Tensor]:
+                     norms_fp32: bool = False, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     """A Llama checkpoint folder as transformers writes it; returns the tensors as stored."""
     path.mkdir(parents=True)
     tensors = {n: t.to(torch.float32 if norms_fp32 and "norm" in n else dtype).contiguous()
-               for n, t in hf_weights(tied=tied).items()}
+               for n, t in hf_weights(tied=tied, vocab=vocab).items()}
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    (path / "config.json").write_text(json.dumps(hf_config(tied=tied, dtype=name), indent=2))
+    (path / "config.json").write_text(json.dumps(hf_config(tied=tied, dtype=name, vocab_size=vocab), indent=2))
     names = sorted(tensors)
     if shards == 1:
         save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

@@ -29,13 +29,13 @@ def documents(n: int = 120, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) + f" doc{i}." for i in range(n)]
 
 
-def make_tokenizer(path: Path, docs: list[str]) -> Path:
+def make_tokenizer(path: Path, docs: list[str], vocab: int = VOCAB) -> Path:
     """A tiny BPE tokenizer.json that puts <s> before every document (as Llama's does)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>"]))
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>"]))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     tok.save(str(path))
     return path

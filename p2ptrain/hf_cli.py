@@ -1,0 +1,61 @@
+"""``p2ptrain export`` and the ``--init-from`` plumbing shared by ``train`` and ``join``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .cli import LogOpt, app, fail
+from .hf import DTYPES, HFCheckpoint, open_hf
+from .settings import ConfigError
+
+__all__ = ["open_init_from"]
+
+
+def open_init_from(file: dict[str, Any], preset_name: str | None, init_from: str | None,
+                   seq_len: int | None) -> HFCheckpoint | None:
+    """The checkpoint named by ``--init-from`` (or ``init_from`` in the config file), its context capped
+    by ``--seq-len`` (or ``[model] seq_len``); None without one. The checkpoint sets the architecture, so
+    a preset or other ``[model]`` keys alongside it are a ConfigError."""
+    path = init_from or file.get("init_from")
+    if not path:
+        return None
+    if preset_name or file.get("preset"):
+        raise ConfigError("--init-from sets the architecture from the checkpoint's config.json: drop --preset")
+    model = dict(file.get("model") or {})
+    cap = seq_len or model.pop("seq_len", None)
+    if model:
+        raise ConfigError(f"[model]: {', '.join(sorted(model))} cannot be set with --init-from (only seq_len)")
+    return open_hf(str(path), seq_len=cap)
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", help="A p2ptrain checkpoint file, or a folder of them (the newest is used).")],
+    out: Annotated[Path, typer.Option("--out", help="Folder to write (must not exist or be empty).")],
+    template: Annotated[Path | None, typer.Option("--template", help="The checkpoint folder the run started from (--init-from): its config keys, tensor dtypes and tokenizer files are kept.")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help=f"{', '.join(DTYPES)} (default: the template's, else float32).")] = None,
+    log_level: LogOpt = None,
+) -> None:
+    """Write a checkpoint's trained θ as a Llama checkpoint folder (config.json + model.safetensors)."""
+    from .checkpoint import CheckpointDir, CheckpointError, read_checkpoint
+    from .hf import HFError, export_hf, read_params
+    from .ui import console, setup_logging
+
+    setup_logging(log_level)
+    try:
+        if checkpoint.is_dir():
+            found = CheckpointDir(checkpoint).latest()
+            if found is None:
+                raise fail(f"--checkpoint {checkpoint}: no checkpoint there")
+            path, state = found
+        else:
+            path, state = checkpoint, read_checkpoint(checkpoint)
+        params, cfg = read_params(state)
+        written = export_hf(out, params, cfg, dtype=dtype, template=template)
+    except (CheckpointError, HFError, ValueError) as e:
+        raise fail(str(e)) from None
+    which = "outer parameters θ" if state.get("outer") else "model parameters"
+    console.print(f"exported the {which} of {path} (step {state['trainer']['step']}) to {written}", highlight=False)
