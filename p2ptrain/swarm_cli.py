@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,6 +17,7 @@ from .cli import ConfigOpt, LogOpt, _model_and_trainer, app, fail
 from .data import DataConfig, DataError
 from .metrics import DEFAULT_METRICS_PORT, PeerMetrics
 from .settings import ConfigError, build, load_file, merged
+from .staged_cli import launch_stages, run_staged, staged_or_none
 
 InitialPeers = Annotated[list[str] | None, typer.Option("--initial-peers", "-i", help="Multiaddr of a live peer or bootstrap node (repeatable).")]
 HostMaddrs = Annotated[list[str] | None, typer.Option("--host-maddrs", help="Listen address(es), e.g. /ip4/0.0.0.0/tcp/31337.")]
@@ -74,6 +76,12 @@ def join(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the peer's summary as JSON here.")] = None,
     maddrs_file: Annotated[Path | None, typer.Option("--maddrs-file", help="Write this peer's multiaddrs here once listening.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line.")] = False,
+    run_stages: Annotated[int | None, typer.Option("--run-stages", help="S_run: the run's stage groups of the model, each synced in its own namespace (every peer of the run gives the same; default: --pipeline-stages).")] = None,
+    pipeline_stages: Annotated[int, typer.Option("--pipeline-stages", help="S: pipeline processes of this peer (one GPU each); S must divide S_run.")] = 1,
+    microbatches: Annotated[int, typer.Option("--micro-batches", help="M: micro-batches per batch in the pipeline (default S).")] = 0,
+    pipeline_schedule: Annotated[str, typer.Option("--pipeline-schedule", help="1f1b or gpipe.")] = "1f1b",
+    pipeline_timeout: Annotated[float, typer.Option("--pipeline-timeout", help="Seconds a collective between this peer's stages may wait (a dead stage fails the others after it).")] = 600.0,
+    untie_embeddings: Annotated[bool, typer.Option("--untie-embeddings", help="Separate input embedding and output head (needed for S_run > 1).")] = False,
     config: ConfigOpt = None,
     log_level: LogOpt = None,
 ) -> None:
@@ -93,7 +101,7 @@ def join(
         file = load_file(config)
         peer_file = file.get("peer", {})
         total = steps or int(peer_file.get("steps", file.get("steps", 300)))
-        model_cfg, trainer_cfg = _model_and_trainer(file, preset_name, {}, {
+        model_cfg, trainer_cfg = _model_and_trainer(file, preset_name, {"tie_embeddings": False} if untie_embeddings else {}, {
             "batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
             "total_steps": file.get("trainer", {}).get("total_steps", total)})
         data_cfg = build(DataConfig, merged(file.get("data"), {"path": data}), "data")
@@ -113,9 +121,26 @@ def join(
             use_relay=not no_relay, use_auto_relay=use_auto_relay, join_window=peer_cfg.join_window, ttl=peer_cfg.ttl,
             connect_attempts=connect_attempts, guard=GuardConfig(aggregation=aggregation, norm_bound=norm_bound),
             swarm_key=SwarmKey.load(swarm_key_file) if swarm_key_file else None)
-        trainer = make_trainer(model_cfg, trainer_cfg, data_cfg)
+        staged = staged_or_none(run_stages, pipeline_stages)
+        if staged is None:
+            trainer = make_trainer(model_cfg, trainer_cfg, data_cfg)
     except (ConfigError, DataError, ValueError) as e:
         raise fail(str(e)) from None
+    if staged is not None:
+        s_run, launch = staged
+        if checkpoint_dir or resume:
+            raise fail("checkpoints of staged peers (S_run > 1 or --pipeline-stages > 1) are not supported yet: "
+                       "run without --checkpoint-dir/--resume (a late joiner takes θ from the swarm)")
+        if launch:
+            if sys.argv[1:2] != ["join"]:
+                raise fail("--pipeline-stages > 1 is launched from the `p2ptrain join` command line")
+            raise typer.Exit(launch_stages(pipeline_stages, sys.argv[1:]))
+        run_staged(model_cfg=model_cfg, trainer_cfg=trainer_cfg, data_cfg=data_cfg, method_cfg=method_cfg,
+                   peer_cfg=peer_cfg, swarm_cfg=swarm_cfg, run_stages=s_run, pipeline_stages=pipeline_stages,
+                   microbatches=microbatches, schedule=pipeline_schedule, pipeline_timeout=pipeline_timeout,
+                   json_out=json_out, maddrs_file=maddrs_file, metrics_port=metrics_port, metrics_host=metrics_host,
+                   quiet=quiet, preset_name=preset_name or file.get("preset", "tiny"))
+        return
 
     metrics = PeerMetrics(method=method_cfg.name, region=peer_cfg.region)
     peer = Peer(peer_cfg, method_cfg, trainer, lambda: HivemindTransport.create(swarm_cfg), metrics=metrics)

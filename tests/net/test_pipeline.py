@@ -3,7 +3,13 @@ next to a 1-stage peer in one real swarm (hivemind DHT, libp2p on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +19,7 @@ import torch.multiprocessing as mp
 from p2ptrain.data import DataConfig
 from p2ptrain.model import GPT, ModelConfig
 from p2ptrain.pipeline import PipelineConfig, StageEnv
+from p2ptrain.procs import wait_lines
 from p2ptrain.stages import StagePlan
 from p2ptrain.trainer import Trainer, TrainerConfig
 
@@ -89,3 +96,89 @@ def test_two_stage_pipeline_matches_unsplit_model(tmp_path: Path, schedule: str)
             assert rel(g, ref_grads[n]) <= 1e-5, (n, rel(g, ref_grads[n]))
             assert rel(st["params"][n], ref.params[n].detach()) <= 1e-5, n
     assert seen == set(ref_grads)  # the stages together hold the whole model, each parameter once
+
+
+RECIPE = """
+preset = "tiny"
+[model]
+d_model = 32
+n_layers = 4
+n_heads = 2
+seq_len = 32
+tie_embeddings = false
+[trainer]
+batch_size = 2
+warmup_steps = 2
+[method]
+name = "streaming"
+H = 8
+P = 2
+tau = 2
+codec = "fp32"
+timeout = 8.0
+[peer]
+run_id = "{run_id}"
+step_seconds = 0.15
+join_window = 1.0
+heartbeat = 0.5
+ttl = 3.0
+min_step_seconds = 0.15
+"""
+
+
+def _join(tmp: Path, name: str, initial: list[str], extra: list[str]) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "p2ptrain", "join", "-c", str(tmp / "recipe.toml"), "--steps", "100000",
+           "--json", str(tmp / f"{name}.json"), "--maddrs-file", str(tmp / f"{name}.maddrs"), "-q",
+           "--log-level", "INFO", "--metrics-port", "-1", "--pipeline-timeout", "60", *extra]
+    for m in initial:
+        cmd += ["--initial-peers", m]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(tmp / f"{name}.log", "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.mark.net
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_stage_peer_and_whole_model_peer_share_a_swarm(tmp_path: Path) -> None:
+    """A 2-stage gloo pipeline peer and a whole-model peer of one run (S_run = 2: two namespaces) train
+    together over real libp2p; in each stage namespace both apply the same rounds, with bitwise equal θ."""
+    (tmp_path / "recipe.toml").write_text(RECIPE.format(run_id="pipe"))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        whole = _join(tmp_path, "whole", [], ["--run-stages", "2", "--region", "us"])
+        procs.append(whole)
+        addrs = wait_lines(tmp_path / "whole.maddrs", 60, whole)
+        piped = _join(tmp_path, "piped", addrs[:1], ["--pipeline-stages", "2", "--region", "eu"])
+        procs.append(piped)
+        for r in range(2):
+            wait_lines(tmp_path / f"piped.rank{r}.maddrs", 60, piped)
+        # Both are training now (addresses are written once a peer has started): ~15 streaming rounds.
+        for _ in range(12):
+            time.sleep(1.0)
+            assert piped.poll() is None and whole.poll() is None, "a peer exited early"
+        for p in procs:
+            p.send_signal(signal.SIGTERM)  # the launcher forwards it: both stages leave after the same step
+        for p in procs:
+            assert p.wait(60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    w = json.loads((tmp_path / "whole.json").read_text())
+    ranks = [json.loads((tmp_path / f"piped.rank{r}.json").read_text()) for r in range(2)]
+    assert [s["namespace"] for s in w["stages"]] == ["pipe.stage0of2", "pipe.stage1of2"]
+    assert ranks[0]["steps"] == ranks[1]["steps"] > 0  # the stages stepped in lockstep
+    for k in range(2):
+        mine, theirs = w["stages"][k], ranks[k]["stages"][0]
+        assert theirs["namespace"] == mine["namespace"] and theirs["peer_id"] != mine["peer_id"]
+        common = set(mine["applied"]) & set(theirs["applied"])
+        both = {key for key in common if mine["contributors"][key] == theirs["contributors"][key] == 2}
+        assert len(both) >= 2, (sorted(mine["contributors"].items()), sorted(theirs["contributors"].items()))
+        for key in common:
+            assert mine["applied"][key] == theirs["applied"][key], f"stage {k}: θ differs after round {key}"
+        # No stage holds the whole model: the pipelined stage's θ is its own slice only.
+        assert set(theirs["theta"]) == set(mine["theta"])
+        assert not set(ranks[k]["stages"][0]["theta"]) & set(ranks[1 - k]["stages"][0]["theta"])
+
