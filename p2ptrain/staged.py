@@ -155,29 +155,32 @@ class StagedPeer:
         dist.broadcast(t, src=0)
         return float(t[0])
 
-    def _identity_of_rank0(self) -> str:
-        mine = self.peers[0].peer_id
+    def _object_from_rank0(self, value: Any) -> Any:
         if not self.pipelined:
-            return mine
+            return value
         import torch.distributed as dist
 
-        box: list[Any] = [mine]
-        dist.broadcast_object_list(box, src=0)
-        return str(box[0])
+        box: list[Any] = [value]
+        dist.broadcast_object_list(box, src=0, device=getattr(self.trainer, "comm_device", None))
+        return box[0]
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Connect every namespace, agree on the pacing (group 0's) and start every member."""
-        # The namespaces' transports of one process bootstrap from the first one: they form one DHT
-        # even when this peer starts the swarm (no initial peers), so others find every namespace.
-        self.peers[0].connect()
-        first = self.peers[0]
-        assert first.transport is not None
-        addrs = self.net.call(first.transport.visible_maddrs(), 10) if hasattr(first.transport, "visible_maddrs") \
-            else []
-        for g, p in zip(self.held.groups[1:], self.peers[1:], strict=True):
-            p._make_transport = self._transport(g, p.cfg.run_id, list(addrs))
-            p.connect()
+        # Every namespace transport of this peer (all its processes) bootstraps from the first one of
+        # pipeline rank 0, so they form one DHT even when this peer starts the swarm (no initial peers).
+        addrs: list[str] = []
+        if self.held.rank == 0:
+            first = self.peers[0]
+            first.connect()
+            assert first.transport is not None
+            if hasattr(first.transport, "visible_maddrs"):
+                addrs = self.net.call(first.transport.visible_maddrs(), 10)
+        addrs = self._object_from_rank0(addrs)
+        for g, p in zip(self.held.groups, self.peers, strict=True):
+            if p.transport is None:
+                p._make_transport = self._transport(g, p.cfg.run_id, list(addrs))
+                p.connect()
         found = self.peers[0].published_step_seconds() if self.held.first == 0 else None
         s = self._from_rank0(found or self.cfg.step_seconds or 0.0)
         if s <= 0:  # nobody paces this run yet: measure three real steps (together, in a pipeline)
@@ -190,7 +193,7 @@ class StagedPeer:
             p.step_seconds = s
             p.start()
         # Every stage process of one peer reads the same batches: the stream of pipeline rank 0's identity.
-        self.identity = self._identity_of_rank0()
+        self.identity = str(self._object_from_rank0(self.peers[0].peer_id))
 
     def _step(self) -> tuple[Any, bool]:
         stop = self._stop.is_set()

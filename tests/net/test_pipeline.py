@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -182,3 +183,31 @@ def test_two_stage_peer_and_whole_model_peer_share_a_swarm(tmp_path: Path) -> No
         assert set(theirs["theta"]) == set(mine["theta"])
         assert not set(ranks[k]["stages"][0]["theta"]) & set(ranks[1 - k]["stages"][0]["theta"])
 
+
+
+@pytest.mark.net
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_killed_stage_stops_the_whole_pipelined_peer(tmp_path: Path) -> None:
+    """SIGKILL one stage of a training 2-stage peer: the other stage does not hang in its collectives,
+    the launcher stops it and exits with an error, and no process of the peer is left."""
+    (tmp_path / "recipe.toml").write_text(RECIPE.format(run_id="crash"))
+    piped = _join(tmp_path, "piped", [], ["--pipeline-stages", "2", "--pipeline-timeout", "20"])
+    try:
+        for r in range(2):
+            wait_lines(tmp_path / f"piped.rank{r}.maddrs", 60, piped)
+        log = (tmp_path / "piped.log").read_text()
+        pids = [int(x) for x in re.search(r"stage processes \[(\d+), (\d+)\]", log).groups()]  # type: ignore[union-attr]
+        time.sleep(2.0)  # both are stepping through the pipeline
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        code = piped.wait(70)
+        assert code != 0
+        assert time.monotonic() - t0 < 60
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if piped.poll() is None:
+            piped.kill()
+            piped.wait(10)
