@@ -139,7 +139,9 @@ class Peer:
         self.net = net or NetLoop()
         self.on_status = on_status
         self.metrics = metrics
-        self.codec = get_codec(method.codec)
+        device = getattr(trainer, "device", None)
+        # On a GPU the codec quantises there (only the packed payload comes back to the host).
+        self.codec = get_codec(method.codec, device if device is not None and device.type == "cuda" else None)
         self.is_ddp = isinstance(method, DDPConfig)
         self.frags = make_fragments(model_units(trainer.model), method.fragments, method.fragment_mode)  # type: ignore[arg-type]
         self.outer: OuterLoop | None = None if self.is_ddp else OuterLoop(method, self.frags, seed=seed)

@@ -81,6 +81,7 @@ def join(
     microbatches: Annotated[int, typer.Option("--micro-batches", help="M: micro-batches per batch in the pipeline (default S).")] = 0,
     pipeline_schedule: Annotated[str, typer.Option("--pipeline-schedule", help="1f1b or gpipe.")] = "1f1b",
     pipeline_timeout: Annotated[float, typer.Option("--pipeline-timeout", help="Seconds a collective between this peer's stages may wait (a dead stage fails the others after it).")] = 600.0,
+    compile_blocks: Annotated[bool, typer.Option("--compile", help="Compile the transformer blocks with torch.compile (worth it on a GPU).")] = False,
     untie_embeddings: Annotated[bool, typer.Option("--untie-embeddings", help="Separate input embedding and output head (needed for S_run > 1).")] = False,
     config: ConfigOpt = None,
     log_level: LogOpt = None,
@@ -103,6 +104,7 @@ def join(
         total = steps or int(peer_file.get("steps", file.get("steps", 300)))
         model_cfg, trainer_cfg = _model_and_trainer(file, preset_name, {"tie_embeddings": False} if untie_embeddings else {}, {
             "batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
+            "compile": True if compile_blocks else None,
             "total_steps": file.get("trainer", {}).get("total_steps", total)})
         data_cfg = build(DataConfig, merged(file.get("data"), {"path": data}), "data")
         name, knobs = _method_knobs(file, {"name": method, "H": H, "P": P, "tau": tau, "codec": codec,

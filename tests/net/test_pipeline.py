@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,23 +43,24 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def _stage_worker(rank: int, world: int, port: int, out: str, schedule: str) -> None:
+def _stage_worker(rank: int, world: int, port: int, out: str, schedule: str, device_type: str = "cpu") -> None:
     torch.set_num_threads(1)
-    from p2ptrain.pipeline import init_stage_group, make_stage_trainer
+    from p2ptrain.pipeline import init_stage_group, make_stage_trainer, stage_device
 
     env = StageEnv(rank, world, rank, "127.0.0.1", port)
-    init_stage_group(env, torch.device("cpu"), timeout=60)
+    device = stage_device("auto" if device_type == "cuda" else "cpu", rank)  # cuda:RANK, nccl
+    init_stage_group(env, device, timeout=60)
     try:
         plan = StagePlan.of(MODEL, world)
         tr = make_stage_trainer(MODEL, TRAINER, DataConfig(), PipelineConfig(stages=world, microbatches=2,
                                                                              schedule=schedule, timeout=60),
-                                plan, env, torch.device("cpu"))
+                                plan, env, device)
         x, y = _batch()
         loss = tr.forward_backward_batch(x, y)
-        grads = {n: p.grad.clone() for n, p in tr.params.items()}
+        grads = {n: p.grad.to("cpu", copy=True) for n, p in tr.params.items()}
         _, norm = tr.optimizer_step(loss)
         torch.save({"loss": tr.last_loss, "norm": norm, "grads": grads,
-                    "params": {n: p.detach().clone() for n, p in tr.params.items()}}, f"{out}/rank{rank}.pt")
+                    "params": {n: p.detach().to("cpu", copy=True) for n, p in tr.params.items()}}, f"{out}/rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
 
@@ -211,3 +213,26 @@ def test_a_killed_stage_stops_the_whole_pipelined_peer(tmp_path: Path) -> None:
         if piped.poll() is None:
             piped.kill()
             piped.wait(10)
+
+
+@pytest.mark.net
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (an nccl pipeline, one GPU per stage)")
+def test_two_stage_nccl_pipeline_matches_unsplit_model_in_bf16(tmp_path: Path) -> None:
+    """The GPU path: stages on cuda:0 and cuda:1 over nccl with bf16 autocast match the unsplit model run
+    under the same autocast on one GPU (bf16 tolerance)."""
+    mp.start_processes(_stage_worker, args=(2, _free_port(), str(tmp_path), "1f1b", "cuda"), nprocs=2, join=True,
+                       start_method="spawn")
+    stages = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TRAINER.seed)
+        ref = Trainer(GPT(MODEL), replace(TRAINER, device="cuda:0"), stream=None, val_set=[])  # type: ignore[arg-type]
+    x, y = _batch()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = ref.model.loss(x.cuda(), y.cuda())
+    loss.backward()
+    for st in stages:
+        assert abs(st["loss"] - loss.item()) <= 2e-2 * loss.item()
+        for n, g in st["grads"].items():
+            ref_g = ref.params[n].grad.cpu()
+            assert float((g - ref_g).norm() / ref_g.norm().clamp_min(1e-30)) <= 5e-2, n
