@@ -102,12 +102,16 @@ def stage_env() -> StageEnv | None:
 
 
 def init_stage_group(env: StageEnv, device: torch.device, timeout: float) -> None:
-    """Join the peer's process group: nccl when the stage runs on CUDA, gloo otherwise."""
+    """Join the peer's process group: nccl when the stage runs on CUDA, gloo otherwise (every collective
+    fails after ``timeout`` seconds instead of waiting for a dead stage forever)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
-                            world_size=env.world, timeout=datetime.timedelta(seconds=timeout))
+    # env:// uses torchrun's own store when torchrun started us, else MASTER_ADDR/MASTER_PORT.
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world,
+                            timeout=datetime.timedelta(seconds=timeout))
 
 
 def stage_device(name: str, local_rank: int) -> torch.device:
