@@ -139,7 +139,9 @@ class Peer:
         self.net = net or NetLoop()
         self.on_status = on_status
         self.metrics = metrics
-        self.codec = get_codec(method.codec)
+        device = getattr(trainer, "device", None)
+        # On a GPU the codec quantises there (only the packed payload comes back to the host).
+        self.codec = get_codec(method.codec, device if device is not None and device.type == "cuda" else None)
         self.is_ddp = isinstance(method, DDPConfig)
         self.frags = make_fragments(model_units(trainer.model), method.fragments, method.fragment_mode)  # type: ignore[arg-type]
         self.outer: OuterLoop | None = None if self.is_ddp else OuterLoop(method, self.frags, seed=seed)
@@ -178,6 +180,11 @@ class Peer:
         self.start_digests: list[str] = []  # digest of θ per fragment when start() returned
         self.served_digests: list[list[str]] = []  # digest of θ per fragment in every outer state served
         self.loss_log: list[tuple[float, int, float]] = []  # (unix time, inner step, train loss)
+        # Set by a driver that decides the pacing for several namespaces (p2ptrain.staged): publish
+        # step_seconds as given instead of taking this namespace's published value.
+        self.fixed_pacing = False
+        self.announce_extra: dict[str, Any] = {}  # more fields of this peer's announcement (its stage)
+        self._started = False
 
     # ------------------------------------------------------------------ identity & clock
     @property
@@ -199,15 +206,29 @@ class Peer:
         self._stop.set()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        """Connect (retrying is the transport's job), start the background services, agree on the
-        pacing, and take the swarm's state if it has one."""
+    def connect(self) -> None:
+        """Connect (retrying is the transport's job) and start the background services (idempotent)."""
+        if self.transport is not None:
+            return
         self.transport = self.net.call(self._make_transport(), timeout=self.cfg.join_timeout + 60)
         self.transport.serve_state(self._provide)
         self.runner = RoundRunner(self.transport, self.codec, join_timeout=self.cfg.join_timeout,
                                   round_timeout=self.method.timeout, on_result=self._on_round)
         self._service = self.net.submit(self._serve())
         self.runner.wait_ready(10)
+
+    def published_step_seconds(self) -> float | None:
+        """The pacing this namespace published (the smallest peer id's), or None (after :meth:`connect`)."""
+        assert self.transport is not None
+        metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
+        published = [metas[p]["step_seconds"] for p in sorted(metas) if "step_seconds" in metas[p]]
+        return float(published[0]) if published else None
+
+    def start(self) -> None:
+        """Connect, start the background services, agree on the pacing, and take the swarm's state if
+        it has one."""
+        self.connect()
+        self._started = True
         self._agree_pacing()
         self.compute = 0.0  # steps taken to measure the pacing are start-up, not the loop's compute
         resumed = self.resume_state
@@ -284,7 +305,8 @@ class Peer:
         return PeerInfo(peer_id=self.peer_id, region=self.cfg.region, step=self.trainer.step_count,
                         logical_step=self.last_lstep, tokens_per_second=tps, bandwidth=st.bandwidth if st else 0.0,
                         loss=self.last_loss, method=self.method.name,
-                        extra={"rounds": st.complete + st.partial if st else 0, "in_flight": len(self.in_flight)})
+                        extra={"rounds": st.complete + st.partial if st else 0, "in_flight": len(self.in_flight),
+                               **self.announce_extra})
 
     def _announce_now(self) -> None:
         assert self.transport is not None
@@ -296,8 +318,11 @@ class Peer:
     def _agree_pacing(self) -> None:
         """All peers must share ``step_seconds``: take the published value of the smallest peer id."""
         assert self.transport is not None
-        metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
-        published = [metas[p]["step_seconds"] for p in sorted(metas) if "step_seconds" in metas[p]]
+        if self.fixed_pacing and self.step_seconds is not None:
+            published = []
+        else:
+            metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
+            published = [metas[p]["step_seconds"] for p in sorted(metas) if "step_seconds" in metas[p]]
         if published:
             if self.step_seconds is not None and abs(published[0] - self.step_seconds) > 1e-9:
                 log.warning("event=pacing_override mine=%s swarm=%s", self.step_seconds, published[0])
@@ -454,7 +479,7 @@ class Peer:
         """Train until ``cfg.steps`` inner steps (or :meth:`request_stop`), then drain and summarise."""
         t0 = time.perf_counter()
         try:
-            if self.transport is None:
+            if not self._started:
                 self.start()
             self._t_start = time.perf_counter()
             if self.is_ddp:
@@ -483,6 +508,10 @@ class Peer:
         if seconds < self.cfg.min_step_seconds:
             time.sleep(self.cfg.min_step_seconds - seconds)
             seconds = self.cfg.min_step_seconds
+        self._account(st, seconds)
+
+    def _account(self, st: Any, seconds: float) -> None:
+        """Count an inner step taken (here, or by a driver that steps several peers' shared model)."""
         self.compute += seconds
         self.last_loss = st.loss
         self.loss_log.append((time.time(), self.trainer.step_count, st.loss))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,6 +17,7 @@ from .cli import ConfigOpt, InitFromOpt, LogOpt, SeqLenOpt, TokenizerOpt, _model
 from .data import DataConfig, DataError
 from .metrics import DEFAULT_METRICS_PORT, PeerMetrics
 from .settings import ConfigError, build, load_file, merged
+from .staged_cli import launch_stages, run_staged, staged_or_none
 
 InitialPeers = Annotated[list[str] | None, typer.Option("--initial-peers", "-i", help="Multiaddr of a live peer or bootstrap node (repeatable).")]
 HostMaddrs = Annotated[list[str] | None, typer.Option("--host-maddrs", help="Listen address(es), e.g. /ip4/0.0.0.0/tcp/31337.")]
@@ -77,6 +79,13 @@ def join(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the peer's summary as JSON here.")] = None,
     maddrs_file: Annotated[Path | None, typer.Option("--maddrs-file", help="Write this peer's multiaddrs here once listening.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line.")] = False,
+    run_stages: Annotated[int | None, typer.Option("--run-stages", help="S_run: the run's stage groups of the model, each synced in its own namespace (every peer of the run gives the same; default: --pipeline-stages).")] = None,
+    pipeline_stages: Annotated[int, typer.Option("--pipeline-stages", help="S: pipeline processes of this peer (one GPU each); S must divide S_run.")] = 1,
+    microbatches: Annotated[int, typer.Option("--micro-batches", help="M: micro-batches per batch in the pipeline (default S).")] = 0,
+    pipeline_schedule: Annotated[str, typer.Option("--pipeline-schedule", help="1f1b or gpipe.")] = "1f1b",
+    pipeline_timeout: Annotated[float, typer.Option("--pipeline-timeout", help="Seconds a collective between this peer's stages may wait (a dead stage fails the others after it).")] = 600.0,
+    compile_blocks: Annotated[bool, typer.Option("--compile", help="Compile the transformer blocks with torch.compile (worth it on a GPU).")] = False,
+    untie_embeddings: Annotated[bool, typer.Option("--untie-embeddings", help="Separate input embedding and output head (needed for S_run > 1).")] = False,
     config: ConfigOpt = None,
     log_level: LogOpt = None,
 ) -> None:
@@ -99,10 +108,14 @@ def join(
         from .hf_cli import open_init_from
 
         init = open_init_from(file, preset_name, init_from, seq_len)
+        model_flags: dict[str, Any] = {"seq_len": seq_len}
+        if untie_embeddings:
+            model_flags["tie_embeddings"] = False
         model_cfg, trainer_cfg = _model_and_trainer(
             {k: v for k, v in file.items() if k != "model"} if init else file, None if init else preset_name,
-            {"seq_len": seq_len}, {
+            model_flags, {
                 "batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
+                "compile": True if compile_blocks else None,
                 "total_steps": file.get("trainer", {}).get("total_steps", total)})
         data_cfg = build(DataConfig, merged(file.get("data"), {"path": data, "tokenizer": tokenizer}), "data")
         name, knobs = _method_knobs(file, {"name": method, "H": H, "P": P, "tau": tau, "codec": codec,
@@ -121,15 +134,34 @@ def join(
             use_relay=not no_relay, use_auto_relay=use_auto_relay, join_window=peer_cfg.join_window, ttl=peer_cfg.ttl,
             connect_attempts=connect_attempts, guard=GuardConfig(aggregation=aggregation, norm_bound=norm_bound),
             swarm_key=SwarmKey.load(swarm_key_file) if swarm_key_file else None)
+        staged = staged_or_none(run_stages, pipeline_stages)
+        if staged is not None and init is not None:
+            raise ValueError("--init-from is not supported for staged peers (S_run > 1 or --pipeline-stages > 1) "
+                             "yet: every stage would have to load its own slice of the checkpoint")
         if init is not None:  # every peer that loads the same folder starts from the same θ
             from .hf import data_for, trainer_from_hf
 
             data_cfg = data_for(init, data_cfg)
             trainer = trainer_from_hf(init, trainer_cfg, data_cfg)
-        else:
+        elif staged is None:
             trainer = make_trainer(model_cfg, trainer_cfg, data_cfg)
     except (ConfigError, DataError, ValueError) as e:
         raise fail(str(e)) from None
+    if staged is not None:
+        s_run, launch = staged
+        if checkpoint_dir or resume:
+            raise fail("checkpoints of staged peers (S_run > 1 or --pipeline-stages > 1) are not supported yet: "
+                       "run without --checkpoint-dir/--resume (a late joiner takes θ from the swarm)")
+        if launch:
+            if sys.argv[1:2] != ["join"]:
+                raise fail("--pipeline-stages > 1 is launched from the `p2ptrain join` command line")
+            raise typer.Exit(launch_stages(pipeline_stages, sys.argv[1:]))
+        run_staged(model_cfg=model_cfg, trainer_cfg=trainer_cfg, data_cfg=data_cfg, method_cfg=method_cfg,
+                   peer_cfg=peer_cfg, swarm_cfg=swarm_cfg, run_stages=s_run, pipeline_stages=pipeline_stages,
+                   microbatches=microbatches, schedule=pipeline_schedule, pipeline_timeout=pipeline_timeout,
+                   json_out=json_out, maddrs_file=maddrs_file, metrics_port=metrics_port, metrics_host=metrics_host,
+                   quiet=quiet, preset_name=preset_name or file.get("preset", "tiny"))
+        return
 
     metrics = PeerMetrics(method=method_cfg.name, region=peer_cfg.region)
     peer = Peer(peer_cfg, method_cfg, trainer, lambda: HivemindTransport.create(swarm_cfg), metrics=metrics)

@@ -20,6 +20,7 @@ from torch.func import functional_call
 
 from .data import Corpus, DataConfig, TokenStream
 from .model import GPT, ModelConfig
+from .snapshot import HostSnapshots
 
 __all__ = ["EvalStats", "StepStats", "Trainer", "TrainerConfig", "lr_at", "make_trainer", "pick_device"]
 
@@ -40,6 +41,7 @@ class TrainerConfig:
         device: ``auto`` (cuda when present, else cpu), ``cpu``, ``cuda``, ``cuda:N``.
         eval_batches: batches in the fixed validation set.
         seed: seeds model initialisation (identical on every peer of a run).
+        compile: compile every transformer block with ``torch.compile`` (parameter names unchanged).
     """
 
     lr: float = 2e-3
@@ -55,6 +57,7 @@ class TrainerConfig:
     device: str = "auto"
     eval_batches: int = 8
     seed: int = 0
+    compile: bool = False
 
     def __post_init__(self) -> None:
         self.betas = (float(self.betas[0]), float(self.betas[1]))
@@ -133,6 +136,11 @@ class Trainer:
             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=self.device.type == "cuda",
         )
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        self.snapshots = HostSnapshots(self.device)
+        if cfg.compile:
+            blocks = model.blocks.values() if isinstance(model.blocks, torch.nn.ModuleDict) else model.blocks
+            for block in blocks:
+                block.compile()  # in place: state_dict and parameter names stay as they are
         self.step_count = 0  # inner steps taken
         self.tokens_seen = 0
 
@@ -195,7 +203,8 @@ class Trainer:
                 if params is None:
                     loss = self.model.loss(x, y)
                 else:
-                    logits = functional_call(self.model, params, (x,))
+                    on_device = {n: t.to(self.device, non_blocking=True) for n, t in params.items()}
+                    logits = functional_call(self.model, on_device, (x,))
                     loss = torch.nn.functional.cross_entropy(
                         logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
             losses.append(loss.item())
@@ -204,8 +213,9 @@ class Trainer:
     # -- outer-loop hooks ----------------------------------------------------------
     @torch.no_grad()
     def snapshot(self, names: Sequence[str]) -> list[torch.Tensor]:
-        """fp32 copies of the named parameters (same device), safe to keep while training goes on."""
-        return [self.params[n].detach().float().clone() for n in names]
+        """fp32 copies of the named parameters, safe to keep while training goes on: on a GPU in pinned
+        host memory (copied on a side stream, see :mod:`p2ptrain.snapshot`), on the CPU clones."""
+        return self.snapshots.take([self.params[n] for n in names]).wait()
 
     @torch.no_grad()
     def apply_outer(self, names: Sequence[str], values: Sequence[torch.Tensor]) -> None:

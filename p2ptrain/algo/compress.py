@@ -74,8 +74,9 @@ def _blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
-def _as_float32_cpu(x: torch.Tensor) -> torch.Tensor:
-    """Validate a codec input and return it as a contiguous 1-D float32 CPU tensor.
+def _as_float32_cpu(x: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Validate a codec input and return it as a contiguous 1-D float32 tensor on the CPU, or on ``device``
+    (a GPU: the codec computes there; see :attr:`Codec.device`).
 
     Raises TypeError for a non-tensor or a non-floating tensor, ValueError for a tensor that is not 1-D or that
     holds NaN/inf (float64 values beyond float32's range become inf here and are rejected the same way).
@@ -86,7 +87,7 @@ def _as_float32_cpu(x: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"expected a floating-point tensor, got {x.dtype}")
     if x.dim() != 1:
         raise ValueError(f"expected a 1-D tensor, got shape {tuple(x.shape)}")
-    flat = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    flat = x.detach().to(device=device or "cpu", dtype=torch.float32, non_blocking=True).contiguous()
     # One reduction over the whole tensor: cheaper than per-block checks and catches NaN and +-inf alike.
     if not bool(torch.isfinite(flat).all()):
         raise ValueError(_NON_FINITE_INPUT)
@@ -102,9 +103,14 @@ def _pad(x: torch.Tensor, total: int, value: torch.Tensor | float = 0.0) -> torc
     return torch.cat([x, fill])
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    """The values of ``t`` (on any device) as a host array: the one device → host copy of an encode."""
+    return t.contiguous().cpu().numpy()
+
+
 def _f32_bytes(t: torch.Tensor) -> bytes:
-    """Little-endian float32 bytes of a CPU float32 tensor (no copy on little-endian hosts before ``tobytes``)."""
-    return t.contiguous().numpy().astype("<f4", copy=False).tobytes()
+    """Little-endian float32 bytes of a float32 tensor (no copy on little-endian CPU hosts before ``tobytes``)."""
+    return _host(t).astype("<f4", copy=False).tobytes()
 
 
 def _read_f32(buf: memoryview, offset: int, count: int) -> torch.Tensor:
@@ -132,10 +138,41 @@ class Codec(ABC):
     """
 
     name: ClassVar[str]
+    #: Whether encoding computes anything (quantisation) worth running on a GPU.
+    computes: ClassVar[bool] = True
+    #: Inputs smaller than this are encoded on the CPU (a GPU round trip costs more than it saves).
+    GPU_MIN_NUMEL: ClassVar[int] = 1 << 16
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        #: A CUDA device to encode on (the input is copied there; only the packed payload comes back),
+        #: or None: encode on the CPU. The bytes are the same either way.
+        self.device = torch.device(device) if device is not None else None
+        self._stream: Any = None
+
+    def _compute_device(self, x: torch.Tensor) -> torch.device | None:
+        dev = self.device if self.device is not None and self.device.type == "cuda" else None
+        if dev is None and x.is_cuda:
+            dev = x.device
+        if dev is None or not self.computes or x.numel() < self.GPU_MIN_NUMEL:
+            return None
+        return dev
 
     def encode(self, x: torch.Tensor) -> bytes:
-        """Encode the 1-D float tensor ``x`` into its wire payload (see the class docstring for failures)."""
-        flat = _as_float32_cpu(x)
+        """Encode the 1-D float tensor ``x`` into its wire payload (see the class docstring for failures).
+
+        On a GPU (:attr:`device`, or an input already there) the work runs on a side CUDA stream, after the
+        writes already queued for ``x``; the result is the same bytes as on the CPU."""
+        dev = self._compute_device(x) if isinstance(x, torch.Tensor) else None
+        if dev is None:
+            return self._encode_flat(_as_float32_cpu(x))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        if x.is_cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self._stream):
+            return self._encode_flat(_as_float32_cpu(x, dev))
+
+    def _encode_flat(self, flat: torch.Tensor) -> bytes:
         if flat.numel() == 0:
             return b""
         data = self._encode(flat)
@@ -163,7 +200,7 @@ class Codec(ABC):
 
     @abstractmethod
     def _encode(self, x: torch.Tensor) -> bytes:
-        """Payload of ``x``: a non-empty, finite, contiguous 1-D float32 CPU tensor."""
+        """Payload of ``x``: a non-empty, finite, contiguous 1-D float32 tensor (CPU, or the encoding GPU)."""
 
     @abstractmethod
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
@@ -174,6 +211,7 @@ class FP32Codec(Codec):
     """Raw little-endian float32: lossless, 4 bytes per value."""
 
     name: ClassVar[str] = "fp32"
+    computes: ClassVar[bool] = False  # raw bytes: nothing to compute
 
     def encoded_size(self, numel: int) -> int:
         return 4 * _check_numel(numel)
@@ -200,7 +238,7 @@ class FP16Codec(Codec):
 
     def _encode(self, x: torch.Tensor) -> bytes:
         half = x.clamp(-self._MAX, self._MAX).to(torch.float16)
-        return half.numpy().astype("<f2", copy=False).tobytes()
+        return _host(half).astype("<f2", copy=False).tobytes()
 
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
         arr = np.frombuffer(buf, dtype="<f2", count=numel).astype(np.float16)  # copy, native order
@@ -222,7 +260,7 @@ class BF16Codec(Codec):
 
     def _encode(self, x: torch.Tensor) -> bytes:
         bits = x.clamp(-self._MAX, self._MAX).to(torch.bfloat16).view(torch.int16)
-        return bits.numpy().astype("<i2", copy=False).tobytes()
+        return _host(bits).astype("<i2", copy=False).tobytes()
 
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
         arr = np.frombuffer(buf, dtype="<i2", count=numel).astype(np.int16)  # copy, native order
@@ -256,7 +294,7 @@ class Uint8Codec(Codec):
         step_h = torch.where(step_h > 0, step_h, torch.ones_like(step_h)).unsqueeze(1)  # constant block -> q = 0
         q = ((xb * 0.5 - lo_h) / step_h).round_().clamp_(0, 255).to(torch.uint8)  # (nb, 1024)
         header = torch.stack([lo, hi], dim=1).reshape(-1)  # (2*nb,) f32: min0, max0, min1, max1, ...
-        return _f32_bytes(header) + q.reshape(-1)[:n].numpy().tobytes()
+        return _f32_bytes(header) + _host(q.reshape(-1)[:n]).tobytes()
 
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
         nb = _blocks(numel, self.BLOCK)
@@ -298,7 +336,7 @@ class FP8Codec(Codec):
         # saturate) has differed between versions.
         v = (xr / safe).clamp_(-self._MAX, self._MAX)
         codes = v.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)[:n]
-        return _f32_bytes(scale) + codes.numpy().tobytes()
+        return _f32_bytes(scale) + _host(codes).tobytes()
 
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
         rows = _blocks(numel, self.ROW)
@@ -354,7 +392,7 @@ class E3M0Codec(Codec):
         k |= (negative & (k > 0)).to(torch.uint8) << 3  # sign bit only on nonzero codes
         codes = k.reshape(-1)[: 2 * ((n + 1) // 2)].view(-1, 2)  # padding codes are 0
         packed = codes[:, 0] | (codes[:, 1] << 4)
-        return _f32_bytes(scale) + packed.numpy().tobytes()
+        return _f32_bytes(scale) + _host(packed).tobytes()
 
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
         nb = _blocks(numel, self.BLOCK)
@@ -373,10 +411,11 @@ CODECS: dict[str, type[Codec]] = {
 }
 
 
-def get_codec(name: str) -> Codec:
-    """A codec instance by name; ValueError naming the valid choices for an unknown name."""
+def get_codec(name: str, device: torch.device | str | None = None) -> Codec:
+    """A codec instance by name, encoding on ``device`` when that is a GPU; ValueError naming the valid
+    choices for an unknown name."""
     try:
-        return CODECS[name]()
+        return CODECS[name](device)
     except KeyError:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(sorted(CODECS))}") from None
 
