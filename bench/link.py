@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -122,18 +123,23 @@ def _hivemind_worker(a: argparse.Namespace, initial: list[str]) -> None:
             with avg.get_tensors() as ts:
                 ts[0].copy_(_values(a.rank, n))
             t0 = time.monotonic()
-            ctl = avg.step(wait=False, require_trigger=True, timeout=120, allow_retries=False)
-            while ctl.stage not in (AveragingStage.AWAITING_TRIGGER, AveragingStage.FINISHED):
-                if time.monotonic() - t0 > 130:
-                    raise TimeoutError("hivemind matchmaking did not finish")
-                time.sleep(0.002)
+            for attempt in range(1, 4):  # a failed matchmaking is retried (counted), the all-reduce is not
+                ctl = avg.step(wait=False, require_trigger=True, timeout=120, allow_retries=False)
+                while ctl.stage not in (AveragingStage.AWAITING_TRIGGER, AveragingStage.FINISHED):
+                    if time.monotonic() - t0 > 130:
+                        raise TimeoutError("hivemind matchmaking did not finish")
+                    time.sleep(0.002)
+                if ctl.stage == AveragingStage.AWAITING_TRIGGER or attempt == 3:
+                    break
+                with contextlib.suppress(Exception):
+                    ctl.result(timeout=1)
             t1 = time.monotonic()
             ctl.allow_allreduce()
             group = ctl.result(timeout=timeout + 10)
             t2 = time.monotonic()
             with avg.get_tensors() as ts:
                 err = float((ts[0] - expect).abs().max())
-            _emit({"rep": rep, "group_s": t1 - t0, "allreduce_s": t2 - t1,
+            _emit({"rep": rep, "group_s": t1 - t0, "allreduce_s": t2 - t1, "matchmaking_attempts": attempt,
                    "members": 0 if group is None else len(group), "partial": group is None, "max_err": err})
     finally:
         if avg is not None:
@@ -282,7 +288,7 @@ def main() -> None:
     cases: list[dict[str, Any]] = []
     tcp: dict[int, float] = {}
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-link-"))
-    t_start = time.time()
+    t_start, load_before = time.time(), os.getloadavg()
     with Progress(console=console) as prog:
         task = prog.add_task("cases", total=len(plan) * len(systems))
         for k in peers:
@@ -303,6 +309,7 @@ def main() -> None:
                         prog.advance(task)
     result = {"rate_bits": rate, "repeats": args.repeats, "cases": cases, "tcp_bits": tcp,
               "skipped": skipped, "seconds": time.time() - t_start,
+              "load_average": {"before": load_before, "after": os.getloadavg()},
               "command": "python bench/link.py " + " ".join(sys.argv[1:]), "machine": _machine()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
