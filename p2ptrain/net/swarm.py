@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from ..algo.compress import Codec, get_codec
 from ..faults import corrupt_payload, maybe_die_in_allreduce
 from .auth import MAC_FIELD, SwarmKey
 from .bandwidth import LinkMeter
-from .butterfly import part_bounds
+from .butterfly import MIN_CHUNK, chunk_bounds, part_bounds
 from .guard import Guard, GuardConfig
 from .membership import (
     agreed_fragment,
@@ -77,6 +77,8 @@ class SwarmConfig:
         connect_attempts, connect_backoff: retries when initial peers are unreachable.
         recontact_every: seconds between re-pings of known peers (heals splits).
         max_message: the largest frame accepted from the network, bytes.
+        chunk_values: a part of the all-reduce larger than this many values is streamed in chunks of this
+            size, so that encoding, transfer and decoding overlap (at least 1024).
         state_chunk: bytes per reply of a state transfer; max_state: the largest state accepted.
         guard: what this peer accepts from others and how it aggregates (net/guard.py).
         swarm_key: a private swarm's shared key: records and messages are tagged and checked (net/auth.py).
@@ -97,11 +99,72 @@ class SwarmConfig:
     connect_backoff: float = 1.0
     recontact_every: float = 10.0
     max_message: int = MAX_FRAME
+    chunk_values: int = 1 << 18
     state_chunk: int = DEFAULT_CHUNK
     max_state: int = MAX_STATE
     guard: GuardConfig = field(default_factory=GuardConfig)
     swarm_key: SwarmKey | None = None
     corrupt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_values < MIN_CHUNK:
+            raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
+
+
+class _Refused(ValueError):
+    """A streamed payload that does not fit what its header announced (the sender gets a strike)."""
+
+
+async def _encode_ahead(codec: Codec, x: torch.Tensor, bounds: list[tuple[int, int]]) -> AsyncIterator[bytes]:
+    """The payloads of ``x``'s chunks, each encoded in a worker thread while the previous one is sent."""
+    if not bounds:
+        return
+    nxt = asyncio.ensure_future(asyncio.to_thread(codec.encode, x[bounds[0][0]:bounds[0][1]]))
+    for i in range(len(bounds)):
+        data = await nxt
+        if i + 1 < len(bounds):
+            a, b = bounds[i + 1]
+            nxt = asyncio.ensure_future(asyncio.to_thread(codec.encode, x[a:b]))
+        yield data
+
+
+def _payload_len(res: dict[str, Any]) -> int:
+    pieces = res.get("_pieces")
+    if pieces is not None:
+        return sum(len(p) for p in pieces)
+    data = res.get("data")
+    return len(data) if isinstance(data, bytes) else 0
+
+
+def _wire_result(res: dict[str, Any]) -> dict[str, Any]:
+    """A stored result as one message (a streamed one with its chunks' payloads joined), for relaying."""
+    out = {k: v for k, v in res.items() if not k.startswith("_")}
+    if res.get("_pieces") is not None:
+        out["data"] = b"".join(res["_pieces"])
+    out.pop("chunks", None)
+    return out
+
+
+def _chunked_size(codec: Codec, numel: int, chunk: Any) -> int:
+    """Payload bytes of ``numel`` values: one payload (``chunk`` None) or concatenated chunks' payloads."""
+    if chunk is None:
+        return codec.encoded_size(numel)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < MIN_CHUNK:
+        raise _Refused(f"chunk of {chunk!r} values")
+    return sum(codec.encoded_size(b - a) for a, b in chunk_bounds(numel, chunk))
+
+
+def _decode_chunked(codec: Codec, data: bytes, numel: int, chunk: int | None) -> torch.Tensor:
+    """Decode a whole payload (ValueError on a bad one), chunk by chunk if it was encoded so."""
+    if chunk is None:
+        return codec.decode(data, numel)
+    out, pos = torch.empty(numel, dtype=torch.float32), 0
+    view = memoryview(data)
+    for a, b in chunk_bounds(numel, chunk):
+        n = codec.encoded_size(b - a)
+        out[a:b] = codec.decode(view[pos:pos + n], b - a)
+        pos += n
+    return out
 
 
 async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any]:
@@ -349,6 +412,9 @@ class HivemindTransport(Transport):
                         self.guard.strike(sender, f"{kind} message without a valid swarm-key tag")
                         return
                     msg = {k: v for k, v in msg.items() if k != MAC_FIELD}
+                msg = {k: v for k, v in msg.items() if not (isinstance(k, str) and k.startswith("_"))}
+                if kind in ("part", "result") and "chunks" in msg:
+                    msg["_frames"] = self._chunk_frames(reader, sender, kind, int(msg["chunks"]))
                 reply = await handler(sender, msg)
                 if key is not None:
                     reply = key.seal(reply, self.peer_id, kind + "/reply", self.cfg.run_id)
@@ -362,8 +428,49 @@ class HivemindTransport(Transport):
 
         return on_stream
 
-    async def _call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float) -> tuple[dict[str, Any], float]:
-        """One request/response on a fresh stream; returns (reply, seconds)."""
+    async def _chunk_frames(self, reader: asyncio.StreamReader, sender: str, kind: str,
+                            count: int) -> AsyncIterator[bytes]:
+        """The payloads of the ``count`` chunk frames that follow a streamed message's header (each read is
+        bounded in size and time; each frame is checked against the swarm key)."""
+        key = self.cfg.swarm_key
+        for i in range(count):
+            frame, _ = await read_frame(reader, timeout=30, max_size=self.cfg.max_message)
+            if key is not None and not key.verify(frame, sender, kind + "/chunk", self.cfg.run_id, str(i)):
+                self.guard.strike(sender, f"{kind} chunk without a valid swarm-key tag")
+                raise FrameError("chunk without a valid swarm-key tag")
+            data = frame.get("data")
+            if not isinstance(data, bytes):
+                raise _Refused(f"chunk {i} carries no payload")
+            yield data
+
+    async def _receive_chunks(self, msg: dict[str, Any], codec: Codec, numel: int) -> tuple[torch.Tensor, list[bytes]]:
+        """Decode a streamed payload chunk by chunk as it arrives: (values, the chunks' payloads).
+        _Refused if the chunking or a chunk's size does not match the header, or a chunk does not decode."""
+        chunk, count, frames = msg["chunk"], msg["chunks"], msg.get("_frames")
+        _chunked_size(codec, numel, chunk)  # _Refused for a bad chunk size
+        bounds = chunk_bounds(numel, chunk)
+        if frames is None or count != len(bounds):
+            raise _Refused(f"{count!r} chunks announced for {numel} values in chunks of {chunk}")
+        out, pieces = torch.empty(numel, dtype=torch.float32), []
+        async for data in frames:
+            a, b = bounds[len(pieces)]
+            if len(data) != codec.encoded_size(b - a):
+                raise _Refused(f"chunk {len(pieces)} of {len(data)} bytes for {b - a} values")
+            try:
+                out[a:b] = await asyncio.to_thread(codec.decode, data, b - a)
+            except ValueError as e:
+                raise _Refused(f"undecodable chunk {len(pieces)} ({e})") from None
+            pieces.append(data)
+            if len(pieces) == len(bounds):
+                break
+        if len(pieces) != len(bounds):
+            raise _Refused(f"{len(pieces)} of {len(bounds)} chunks arrived")
+        return out, pieces
+
+    async def _call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
+                    chunks: Callable[[], AsyncIterator[bytes]] | None = None) -> tuple[dict[str, Any], float]:
+        """One request/response on a fresh stream; returns (reply, seconds). With ``chunks``, the payloads it
+        yields follow the message as frames of their own (the message says how many in ``chunks``)."""
         from hivemind.p2p import PeerID
 
         if peer in self.blocked:
@@ -376,6 +483,14 @@ class HivemindTransport(Transport):
             try:
                 await write_frame(writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
                                   timeout=timeout)
+                if chunks is not None:
+                    i = 0
+                    async for data in chunks():
+                        frame = {"data": data}
+                        if key is not None:
+                            frame = key.seal(frame, self.peer_id, kind + "/chunk", self.cfg.run_id, str(i))
+                        await write_frame(writer, frame, timeout=timeout)
+                        i += 1
                 reply, _ = await read_frame(reader, timeout=timeout, max_size=self.cfg.max_message)
                 if key is not None:
                     if not key.verify(reply, peer, kind + "/reply", self.cfg.run_id):
@@ -508,19 +623,28 @@ class HivemindTransport(Transport):
         numel = int(msg["numel"])
         if numel < 0 or numel > self.cfg.max_message:
             return {"error": "bad size"}
-        data = msg["data"]
-        if not isinstance(data, bytes) or len(data) != codec.encoded_size(numel):
+        streamed = "chunks" in msg
+        data = None if streamed else msg["data"]
+        if not streamed and (not isinstance(data, bytes) or len(data) != codec.encoded_size(numel)):
             self.guard.strike(sender, f"part payload of {len(data) if isinstance(data, bytes) else '?'} bytes "
                                       f"for {numel} values")
             return {"error": "payload size does not match"}
         if (reason := self.guard.bad_weight(msg["weight"])) is not None:
             self.guard.strike(sender, reason)
             return {"error": reason}
-        try:
-            x = await asyncio.to_thread(codec.decode, data, numel)
-        except ValueError as e:
-            self.guard.strike(sender, f"undecodable part ({e})")
-            return {"error": "undecodable part"}
+        if streamed:
+            try:
+                x, _ = await self._receive_chunks(msg, codec, numel)
+            except _Refused as e:
+                self.guard.strike(sender, f"streamed part: {e}")
+                return {"error": "streamed part does not match its header"}
+        else:
+            assert isinstance(data, bytes)
+            try:
+                x = await asyncio.to_thread(codec.decode, data, numel)
+            except ValueError as e:
+                self.guard.strike(sender, f"undecodable part ({e})")
+                return {"error": "undecodable part"}
         fp = msg.get("fp")
         box = self._box(str(msg["key"]), int(msg["phase"]))
         box.contribs[sender] = (int(msg["part"]), x, float(msg["weight"]), None if fp is None else [float(v) for v in fp])
@@ -529,25 +653,41 @@ class HivemindTransport(Transport):
 
     async def _on_result(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         box = self._box(str(msg["key"]), int(msg["phase"]))
-        box.results.setdefault(int(msg["part"]), {**msg, "_from": sender})
+        part = int(msg["part"])
+        res = {k: v for k, v in msg.items() if not (isinstance(k, str) and k.startswith("_"))}
+        if "chunks" in msg:  # streamed: decoded as it arrives; the metadata is checked when assembling
+            numel = msg["numel"]
+            if not isinstance(numel, int) or not 0 <= numel <= self.cfg.max_message:
+                return {"error": "bad size"}
+            try:
+                x, pieces = await self._receive_chunks(msg, get_codec(str(msg["codec"])), numel)
+            except _Refused as e:
+                self.guard.strike(sender, f"streamed result: {e}")
+                return {"error": "streamed result does not match its header"}
+            res |= {"_tensor": x, "_pieces": pieces}
+        box.results.setdefault(part, {**res, "_from": sender})
         box.poke()
         return {"ok": True}
 
     async def _on_getpart(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         box = self._mail.get((str(msg["key"]), int(msg["phase"])))
         res = None if box is None else box.results.get(int(msg["part"]))
-        return {"result": res} if res is not None else {"error": "no such part here"}
+        return {"result": _wire_result(res)} if res is not None else {"error": "no such part here"}
 
     async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
                         codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
         t0 = time.monotonic()
         members = list(group.members)
         me = members.index(self.peer_id)
-        flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
+        if len(tensors) == 1:  # no copy of a lone fp32 tensor: it is only read
+            flat = tensors[0].detach().reshape(-1).float().cpu()
+        else:
+            flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
         bounds = part_bounds(flat.numel(), len(members))
         box = self._box(group.key, phase)
         fp = None if fingerprint is None else [float(v) for v in fingerprint]
         sent = received = 0
+        chunk = self.cfg.chunk_values
 
         # 1. reduce-scatter: our share of part j goes to its owner j
         async def send_part(j: int) -> int:
@@ -561,19 +701,27 @@ class HivemindTransport(Transport):
         async def _send_part(j: int) -> int:
             lo, hi = bounds[j]
             mine = flat[lo:hi]
-            if self.cfg.corrupt is None:
-                data = await asyncio.to_thread(codec.encode, mine)
-            else:  # fault injection: what a broken or hostile peer would put on the wire
-                data, mine = corrupt_payload(codec, mine, self.cfg.corrupt)
-            numel = mine.numel()
             msg = {"key": group.key, "phase": phase, "part": j, "weight": float(weight), "fp": fp,
-                   "codec": codec.name, "numel": numel, "data": data}
-            reply, seconds = await self._call(members[j], "part", msg,
-                                              timeout=max(0.1, t0 + timeout * 0.5 - time.monotonic()))
+                   "codec": codec.name, "numel": hi - lo}
+            call_timeout = max(0.1, t0 + timeout * 0.5 - time.monotonic())
+            if self.cfg.corrupt is None and hi - lo > chunk:  # streamed: encoding, transfer, decoding overlap
+                cb = chunk_bounds(hi - lo, chunk)
+                msg |= {"chunk": chunk, "chunks": len(cb)}
+                size = _chunked_size(codec, hi - lo, chunk)
+                reply, seconds = await self._call(members[j], "part", msg, timeout=call_timeout,
+                                                  chunks=lambda: _encode_ahead(codec, mine, cb))
+            else:
+                if self.cfg.corrupt is None:
+                    data = await asyncio.to_thread(codec.encode, mine)
+                else:  # fault injection: what a broken or hostile peer would put on the wire
+                    data, mine = corrupt_payload(codec, mine, self.cfg.corrupt)
+                msg |= {"numel": mine.numel(), "data": data}
+                size = len(data)
+                reply, seconds = await self._call(members[j], "part", msg, timeout=call_timeout)
             if "error" in reply:
                 raise RoundFailed(f"part {j}: {reply['error']}")
-            self.links.update(members[j], len(data), seconds)
-            return len(data)
+            self.links.update(members[j], size, seconds)
+            return size
 
         lo, hi = bounds[me]
         box.contribs[self.peer_id] = (me, flat[lo:hi].clone(), float(weight), fp)
@@ -606,51 +754,93 @@ class HivemindTransport(Transport):
                                                        me=self.peer_id)
             except ValueError:
                 use = []
+        produce: asyncio.Task[None] | None = None
+        encoded: list[asyncio.Future[bytes]] = []
         if use:
-            data = await asyncio.to_thread(codec.encode, avg)
             own_result = {"key": group.key, "phase": phase, "part": me, "contributors": use, "total": total,
-                          "agree": sorted(agree), "numel": hi - lo, "codec": codec.name, "data": data}
-            box.results[me] = own_result
+                          "agree": sorted(agree), "numel": hi - lo, "codec": codec.name}
+            if hi - lo > chunk:  # streamed to every member while it is being encoded
+                cb = chunk_bounds(hi - lo, chunk)
+                own_result |= {"chunk": chunk, "chunks": len(cb)}
+                loop = asyncio.get_running_loop()
+                encoded = [loop.create_future() for _ in cb]
+                result = own_result
 
-        # 3. all-gather: our averaged part to every other member
-        async def send_result(j: int) -> int:
-            assert own_result is not None
-            reply, seconds = await self._call(members[j], "result", own_result,
-                                              timeout=max(0.1, t0 + timeout * 0.8 - time.monotonic()))
-            self.links.update(members[j], len(own_result["data"]), seconds)
-            return len(own_result["data"]) if reply.get("ok") else 0
+                async def produce_chunks() -> None:
+                    # Every member, this one included, uses the decoded payload: lossy codecs agree everywhere.
+                    own, pieces = torch.empty(hi - lo, dtype=torch.float32), []
+                    try:
+                        async for data in _encode_ahead(codec, avg, cb):
+                            encoded[len(pieces)].set_result(data)
+                            a, b = cb[len(pieces)]
+                            own[a:b] = await asyncio.to_thread(codec.decode, data, b - a)
+                            pieces.append(data)
+                    except BaseException as e:
+                        for f in encoded:
+                            if not f.done():
+                                f.set_exception(RoundFailed(f"encoding our part failed: {e!r}"))
+                        raise
+                    box.results[me] = {**result, "_tensor": own, "_pieces": pieces}
+                    box.poke()
 
-        results_out = [asyncio.create_task(send_result(j)) for j in range(len(members)) if j != me and own_result]
-        for done in await asyncio.gather(*sends, return_exceptions=True):
-            if isinstance(done, int):
-                sent += done
+                produce = asyncio.create_task(produce_chunks())
             else:
-                log.info("event=part_send_failed key=%s reason=%s", group.key, done)
+                own_result["data"] = await asyncio.to_thread(codec.encode, avg)
+                box.results[me] = own_result
 
-        # 4. wait for the other parts, then ask around for what is still missing
-        result_deadline = t0 + timeout * 0.8
-        while len(box.results) < len(members) and time.monotonic() < result_deadline:
-            owners = {members[j] for j in range(len(members)) if j not in box.results}
-            if owners <= self._gone(group.key, phase):
-                break  # the owners still missing are unreachable or left; ask the others below
-            await box.wait(min(result_deadline, time.monotonic() + 0.5))
-        for j in range(len(members)):
-            if j in box.results:
-                continue
-            for other in members:
-                if other in (self.peer_id, members[j]) or time.monotonic() > t0 + timeout:
+        try:
+            async def encoded_chunks() -> AsyncIterator[bytes]:
+                for f in encoded:
+                    yield await asyncio.shield(f)
+
+            # 3. all-gather: our averaged part to every other member
+            async def send_result(j: int) -> int:
+                assert own_result is not None
+                size = _chunked_size(codec, hi - lo, own_result.get("chunk"))
+                reply, seconds = await self._call(members[j], "result", own_result,
+                                                  timeout=max(0.1, t0 + timeout * 0.8 - time.monotonic()),
+                                                  chunks=encoded_chunks if encoded else None)
+                self.links.update(members[j], size, seconds)
+                return size if reply.get("ok") else 0
+
+            results_out = [asyncio.create_task(send_result(j)) for j in range(len(members)) if j != me and own_result]
+            for done in await asyncio.gather(*sends, return_exceptions=True):
+                if isinstance(done, int):
+                    sent += done
+                else:
+                    log.info("event=part_send_failed key=%s reason=%s", group.key, done)
+
+            # 4. wait for the other parts, then ask around for what is still missing
+            result_deadline = t0 + timeout * 0.8
+            while len(box.results) < len(members) and time.monotonic() < result_deadline:
+                owners = {members[j] for j in range(len(members)) if j not in box.results}
+                if owners <= self._gone(group.key, phase):
+                    break  # the owners still missing are unreachable or left; ask the others below
+                await box.wait(min(result_deadline, time.monotonic() + 0.5))
+            for j in range(len(members)):
+                if j in box.results:
                     continue
-                try:
-                    reply, _ = await self._call(other, "getpart", {"key": group.key, "phase": phase, "part": j},
-                                                timeout=max(0.1, t0 + timeout - time.monotonic()))
-                except RoundFailed:
-                    continue
-                if isinstance(reply.get("result"), dict):
-                    box.results[j] = {**reply["result"], "_from": other}  # relayed by a member
-                    break
-        for done in await asyncio.gather(*results_out, return_exceptions=True):
-            if isinstance(done, int):
-                sent += done
+                for other in members:
+                    if other in (self.peer_id, members[j]) or time.monotonic() > t0 + timeout:
+                        continue
+                    try:
+                        reply, _ = await self._call(other, "getpart", {"key": group.key, "phase": phase, "part": j},
+                                                    timeout=max(0.1, t0 + timeout - time.monotonic()))
+                    except RoundFailed:
+                        continue
+                    if isinstance(reply.get("result"), dict):
+                        relayed = {k: v for k, v in reply["result"].items() if not (isinstance(k, str) and k.startswith("_"))}
+                        box.results[j] = {**relayed, "_from": other}  # relayed by a member
+                        break
+            for done in await asyncio.gather(*results_out, return_exceptions=True):
+                if isinstance(done, int):
+                    sent += done
+            if produce is not None:
+                await asyncio.gather(produce, return_exceptions=True)
+        finally:
+            if produce is not None and not produce.done():
+                produce.cancel()
+                await asyncio.gather(produce, return_exceptions=True)
 
         # 5. assemble; a part nobody could average is zero on every survivor
         out = torch.zeros(flat.numel(), dtype=torch.float32)
@@ -662,28 +852,36 @@ class HivemindTransport(Transport):
                 partial = True
                 continue
             numel = res.get("numel")
-            data = res.get("data")
+            data, decoded = res.get("data"), res.get("_tensor")
             if res.get("_from", self.peer_id) not in members:
                 partial = True  # a result from outside the group is never used
                 continue
             if numel != b - a or res.get("codec") != codec.name:
                 partial = True  # an owner whose view of the round differs (see above): not used, no strike
                 continue
-            if (not isinstance(data, bytes) or len(data) != codec.encoded_size(b - a)
+            try:
+                size = _chunked_size(codec, b - a, res.get("chunk"))
+            except _Refused:
+                size = -1
+            if ((decoded is None and (not isinstance(data, bytes) or len(data) != size))
+                    or (decoded is not None and decoded.numel() != b - a)
                     or not isinstance(res.get("contributors"), list) or not isinstance(res.get("agree"), list)
                     or self.guard.bad_weight(res.get("total")) is not None):
                 if members[j] != self.peer_id:
                     self.guard.strike(members[j], f"averaged part {j} is malformed")
                 partial = True
                 continue
-            part = await asyncio.to_thread(codec.decode, data, b - a)
+            if decoded is not None:  # streamed: decoded chunk by chunk as it arrived
+                part = decoded
+            else:
+                part = await asyncio.to_thread(_decode_chunked, codec, data, b - a, res.get("chunk"))
             if (reason := self.guard.bad_values(part)) is not None:
                 self.guard.strike(members[j], f"averaged part {j}: {reason}")
                 partial = True
                 continue
             out[a:b] = part
             if j != me:
-                received += len(res["data"])
+                received += _payload_len(res)
             who = {str(p) for p in res["contributors"]}
             contributors = who if contributors is None else contributors & who
             partial |= len(who) < len(members)
