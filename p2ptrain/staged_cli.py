@@ -121,7 +121,7 @@ def run_staged(*, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, data_cfg: 
     from .staged import StagedPeer, data_rank
     from .stages import StagePlan
     from .trainer import make_trainer
-    from .ui import console, out, table
+    from .ui import console, out, status_printer, table
 
     env = stage_env() if pipeline_stages > 1 else None
     if pipeline_stages > 1 and env is None:
@@ -191,16 +191,7 @@ def run_staged(*, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, data_cfg: 
                   + " ".join(f"--initial-peers {a}" for a in maddrs[:1])
                   + f" --run-id {peer_cfg.run_id} --run-stages {plan.stages} --method {method_cfg.name} "
                     f"--preset {preset_name} [--pipeline-stages S]", highlight=False, soft_wrap=True)
-    last = [0.0]
-
-    def on_status(s: dict[str, Any]) -> None:
-        if quiet or time.monotonic() - last[0] < 1.0:
-            return
-        last[0] = time.monotonic()
-        console.print(f"step {s['step']:>6}  loss {s['loss']:.3f}  {s['tokens_per_second']:,.0f} tok/s  "
-                      f"rounds {s['rounds']} (failed {s['failed']})  in flight {s['in_flight']}", highlight=False)
-
-    staged.on_status = on_status
+    staged.on_status = status_printer(quiet)
     try:
         summaries = staged.run()
         theta: dict[str, torch.Tensor] = {}

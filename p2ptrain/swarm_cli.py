@@ -6,7 +6,6 @@ import hashlib
 import json
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -98,7 +97,7 @@ def join(
     from .peer import Peer, PeerConfig
     from .peer_checkpoint import PeerCheckpoints
     from .trainer import make_trainer
-    from .ui import console, out, setup_logging, table
+    from .ui import console, out, setup_logging, status_printer, table
 
     setup_logging(log_level)
     try:
@@ -225,16 +224,7 @@ def join(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    last = [0.0]
-
-    def on_status(s: dict[str, Any]) -> None:
-        if quiet or time.monotonic() - last[0] < 1.0:
-            return
-        last[0] = time.monotonic()
-        console.print(f"step {s['step']:>6}  loss {s['loss']:.3f}  {s['tokens_per_second']:,.0f} tok/s  "
-                      f"rounds {s['rounds']} (failed {s['failed']})  in flight {s['in_flight']}", highlight=False)
-
-    peer.on_status = on_status
+    peer.on_status = status_printer(quiet)
     try:
         summary = peer.run()
         val = trainer.evaluate(summary.outer_params or None).loss
