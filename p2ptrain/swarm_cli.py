@@ -16,7 +16,7 @@ from .cli import ConfigOpt, InitFromOpt, LogOpt, SeqLenOpt, TokenizerOpt, _model
 from .data import DataConfig, DataError
 from .metrics import DEFAULT_METRICS_PORT, PeerMetrics
 from .settings import ConfigError, build, load_file, merged
-from .staged_cli import launch_stages, run_staged, staged_or_none
+from .staged_cli import launch_stages, run_staged, staged_or_none, staged_plan
 
 InitialPeers = Annotated[list[str] | None, typer.Option("--initial-peers", "-i", help="Multiaddr of a live peer or bootstrap node (repeatable).")]
 HostMaddrs = Annotated[list[str] | None, typer.Option("--host-maddrs", help="Listen address(es), e.g. /ip4/0.0.0.0/tcp/31337.")]
@@ -137,6 +137,9 @@ def join(
         if staged is not None and init is not None:
             raise ValueError("--init-from is not supported for staged peers (S_run > 1 or --pipeline-stages > 1) "
                              "yet: every stage would have to load its own slice of the checkpoint")
+        if staged is not None:  # bad stage flags fail here, once, before any stage process starts
+            staged_plan(model_cfg, trainer_cfg, method_cfg, run_stages=staged[0], pipeline_stages=pipeline_stages,
+                        microbatches=microbatches, schedule=pipeline_schedule, pipeline_timeout=pipeline_timeout)
         if init is not None:  # every peer that loads the same folder starts from the same θ
             from .hf import data_for, trainer_from_hf
 
