@@ -32,9 +32,11 @@ SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", help="Context length
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
+    from rich.markup import escape
+
     from .ui import console
 
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # "[model]" is text, not markup
     return typer.Exit(code)
 
 

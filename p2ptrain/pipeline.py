@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .data import Corpus, DataConfig, TokenStream
 from .model import GPT, ModelConfig
 from .stages import StageModel, StagePlan
-from .trainer import EvalStats, StepStats, Trainer, TrainerConfig, lr_at
+from .trainer import EvalStats, StepStats, Trainer, TrainerConfig
 
 __all__ = ["PipelineConfig", "PipelineTrainer", "StageEnv", "init_stage_group", "make_stage_trainer", "stage_device",
            "stage_env"]
@@ -209,13 +209,7 @@ class PipelineTrainer(Trainer):
             if coef < 1:
                 for g in grads:
                     g.mul_(coef)
-        lr = lr_at(self.step_count, self.cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step_count += 1
-        return lr, norm
+        return self._adamw_step(), norm
 
     def step(self, stop: bool = False) -> StepStats:  # type: ignore[override]
         """One inner step of the whole pipeline; ``stop`` asks every stage to leave after it

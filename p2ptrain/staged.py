@@ -42,7 +42,7 @@ from .stages import StagePlan, StageRange
 from .sync import NetLoop
 from .trainer import Trainer
 
-__all__ = ["StageView", "StagedPeer"]
+__all__ = ["StageView", "StagedPeer", "data_rank", "require_outer_method"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,13 @@ class StageView:
         raise RuntimeError("checkpoints of staged peers are not supported (see p2ptrain.staged)")
 
 
+def require_outer_method(method: MethodConfig) -> None:
+    """Raise ValueError for ``ddp``: a staged run syncs each stage group's fragments in its own namespace."""
+    if isinstance(method, DDPConfig):
+        raise ValueError("ddp all-reduces whole gradients every step: a staged run (S_run > 1 or a "
+                         "pipelined peer) needs an outer-loop method (diloco, streaming, cocodc, ...)")
+
+
 def data_rank(peer_id: str) -> int:
     """A data-stream rank from a peer's identity: every peer draws its own batches."""
     return int.from_bytes(hashlib.sha1(peer_id.encode()).digest()[:4], "big")
@@ -116,9 +123,7 @@ class StagedPeer:
     def __init__(self, cfg: PeerConfig, method: MethodConfig, trainer: Trainer, plan: StagePlan, held: StageRange,
                  transport: Callable[[int, str, list[str]], Callable[[], Awaitable[Transport]]], *,
                  metrics: PeerMetrics | None = None, seed: int = 0) -> None:
-        if isinstance(method, DDPConfig):
-            raise ValueError("ddp all-reduces whole gradients every step: a staged run (S_run > 1 or a "
-                             "pipelined peer) needs an outer-loop method (diloco, streaming, cocodc, ...)")
+        require_outer_method(method)
         if cfg.checkpoint_dir:
             raise ValueError("checkpoints of staged peers (S_run > 1 or --pipeline-stages > 1) are not supported "
                              "yet: run without --checkpoint-dir/--resume (a late joiner takes θ from the swarm)")

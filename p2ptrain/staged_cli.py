@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -36,7 +36,11 @@ from .model import ModelConfig
 from .peer import PeerConfig
 from .trainer import TrainerConfig
 
-__all__ = ["launch_stages", "run_staged"]
+if TYPE_CHECKING:
+    from .pipeline import PipelineConfig
+    from .stages import StagePlan
+
+__all__ = ["launch_stages", "run_staged", "staged_or_none", "staged_plan"]
 
 GRACE_SECONDS = 30.0
 
@@ -62,6 +66,28 @@ def per_rank(path: Path | None, rank: int, world: int) -> Path | None:
     if path is None or world == 1:
         return path
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def staged_plan(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, method_cfg: MethodConfig, *, run_stages: int,
+                pipeline_stages: int, microbatches: int, schedule: str,
+                pipeline_timeout: float) -> tuple[StagePlan, PipelineConfig | None]:
+    """The run's stage partition and this peer's pipeline config (None for one process), checked before
+    any stage process, process group or transport starts. Raises ValueError naming the flag at fault."""
+    from .pipeline import PipelineConfig
+    from .staged import require_outer_method
+    from .stages import StagePlan
+
+    require_outer_method(method_cfg)
+    plan = StagePlan.of(model_cfg, run_stages)
+    plan.held_by(0, pipeline_stages)  # S must divide S_run
+    if pipeline_stages == 1:
+        return plan, None
+    pipe = PipelineConfig(stages=pipeline_stages, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
+                          timeout=pipeline_timeout)
+    if trainer_cfg.batch_size % pipe.microbatches:
+        raise ValueError(f"pipeline: the batch size ({trainer_cfg.batch_size}) must be a multiple of the "
+                         f"micro-batches M ({pipe.microbatches}); set --batch-size or --micro-batches")
+    return plan, pipe
 
 
 def launch_stages(stages: int, argv: list[str]) -> int:
@@ -117,11 +143,10 @@ def run_staged(*, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, data_cfg: 
     from . import __version__
     from .cli import fail
     from .net.swarm import HivemindTransport, SwarmError
-    from .pipeline import PipelineConfig, init_stage_group, make_stage_trainer, stage_device, stage_env
+    from .pipeline import init_stage_group, make_stage_trainer, stage_device, stage_env
     from .staged import StagedPeer, data_rank
-    from .stages import StagePlan
     from .trainer import make_trainer
-    from .ui import console, out, table
+    from .ui import console, out, status_printer, table
 
     env = stage_env() if pipeline_stages > 1 else None
     if pipeline_stages > 1 and env is None:
@@ -130,10 +155,10 @@ def run_staged(*, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, data_cfg: 
         raise fail(f"--pipeline-stages {pipeline_stages} but WORLD_SIZE={env.world} in the environment")
     rank, world = (env.rank, env.world) if env is not None else (0, 1)
     try:
-        plan = StagePlan.of(model_cfg, run_stages)
+        plan, pipe = staged_plan(model_cfg, trainer_cfg, method_cfg, run_stages=run_stages,
+                                 pipeline_stages=pipeline_stages, microbatches=microbatches, schedule=schedule,
+                                 pipeline_timeout=pipeline_timeout)
         held = plan.held_by(rank, world)
-        pipe = PipelineConfig(stages=pipeline_stages, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
-                              timeout=pipeline_timeout) if env is not None else None
     except ValueError as e:
         raise fail(str(e)) from None
     if env is not None and pipe is not None:
@@ -191,16 +216,7 @@ def run_staged(*, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, data_cfg: 
                   + " ".join(f"--initial-peers {a}" for a in maddrs[:1])
                   + f" --run-id {peer_cfg.run_id} --run-stages {plan.stages} --method {method_cfg.name} "
                     f"--preset {preset_name} [--pipeline-stages S]", highlight=False, soft_wrap=True)
-    last = [0.0]
-
-    def on_status(s: dict[str, Any]) -> None:
-        if quiet or time.monotonic() - last[0] < 1.0:
-            return
-        last[0] = time.monotonic()
-        console.print(f"step {s['step']:>6}  loss {s['loss']:.3f}  {s['tokens_per_second']:,.0f} tok/s  "
-                      f"rounds {s['rounds']} (failed {s['failed']})  in flight {s['in_flight']}", highlight=False)
-
-    staged.on_status = on_status
+    staged.on_status = status_printer(quiet)
     try:
         summaries = staged.run()
         theta: dict[str, torch.Tensor] = {}

@@ -6,7 +6,6 @@ import hashlib
 import json
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,7 +16,7 @@ from .cli import ConfigOpt, InitFromOpt, LogOpt, SeqLenOpt, TokenizerOpt, _model
 from .data import DataConfig, DataError
 from .metrics import DEFAULT_METRICS_PORT, PeerMetrics
 from .settings import ConfigError, build, load_file, merged
-from .staged_cli import launch_stages, run_staged, staged_or_none
+from .staged_cli import launch_stages, run_staged, staged_or_none, staged_plan
 
 InitialPeers = Annotated[list[str] | None, typer.Option("--initial-peers", "-i", help="Multiaddr of a live peer or bootstrap node (repeatable).")]
 HostMaddrs = Annotated[list[str] | None, typer.Option("--host-maddrs", help="Listen address(es), e.g. /ip4/0.0.0.0/tcp/31337.")]
@@ -98,7 +97,7 @@ def join(
     from .peer import Peer, PeerConfig
     from .peer_checkpoint import PeerCheckpoints
     from .trainer import make_trainer
-    from .ui import console, out, setup_logging, table
+    from .ui import console, out, setup_logging, status_printer, table
 
     setup_logging(log_level)
     try:
@@ -138,6 +137,9 @@ def join(
         if staged is not None and init is not None:
             raise ValueError("--init-from is not supported for staged peers (S_run > 1 or --pipeline-stages > 1) "
                              "yet: every stage would have to load its own slice of the checkpoint")
+        if staged is not None:  # bad stage flags fail here, once, before any stage process starts
+            staged_plan(model_cfg, trainer_cfg, method_cfg, run_stages=staged[0], pipeline_stages=pipeline_stages,
+                        microbatches=microbatches, schedule=pipeline_schedule, pipeline_timeout=pipeline_timeout)
         if init is not None:  # every peer that loads the same folder starts from the same θ
             from .hf import data_for, trainer_from_hf
 
@@ -225,16 +227,7 @@ def join(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    last = [0.0]
-
-    def on_status(s: dict[str, Any]) -> None:
-        if quiet or time.monotonic() - last[0] < 1.0:
-            return
-        last[0] = time.monotonic()
-        console.print(f"step {s['step']:>6}  loss {s['loss']:.3f}  {s['tokens_per_second']:,.0f} tok/s  "
-                      f"rounds {s['rounds']} (failed {s['failed']})  in flight {s['in_flight']}", highlight=False)
-
-    peer.on_status = on_status
+    peer.on_status = status_printer(quiet)
     try:
         summary = peer.run()
         val = trainer.evaluate(summary.outer_params or None).loss

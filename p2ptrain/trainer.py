@@ -168,13 +168,17 @@ class Trainer:
         grad_norm = 0.0
         if self.cfg.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        return self._adamw_step(), grad_norm
+
+    def _adamw_step(self) -> float:
+        """Set the scheduled lr, step AdamW on the (clipped) gradients, clear them, count the step; the lr."""
         lr = lr_at(self.step_count, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        return lr, grad_norm
+        return lr
 
     def step(self) -> StepStats:
         t0 = time.perf_counter()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,7 +15,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-__all__ = ["console", "progress_bar", "setup_logging", "table"]
+__all__ = ["console", "progress_bar", "setup_logging", "status_printer", "table"]
 
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 out = Console(width=None if sys.stdout.isatty() else 200)
@@ -36,6 +37,21 @@ def setup_logging(level: str | None = None) -> None:
     root.handlers[:] = [handler]
     root.setLevel(name)
     root.propagate = False
+
+
+def status_printer(quiet: bool, every: float = 1.0) -> Callable[[dict[str, Any]], None]:
+    """A swarm peer's live status line from its status dicts (step, loss, tokens_per_second, rounds,
+    failed, in_flight), at most one every ``every`` seconds; silent when ``quiet``."""
+    last = [0.0]
+
+    def on_status(s: dict[str, Any]) -> None:
+        if quiet or time.monotonic() - last[0] < every:
+            return
+        last[0] = time.monotonic()
+        console.print(f"step {s['step']:>6}  loss {s['loss']:.3f}  {s['tokens_per_second']:,.0f} tok/s  "
+                      f"rounds {s['rounds']} (failed {s['failed']})  in flight {s['in_flight']}", highlight=False)
+
+    return on_status
 
 
 @contextmanager

@@ -47,3 +47,25 @@ def test_stage_slices_compose_to_the_whole_model_with_the_same_names_and_fragmen
     assert {u for f in frags for u in f.units} == set(plan.groups[1])
     with pytest.raises(ValueError, match="contiguous"):
         StageModel(full, ["embed", "blocks.2"])
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    (["--pipeline-stages", "2"], "set [model] tie_embeddings = false"),  # printed as text, not markup
+    (["--pipeline-stages", "2", "--untie-embeddings", "--run-stages", "3"], "S must divide S_run"),
+    (["--pipeline-stages", "2", "--untie-embeddings", "--micro-batches", "1"], "1F1B needs micro-batches"),
+    (["--pipeline-stages", "2", "--untie-embeddings", "--pipeline-schedule", "zigzag"], "schedule must be"),
+    (["--pipeline-stages", "2", "--untie-embeddings", "--batch-size", "3"], "multiple of the micro-batches"),
+    (["--pipeline-stages", "2", "--untie-embeddings", "--pipeline-timeout", "0"], "timeout must be positive"),
+    (["--run-stages", "2", "--untie-embeddings", "--method", "ddp"], "outer-loop method"),
+    (["--run-stages", "9", "--untie-embeddings"], "between 1 and the model's 6 layers"),
+])
+def test_bad_stage_flags_fail_once_before_any_stage_process(flags: list[str], match: str) -> None:
+    """The launcher checks the stage flags itself: one clear error, exit code 2, no stage process started
+    (a launch from here would fail with another message: this is not the `p2ptrain join` command line)."""
+    from typer.testing import CliRunner
+
+    from p2ptrain.cli import app
+
+    r = CliRunner().invoke(app, ["join", "--steps", "1", "--metrics-port", "-1", "-q", *flags])
+    assert r.exit_code == 2, r.output
+    assert match in " ".join(r.output.split()) and "stage processes" not in r.output, r.output

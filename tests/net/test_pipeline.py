@@ -7,9 +7,7 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,15 +23,11 @@ from p2ptrain.procs import wait_lines
 from p2ptrain.stages import StagePlan
 from p2ptrain.trainer import Trainer, TrainerConfig
 
+from .procs import free_port, join
+
 MODEL = ModelConfig(d_model=32, n_layers=4, n_heads=2, seq_len=16, tie_embeddings=False)
 # A small clip so that clipping is active: the global norm across stages must match the unsplit one.
 TRAINER = TrainerConfig(batch_size=4, warmup_steps=0, total_steps=10, grad_clip=0.05, lr=1e-2, device="cpu")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +65,7 @@ def _stage_worker(rank: int, world: int, port: int, out: str, schedule: str, dev
 def test_two_stage_pipeline_matches_unsplit_model(tmp_path: Path, schedule: str) -> None:
     """Loss, every parameter's gradient, the clipped global norm and the parameters after one AdamW step of
     a 2-stage gloo pipeline (2 micro-batches) equal the unsplit model's within 1e-5 relative."""
-    mp.start_processes(_stage_worker, args=(2, _free_port(), str(tmp_path), schedule), nprocs=2, join=True,
+    mp.start_processes(_stage_worker, args=(2, free_port(), str(tmp_path), schedule), nprocs=2, join=True,
                        start_method="spawn")
     stages = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
@@ -130,14 +124,7 @@ min_step_seconds = 0.15
 
 
 def _join(tmp: Path, name: str, initial: list[str], extra: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "p2ptrain", "join", "-c", str(tmp / "recipe.toml"), "--steps", "100000",
-           "--json", str(tmp / f"{name}.json"), "--maddrs-file", str(tmp / f"{name}.maddrs"), "-q",
-           "--log-level", "INFO", "--metrics-port", "-1", "--pipeline-timeout", "60", *extra]
-    for m in initial:
-        cmd += ["--initial-peers", m]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(tmp / f"{name}.log", "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return join(tmp, name, 100_000, initial, metrics_port=-1, extra=["--pipeline-timeout", "60", *extra])
 
 
 @pytest.mark.net
@@ -221,7 +208,7 @@ def test_a_killed_stage_stops_the_whole_pipelined_peer(tmp_path: Path) -> None:
 def test_two_stage_nccl_pipeline_matches_unsplit_model_in_bf16(tmp_path: Path) -> None:
     """The GPU path: stages on cuda:0 and cuda:1 over nccl with bf16 autocast match the unsplit model run
     under the same autocast on one GPU (bf16 tolerance)."""
-    mp.start_processes(_stage_worker, args=(2, _free_port(), str(tmp_path), "1f1b", "cuda"), nprocs=2, join=True,
+    mp.start_processes(_stage_worker, args=(2, free_port(), str(tmp_path), "1f1b", "cuda"), nprocs=2, join=True,
                        start_method="spawn")
     stages = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     with torch.random.fork_rng(devices=[]):
