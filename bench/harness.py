@@ -36,6 +36,7 @@ from p2ptrain.procs import wait_lines
 __all__ = [
     "PeerLaunch",
     "SwarmRun",
+    "exit_on_sigterm",
     "join_argv",
     "loss_at_step",
     "machine",
@@ -64,6 +65,11 @@ def machine() -> dict[str, Any]:
     return {"arch": platform.machine(), "cores": os.cpu_count(), "memory_gib": round(mem, 1),
             "gpu": torch.cuda.is_available(), "python": platform.python_version(), "torch": torch.__version__,
             "kernel": platform.release()}
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit, so that ``finally`` blocks and testbed teardown run as on Ctrl-C."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", type=int, default=4, help="swarm size (sets the default target batch size)")
     ap.add_argument("--target-batch-size", type=int, default=None,
                     help="samples per hivemind epoch across the swarm (default: peers × batch size)")
-    ap.add_argument("--matchmaking-time", type=float, default=5.0)
+    ap.add_argument("--matchmaking-time", type=float, default=15.0,
+                    help="hivemind's default; its docs: 10-15 s for training over the internet")
     ap.add_argument("--averaging-timeout", type=float, default=120.0)
     ap.add_argument("--compression", choices=["none", "fp16"], default="fp16",
                     help="gradient and state averaging compression (hivemind's docs suggest fp16)")

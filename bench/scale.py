@@ -1,7 +1,7 @@
 """Scale: the simulator's cost as virtual peers grow, and real peers on this machine.
 
     python bench/scale.py                                  # sim 4,8,16,32,64 peers; real 2,4,8 peers (tiny)
-    python bench/scale.py --sim-peers 4,16 --real-peers 2,4 --real-steps 30
+    python bench/scale.py --sim-peers 4,16 --real-peers 2,4 --real-seconds 30
 
 Simulator (``p2ptrain simulate``'s engine, one process per swarm size so that its peak
 memory is its own): M virtual peers each take ``--sim-steps`` real inner steps, in rounds of
@@ -9,7 +9,8 @@ memory is its own): M virtual peers each take ``--sim-steps`` real inner steps, 
 peer = (peak resident memory − memory before the peers were built) / M.
 
 Real peers: M ``p2ptrain join`` processes on 127.0.0.1 (one thread each: all share this
-machine's cores) and a bootstrap node, ``--real-steps`` inner steps each; reported: the median
+machine's cores) and a bootstrap node, training for ``--real-seconds`` (then they leave
+gracefully, SIGTERM); reported: the median
 round time (a fragment's send to its arrival, from every peer's log), seconds per inner step
 (compute), compute utilization, and the peak resident memory of each peer with its libp2p
 daemon. Writes bench/results/scale.json and scale.png, prints a table.
@@ -31,7 +32,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RESULTS, PeerLaunch, join_argv, rss_tree_mb, run_swarm, summarize, write_json
+from bench.harness import RESULTS, PeerLaunch, exit_on_sigterm, join_argv, rss_tree_mb, run_swarm, summarize, write_json
 
 
 def _sim_worker(a: argparse.Namespace) -> None:
@@ -80,11 +81,10 @@ def _run_sim(m: int, a: argparse.Namespace) -> dict[str, Any]:
 
 def _run_real(m: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     run_id = f"scale{m}-{os.getpid()}"
-    launches = [PeerLaunch(join_argv(a.method, preset=a.preset, steps=a.real_steps, batch_size=a.batch_size, H=a.H,
+    launches = [PeerLaunch(join_argv(a.method, preset=a.preset, steps=10**8, batch_size=a.batch_size, H=a.H,
                                      step_seconds=a.step_seconds, run_id=run_id, tau=a.tau, P=a.P), name=f"p{i}")
                 for i in range(m)]
-    run = run_swarm(launches, work=work / f"real{m}", deadline=a.real_steps * a.step_seconds * m + 300,
-                    stagger=0.3, sample_every=1.0)
+    run = run_swarm(launches, work=work / f"real{m}", deadline=a.real_seconds, stagger=0.3, sample_every=1.0)
     s = summarize(run)
     if s["peers"] < m:
         raise RuntimeError(f"{m} real peers: only {s['peers']} left a summary; logs in {run.logs}")
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--sim-steps", type=int, default=8, help="inner steps of every virtual peer")
-    ap.add_argument("--real-steps", type=int, default=40, help="inner steps of every real peer")
+    ap.add_argument("--real-seconds", type=float, default=60.0, help="how long the real peers train")
     ap.add_argument("--H", type=int, default=8)
     ap.add_argument("--P", type=int, default=4)
     ap.add_argument("--tau", type=int, default=2)
@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--sim-timeout", type=float, default=1800.0, help="seconds one simulator size may take")
     ap.add_argument("--out", type=Path, default=RESULTS / "scale.json")
     a = ap.parse_args()
+    exit_on_sigterm()
     if a.sim_steps < a.H:
         ap.error("--sim-steps must be at least --H (one round)")
 
@@ -140,7 +141,7 @@ def main() -> None:
     rows += [["real (loopback)", r["peers"], f"{r['round_seconds_median']:.2f}",
               f"{r['compute_seconds_per_step']:.3f}", f"{r['utilization_mean']:.3f}", f"{r['peak_rss_mb_mean']:.0f}",
               f"{r['val_loss_mean']:.3f}"] for r in real_rows]
-    out.print(table(f"scale: {a.method}, {a.preset}, H={a.H}; sim {a.sim_steps} steps, real {a.real_steps} steps",
+    out.print(table(f"scale: {a.method}, {a.preset}, H={a.H}; sim {a.sim_steps} steps, real {a.real_seconds:g} s",
                     ["what", "peers", "s per round", "s per peer step", "utilization", "MB per peer", "val loss"],
                     rows))
 

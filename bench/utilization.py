@@ -25,6 +25,7 @@ Writes bench/results/utilization.json and utilization.png, prints a table.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RESULTS, PeerLaunch, join_argv, run_swarm, summarize, write_json
+from bench.harness import RESULTS, PeerLaunch, exit_on_sigterm, join_argv, run_swarm, summarize, write_json
 from bench.testbed import RegionSpec, Testbed, TestbedSpec, parse_rate, unavailable_reason
 
 HOSTS = [("us0", "us"), ("us1", "us"), ("eu0", "eu"), ("eu1", "eu")]
@@ -56,9 +57,10 @@ def launches(method: str, a: argparse.Namespace, run_id: str) -> list[PeerLaunch
                 a.preset, "--steps", str(a.steps), "--batch-size", str(a.batch_size), "--peers", str(len(HOSTS)),
                 "--count-bytes-on", "eth0"]
         return [PeerLaunch(argv, host=h, name=f"{method}-{h}") for h, _ in HOSTS]
+    extra = ["--join-window", str(a.join_window)]
     return [PeerLaunch(join_argv(method, preset=a.preset, steps=a.steps, batch_size=a.batch_size, H=a.H,
-                                 step_seconds=a.step_seconds, run_id=run_id, region=region, tau=a.tau, P=a.P),
-                       host=h, name=f"{method}-{h}") for h, region in HOSTS]
+                                 step_seconds=a.step_seconds, run_id=run_id, region=region, tau=a.tau, P=a.P,
+                                 extra=extra), host=h, name=f"{method}-{h}") for h, region in HOSTS]
 
 
 def main() -> None:
@@ -77,8 +79,14 @@ def main() -> None:
     ap.add_argument("--between-rate", default="100mbit", help="each region's uplink (between the regions)")
     ap.add_argument("--delay-ms", type=float, default=100.0, help="one-way delay between the regions")
     ap.add_argument("--max-minutes", type=float, default=6.0, help="per method: then the peers are asked to leave")
+    ap.add_argument("--join-window", type=float, default=12.0,
+                    help="p2ptrain peers: seconds a round's leader waits for the live peers; longer than an inner "
+                         "step here (join's 2 s default is not: a peer mid-step misses the round)")
+    ap.add_argument("--update", action="store_true",
+                    help="keep the other methods' figures already in --out (each keeps the command that made it)")
     ap.add_argument("--out", type=Path, default=RESULTS / "utilization.json")
     a = ap.parse_args()
+    exit_on_sigterm()
     if (reason := unavailable_reason()) is not None:
         raise SystemExit(f"testbed unavailable: {reason}")
 
@@ -87,6 +95,11 @@ def main() -> None:
     spec = testbed_spec(a)
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-util-"))
     report: dict[str, dict[str, Any]] = {}
+    if a.update and a.out.exists():
+        report = json.loads(a.out.read_text())["methods"]
+        for s in report.values():  # figures of an earlier run: keep the command that made them
+            s.setdefault("command", json.loads(a.out.read_text())["command"])
+    command = " ".join(["python bench/utilization.py", *sys.argv[1:]])
     for method in [m.strip() for m in a.methods.split(",") if m.strip()]:
         console.print(f"[bold]{method}[/]: 4 peers, {a.preset}, up to {a.steps} steps or {a.max_minutes:g} min",
                       highlight=False)
@@ -94,7 +107,8 @@ def main() -> None:
         with Testbed(spec) as tb:
             run = run_swarm(launches(method, a, f"util-{method}-{os.getpid()}"), work=work / method, tb=tb,
                             boot_host=BOOT, deadline=60 * a.max_minutes)
-        report[method] = summarize(run) | {"summaries": run.summaries, "wire_tx_bytes": run.wire_tx_bytes}
+        report[method] = summarize(run) | {"summaries": run.summaries, "wire_tx_bytes": run.wire_tx_bytes,
+                                           "command": command, "args": vars(a) | {"out": str(a.out)}}
         s = report[method]
         console.print(f"  {s['peers']} peers, {s.get('steps_mean', 0):.0f} steps, "
                       f"utilization {s.get('utilization_mean', float('nan')):.3f}, "
@@ -103,7 +117,7 @@ def main() -> None:
     for s in report.values():
         w = s.get("wire_bytes_per_step")
         s["times_fewer_wire_bytes_than_ddp"] = ddp / w if ddp and w else None
-    write_json(a.out, {"args": vars(a), "testbed": {"regions": [vars(r) for r in spec.regions]}, "methods": report,
+    write_json(a.out, {"args": vars(a) | {"out": str(a.out)}, "testbed": {"regions": [vars(r) for r in spec.regions]}, "methods": report,
                        "logs": str(work)})
     _plot(report, a.out.with_suffix(".png"), a)
     rows = []

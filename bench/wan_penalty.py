@@ -39,6 +39,7 @@ if __package__ in (None, ""):
 from bench.harness import (
     RESULTS,
     PeerLaunch,
+    exit_on_sigterm,
     join_argv,
     loss_at_step,
     run_swarm,
@@ -103,8 +104,12 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=None, help="target val loss (default: see above)")
     ap.add_argument("--target-fraction", type=float, default=0.8)
     ap.add_argument("--max-minutes", type=float, default=6.0, help="per swarm: then the peers are asked to leave")
+    ap.add_argument("--join-window", type=float, default=5.0,
+                    help="seconds a round's leader waits for the live peers; longer than an inner step here "
+                         "(join's 2 s default is not always: a peer mid-step misses the round)")
     ap.add_argument("--out", type=Path, default=RESULTS / "wan_penalty.json")
     a = ap.parse_args()
+    exit_on_sigterm()
     if (reason := unavailable_reason()) is not None:
         raise SystemExit(f"testbed unavailable: {reason}")
 
@@ -112,6 +117,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-wan-"))
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    window = ["--join-window", str(a.join_window)]
     runs: dict[str, dict[str, Any]] = {c: {} for c in ("lan", "wan")}
     figures: dict[str, dict[str, dict[str, Any]]] = {c: {} for c in ("lan", "wan")}
     for method in methods:
@@ -121,7 +127,8 @@ def main() -> None:
             ls = [PeerLaunch(join_argv(method, preset=a.preset, steps=a.steps, batch_size=a.batch_size, H=a.H,
                                        step_seconds=a.step_seconds, run_id=f"wan-{method}-{cond}-{os.getpid()}",
                                        region=region, tau=a.tau, P=a.P,
-                                       extra=["--eval-every", str(a.eval_every)]), host=h, name=f"{method}-{cond}-{h}")
+                                       extra=["--eval-every", str(a.eval_every), *window]), host=h,
+                             name=f"{method}-{cond}-{h}")
                   for h, region in hosts]
             with Testbed(spec) as tb:
                 run = run_swarm(ls, work=work / f"{method}-{cond}", tb=tb, boot_host=boot,
