@@ -37,6 +37,7 @@ __all__ = [
     "PeerLaunch",
     "SwarmRun",
     "exit_on_sigterm",
+    "fresh_start_args",
     "join_argv",
     "loss_at_step",
     "machine",
@@ -114,6 +115,17 @@ def loss_at_step(summary: dict[str, Any], step: float) -> float | None:
     """The val loss of θ at the last evaluation at or before inner step ``step`` (None: none that early)."""
     before = [loss for _t, s, loss, _e in summary.get("val_log", []) if s <= step]
     return before[-1] if before else None
+
+
+def fresh_start_args(work: Path) -> list[str]:
+    """``-c RECIPE`` for peers that all start at once from the shared seeded initialisation: no state
+    download on joining (``[peer] sync_on_join = false``). The download is for late joiners; at a common
+    start it only delays the peers on slow links (ddp: its step-keyed groups then never line up again)
+    and repeats inside the loop after the warm-up (outer methods), which would be counted as lost compute."""
+    work.mkdir(parents=True, exist_ok=True)
+    recipe = work / "fresh_start.toml"
+    recipe.write_text("[peer]\nsync_on_join = false\n")
+    return ["-c", str(recipe)]
 
 
 def join_argv(method: str, *, preset: str, steps: int, batch_size: int, H: int, step_seconds: float,

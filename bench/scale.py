@@ -152,21 +152,25 @@ def _plot(sims: list[dict[str, Any]], reals: list[dict[str, Any]], path: Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4))
     if sims:
-        ax1.plot([r["peers"] for r in sims], [r["seconds_per_round"] for r in sims], "o-", label="simulator (wall)")
-        ax2.plot([r["peers"] for r in sims], [r["mb_per_peer"] for r in sims], "o-", label="simulator")
+        ax1.plot([r["peers"] for r in sims], [r["seconds_per_round"] for r in sims], "o-")
+        ax3.plot([r["peers"] for r in sims], [r["mb_per_peer"] for r in sims], "o-", label="simulator")
+    ax1.set_title("simulator: wall seconds per outer round")
     if reals:
-        ax1.plot([r["peers"] for r in reals], [r["round_seconds_median"] for r in reals], "s-",
-                 label="real peers (send → arrival)")
-        ax2.plot([r["peers"] for r in reals], [r["peak_rss_mb_mean"] for r in reals], "s-",
-                 label="real peers (+ libp2p daemon)")
-    for ax, label in ((ax1, "seconds per round"), (ax2, "MB per peer")):
+        ax2.plot([r["peers"] for r in reals], [r["round_seconds_median"] for r in reals], "s-",
+                 label="round: send → arrival (median)")
+        ax2.plot([r["peers"] for r in reals], [r["compute_seconds_per_step"] for r in reals], "^-",
+                 label="inner step (compute)")
+        ax2.legend()
+        ax3.plot([r["peers"] for r in reals], [r["peak_rss_mb_mean"] for r in reals], "s-",
+                 label="real peer (+ its libp2p daemon)")
+    ax2.set_title("real peers on 127.0.0.1: seconds")
+    ax3.set_title("peak memory per peer, MB")
+    ax3.legend()
+    for ax in (ax1, ax2, ax3):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("peers")
-        ax.set_ylabel(label)
-        ax.legend()
-    fig.suptitle("p2ptrain scale on this machine")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -9,8 +9,9 @@ bootstrap node on a third ``us`` host); every host has its own ``--host-rate`` l
 and each region's uplink is shaped to ``--between-rate`` (100 Mbit/s) with half of
 ``--delay-ms`` (100 ms one way between the regions) in the delay relay. For each method a
 fresh testbed, a bootstrap node and four peers (``p2ptrain join``, one thread each; the four
-share this machine's cores) train ``--steps`` inner steps, or until ``--max-minutes`` pass
-(then they leave gracefully, SIGTERM).
+share this machine's cores) start together from the shared seeded initialisation (no
+start-up state download: see harness.fresh_start_args) and train ``--steps`` inner steps, or
+until ``--max-minutes`` pass (then they leave gracefully, SIGTERM).
 
 Reported per method (mean over the peers): compute utilization (compute seconds over the
 wall time of the inner-step loop), bytes on the wire per inner step (``tx_bytes`` of the
@@ -36,7 +37,16 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RESULTS, PeerLaunch, exit_on_sigterm, join_argv, run_swarm, summarize, write_json
+from bench.harness import (
+    RESULTS,
+    PeerLaunch,
+    exit_on_sigterm,
+    fresh_start_args,
+    join_argv,
+    run_swarm,
+    summarize,
+    write_json,
+)
 from bench.testbed import RegionSpec, Testbed, TestbedSpec, parse_rate, unavailable_reason
 
 HOSTS = [("us0", "us"), ("us1", "us"), ("eu0", "eu"), ("eu1", "eu")]
@@ -51,13 +61,13 @@ def testbed_spec(a: argparse.Namespace) -> TestbedSpec:
                                            delay_ms=a.delay_ms / 2)))
 
 
-def launches(method: str, a: argparse.Namespace, run_id: str) -> list[PeerLaunch]:
+def launches(method: str, a: argparse.Namespace, run_id: str, work: Path) -> list[PeerLaunch]:
     if method == "hivemind":
         argv = [sys.executable, str(Path(__file__).with_name("hivemind_peer.py")), "--run-id", run_id, "--preset",
                 a.preset, "--steps", str(a.steps), "--batch-size", str(a.batch_size), "--peers", str(len(HOSTS)),
                 "--count-bytes-on", "eth0"]
         return [PeerLaunch(argv, host=h, name=f"{method}-{h}") for h, _ in HOSTS]
-    extra = ["--join-window", str(a.join_window)]
+    extra = ["--join-window", str(a.join_window), *fresh_start_args(work)]
     return [PeerLaunch(join_argv(method, preset=a.preset, steps=a.steps, batch_size=a.batch_size, H=a.H,
                                  step_seconds=a.step_seconds, run_id=run_id, region=region, tau=a.tau, P=a.P,
                                  extra=extra), host=h, name=f"{method}-{h}") for h, region in HOSTS]
@@ -105,7 +115,7 @@ def main() -> None:
                       highlight=False)
         t0 = time.monotonic()
         with Testbed(spec) as tb:
-            run = run_swarm(launches(method, a, f"util-{method}-{os.getpid()}"), work=work / method, tb=tb,
+            run = run_swarm(launches(method, a, f"util-{method}-{os.getpid()}", work), work=work / method, tb=tb,
                             boot_host=BOOT, deadline=60 * a.max_minutes)
         report[method] = summarize(run) | {"summaries": run.summaries, "wire_tx_bytes": run.wire_tx_bytes,
                                            "command": command, "args": vars(a) | {"out": str(a.out)}}

@@ -6,7 +6,8 @@ unconstrained links, per method, in one run.
     python bench/wan_penalty.py --methods streaming,cocodc --steps 60 --target 3.2
 
 For each method, two swarms back to back (so both see the same load on this machine), each in
-a fresh testbed (bench/testbed.py) with four ``p2ptrain join`` peers and a bootstrap node:
+a fresh testbed (bench/testbed.py) with four ``p2ptrain join`` peers (started together from the
+shared seeded initialisation, no start-up state download) and a bootstrap node:
 
 * ``lan``: one region of unshaped links (no rate limit, no delay relay);
 * ``wan``: regions ``us`` and ``eu`` with two peers each, every region's uplink shaped to
@@ -40,6 +41,7 @@ from bench.harness import (
     RESULTS,
     PeerLaunch,
     exit_on_sigterm,
+    fresh_start_args,
     join_argv,
     loss_at_step,
     run_swarm,
@@ -117,7 +119,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-wan-"))
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    window = ["--join-window", str(a.join_window)]
+    window = ["--join-window", str(a.join_window), *fresh_start_args(work)]
     runs: dict[str, dict[str, Any]] = {c: {} for c in ("lan", "wan")}
     figures: dict[str, dict[str, dict[str, Any]]] = {c: {} for c in ("lan", "wan")}
     for method in methods:
