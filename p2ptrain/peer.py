@@ -66,6 +66,9 @@ class PeerConfig:
             every peer's view of who is live includes us before a group can form without us.
         checkpoint_dir: where to write checkpoints (None: none); every ``checkpoint_every`` applied
             rounds (data parallel: steps) and on leave, keeping the last ``keep_checkpoints``.
+        eval_every: evaluate θ on the validation set when the loop starts and every this many inner steps
+            (0: never during the run), for loss-over-time curves (benchmarks' time to a target loss). The
+            time it takes is counted apart (``eval_seconds``), not as compute.
     """
 
     run_id: str = "p2ptrain"
@@ -83,8 +86,11 @@ class PeerConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0: no evaluation during the run), got {self.eval_every}")
         if self.warmup is None:
             self.warmup = 3 * self.heartbeat
         if not self.run_id or any(c in self.run_id for c in " /"):
@@ -119,6 +125,7 @@ class PeerSummary:
     loop_seconds: float = 0.0  # the inner-step loop alone (no start-up, no final drain)
     drain_seconds: float = 0.0  # waiting for the rounds in flight when leaving
     stuck_rounds: int = 0  # rounds that outlived every timeout of their own and were aborted
+    eval_seconds: float = 0.0  # evaluations during the run (``eval_every``), inside loop_seconds
     outer_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     applied: dict[str, tuple[str, list[torch.Tensor]]] = field(default_factory=dict, repr=False)
 
@@ -185,6 +192,10 @@ class Peer:
         self.fixed_pacing = False
         self.announce_extra: dict[str, Any] = {}  # more fields of this peer's announcement (its stage)
         self._started = False
+        # (unix time, inner step, val loss of θ, eval seconds so far) every ``eval_every`` steps
+        self.val_log: list[tuple[float, int, float, float]] = []
+        self.eval_seconds = 0.0
+        self.loop_started = math.nan  # unix time the inner-step loop started
 
     # ------------------------------------------------------------------ identity & clock
     @property
@@ -482,6 +493,8 @@ class Peer:
             if not self._started:
                 self.start()
             self._t_start = time.perf_counter()
+            self.loop_started = time.time()
+            self._eval_theta()
             if self.is_ddp:
                 # Data parallel runs in lockstep from the first step: wait until every peer can see us.
                 time.sleep(max(0.0, self._warm_until - time.monotonic()))
@@ -491,6 +504,8 @@ class Peer:
                 else:
                     self._inner_step()
                     self._outer()
+                if self.cfg.eval_every and self.trainer.step_count % self.cfg.eval_every == 0:
+                    self._eval_theta()
                 self._status()
             self.loop_seconds = time.perf_counter() - self._t_start
             t_drain = time.perf_counter()
@@ -501,6 +516,18 @@ class Peer:
             return self._summary(time.perf_counter() - t0)
         finally:
             self.close()
+
+    def _eval_theta(self) -> None:
+        """Validation loss of θ now (``eval_every``), logged with the time; not counted as compute."""
+        if not self.cfg.eval_every:
+            return
+        t0 = time.perf_counter()
+        with self.lock:
+            params = None if self.outer is None else dict(self.outer.outer_params())
+            loss = self.trainer.evaluate(params).loss
+        self.trainer.model.train()
+        self.eval_seconds += time.perf_counter() - t0
+        self.val_log.append((time.time(), self.trainer.step_count, loss, self.eval_seconds))
 
     def _inner_step(self) -> None:
         st = self.trainer.step()
@@ -819,4 +846,5 @@ class Peer:
             rounds_failed=st.failed if st else 0, rounds_applied=self.applied, repairs=self.repairs,
             bytes_sent=st.bytes_sent if st else 0, bytes_received=st.bytes_received if st else 0,
             final_train_loss=self.last_loss, outer_params=outer, applied=dict(self.applied_log),
-            loop_seconds=self.loop_seconds, drain_seconds=self.drain_seconds, stuck_rounds=self.stuck)
+            loop_seconds=self.loop_seconds, drain_seconds=self.drain_seconds, stuck_rounds=self.stuck,
+            eval_seconds=self.eval_seconds)

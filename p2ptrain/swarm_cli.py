@@ -67,6 +67,7 @@ def join(
     connect_attempts: Annotated[int, typer.Option("--connect-attempts", help="Tries (with backoff) when initial peers are unreachable.")] = 5,
     join_window: Annotated[float | None, typer.Option("--join-window", help="Seconds a round leader waits for peers.")] = None,
     min_step_seconds: Annotated[float | None, typer.Option("--min-step-seconds", help="Pad each inner step to this long (emulate a slower device).")] = None,
+    eval_every: Annotated[int | None, typer.Option("--eval-every", help="Evaluate θ every this many inner steps during the run (logged in --json as val_log; 0: only at the end).")] = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port", help=f"Serve Prometheus metrics here (0: any free port, -1: off; default {DEFAULT_METRICS_PORT}, or the next free one when several peers share a machine).")] = None,
     metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address of the metrics endpoint.")] = "127.0.0.1",
     swarm_key_file: SwarmKeyOpt = None,
@@ -123,7 +124,7 @@ def join(
         rid = run_id or peer_file.get("run_id") or "p2ptrain"
         peer_cfg = build(PeerConfig, merged({k: v for k, v in peer_file.items() if k not in ("initial_peers",)}, {
             "run_id": rid, "region": region, "steps": total, "step_seconds": step_seconds,
-            "join_window": join_window, "min_step_seconds": min_step_seconds,
+            "join_window": join_window, "min_step_seconds": min_step_seconds, "eval_every": eval_every,
             "checkpoint_dir": str(checkpoint_dir or resume) if (checkpoint_dir or resume) else None,
             "checkpoint_every": checkpoint_every}), "peer")
         swarm_cfg = SwarmConfig(
@@ -253,6 +254,8 @@ def join(
             "bytes_received": summary.bytes_received, "final_train_loss": summary.final_train_loss,
             "applied": {k: v[0] for k, v in summary.applied.items()}, "method": method_cfg.name,
             "resumed_step": resumed_step, "synced_from": peer.synced_from, "loss_log": peer.loss_log,
+            "loop_started": peer.loop_started, "eval_seconds": summary.eval_seconds, "val_log": peer.val_log,
+            "round_seconds": list(peer.runner.stats.seconds) if peer.runner is not None else [],
         }, indent=2))
 
 
