@@ -49,6 +49,7 @@ def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(cor
     sides = ([0, 1], [2, 3])
     times: dict[str, float] = {}
     box: dict[str, SwarmRun] = {}
+    errors: list[BaseException] = []
 
     def split(on: bool) -> None:
         if kind == "memory":
@@ -63,7 +64,15 @@ def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(cor
     settle_after = 2 * method.H * step + 2.0  # two rounds per fragment, and the ttl of stale views
 
     def weather() -> None:
-        time.sleep(3.0)
+        # Split only once every peer has started and applied a joint round: a partition while peers are
+        # still starting (their transports not made yet, or joining) is another test.
+        deadline = time.time() + 60
+        while time.time() < deadline and not ("run" in box and all(
+                p.transport is not None and p.applied_log for p in box["run"].peers)):
+            time.sleep(0.1)
+        if time.time() >= deadline:
+            raise TimeoutError("the peers did not all start and apply a joint round within 60 s")
+        time.sleep(1.0)
         split(True)
         times["split"] = time.time()
         time.sleep(3.0)
@@ -74,12 +83,21 @@ def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(cor
         for p in box["run"].peers:
             p.request_stop()
 
-    t = threading.Thread(target=weather, daemon=True)
+    def weather_or_stop() -> None:
+        try:
+            weather()
+        except BaseException as e:  # a failure here must end the run, not leave the peers training
+            errors.append(e)
+            for p in box["run"].peers if "run" in box else []:
+                p.request_stop()
+            raise
+
+    t = threading.Thread(target=weather_or_stop, daemon=True)
     t.start()
     run = run_peers(method, [Spec(steps=100_000, delay=0.02)] * 4, corpus, transports, timeout=90,
                     shared_loop=kind == "memory", step_seconds=step, started=lambda r: box.setdefault("run", r))
     t.join(30)
-    assert not run.errors, run.errors
+    assert not errors and not run.errors, (errors, run.errors)
     logs = [p.applied_log for p in run.peers]
 
     def at(key: str) -> float:
@@ -90,7 +108,7 @@ def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(cor
     assert during
     for k in during:  # while split, each side averaged on its own: agreeing within, not across
         assert logs[0][k][0] == logs[1][k][0] and logs[2][k][0] == logs[3][k][0], k
-    assert any(logs[0][k][0] != logs[2][k][0] for k in during)
+    assert any(logs[0][k][0] != logs[2][k][0] for k in during), [h for h in run.peers[0].history if h[0] in during]
     settle = times["heal"] + settle_after
     after = set.intersection(*(set(lg) for lg in logs))
     after = {k for k in after if at(k) > settle}
