@@ -4,7 +4,7 @@
     python bench/soak.py --peers 4 --minutes 2 --method cocodc
 
 Starts a bootstrap node and N ``p2ptrain join`` processes, samples each one's
-resident memory (``/proc/PID/status``) every ``--every`` seconds, then asks them
+resident memory with its libp2p daemon's (``/proc/PID/status``) every ``--every`` seconds, then asks them
 to leave (SIGTERM) and reads their summaries. A stuck round is one that outlived
 all of its own timeouts and had to be aborted by the peer's compute thread (must
 be 0). Writes bench/results/soak.{json,png} and prints a table.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -23,20 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import RESULTS, machine, rss_tree_mb
 from p2ptrain.procs import wait_lines
-
-RESULTS = Path(__file__).parent / "results"
-
-
-def rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
 
 
 def main() -> None:
@@ -85,10 +75,10 @@ def main() -> None:
                 dead = [i for i, p in enumerate(peers) if p.poll() is not None]
                 if dead:
                     raise RuntimeError(f"peer(s) {dead} exited early; logs in {work}")
-                samples.append([time.monotonic() - t0, *(rss_mb(p.pid) for p in peers)])
+                samples.append([time.monotonic() - t0, *(rss_tree_mb(p.pid) for p in peers)])
                 bar.update(task, completed=time.monotonic() - t0)
                 time.sleep(min(args.every, max(0.0, end - time.monotonic())))
-        samples.append([time.monotonic() - t0, *(rss_mb(p.pid) for p in peers)])
+        samples.append([time.monotonic() - t0, *(rss_tree_mb(p.pid) for p in peers)])
         for p in peers:
             p.send_signal(signal.SIGTERM)
         codes = [p.wait(180) for p in peers]
@@ -111,7 +101,8 @@ def main() -> None:
                                                               "utilization")}})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": f"python bench/soak.py --peers {args.peers} --minutes {args.minutes:g} "
-                                               f"--method {args.method}", "machine": platform.platform(),
+                                               f"--method {args.method}", "machine": machine(),
+                                    "rss": "peer process + its libp2p daemon, MB",
                                     "sample_seconds": [row[0] for row in samples], "peers": report, "logs": str(work)},
                                    indent=1))
     _plot(samples, args.out.with_suffix(".png"), args)
@@ -130,7 +121,7 @@ def _plot(samples: list[list[float]], path: Path, args: argparse.Namespace) -> N
     for i in range(len(samples[0]) - 1):
         ax.plot([r[0] / 60 for r in samples], [r[1 + i] for r in samples], label=f"p{i}")
     ax.set_xlabel("minutes")
-    ax.set_ylabel("resident memory (MB)")
+    ax.set_ylabel("resident memory, peer + its daemon (MB)")
     ax.set_title(f"soak: {args.peers} peers, {args.method}, {args.preset}")
     ax.legend()
     fig.tight_layout()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,9 @@ def test_centered_clip_holds_one_scaled_peer_of_five_where_the_mean_does_not(cor
 
 @pytest.mark.parametrize("kind", ["memory", pytest.param("libp2p", marks=[pytest.mark.net, pytest.mark.timeout(180)])])
 def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(corpus: Corpus, kind: str) -> None:
-    method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10)
+    """Rounds are judged by when every peer sent them, not by their logical step: a peer that fell
+    behind the pacing (a loaded machine) sends the rounds of the steps it missed in a burst, later."""
+    method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=3)
     step = 0.03 if kind == "memory" else 0.05
     swarm = MemorySwarm(join_window=0.5, ttl=1.0)
     transports = memory_transports(swarm) if kind == "memory" else libp2p_transports("partition")
@@ -50,6 +53,16 @@ def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(cor
     times: dict[str, float] = {}
     box: dict[str, SwarmRun] = {}
     errors: list[BaseException] = []
+    sent: list[dict[str, float]] = [{} for _ in range(4)]  # per peer: round key -> unix time it was sent
+
+    def started(run: SwarmRun) -> None:
+        box["run"] = run
+        for i, p in enumerate(run.peers):
+            def timed(fragment: int, at_step: int, request: Any, group: Any = None, *, _p: Any = p,
+                      _send: Any = p._send, _sent: dict[str, float] = sent[i]) -> None:
+                _sent.setdefault(group.key if group is not None else request.key, time.time())
+                _send(fragment, at_step, request, group)
+            p._send = timed  # type: ignore[method-assign]
 
     def split(on: bool) -> None:
         if kind == "memory":
@@ -61,7 +74,10 @@ def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(cor
                 blocked = {peers[j].peer_id for j in other} if on else set()
                 peers[i].transport.blocked = blocked  # type: ignore[union-attr]
 
-    settle_after = 2 * method.H * step + 2.0  # two rounds per fragment, and the ttl of stale views
+    def sent_by_all(after: float, before: float = math.inf) -> list[str]:
+        keys = set.intersection(*(set(s) for s in sent)) & set.intersection(*(set(p.applied_log) for p in
+                                                                              box["run"].peers))
+        return sorted((k for k in keys if all(after < s[k] < before for s in sent)), key=lambda k: sent[0][k])
 
     def weather() -> None:
         # Split only once every peer has started and applied a joint round: a partition while peers are
@@ -75,11 +91,17 @@ def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(cor
         time.sleep(1.0)
         split(True)
         times["split"] = time.time()
-        time.sleep(3.0)
+        time.sleep(5.0)  # rounds in flight at the split end by their timeout (3 s) and the sides go on alone
         split(False)
         times["heal"] = time.time()
-        # The peers train until 4 s after the swarm settled, however fast this machine steps.
-        time.sleep(settle_after + 4.0)
+        # Train on until every fragment had four rounds sent by all after healing (however fast this
+        # machine steps), at most 60 s.
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            frags = [k.split(".")[0] for k in sent_by_all(times["heal"])]
+            if all(frags.count(f"f{f}") >= 4 for f in range(method.P)):
+                break
+            time.sleep(0.2)
         for p in box["run"].peers:
             p.request_stop()
 
@@ -94,24 +116,22 @@ def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(cor
 
     t = threading.Thread(target=weather_or_stop, daemon=True)
     t.start()
-    run = run_peers(method, [Spec(steps=100_000, delay=0.02)] * 4, corpus, transports, timeout=90,
-                    shared_loop=kind == "memory", step_seconds=step, started=lambda r: box.setdefault("run", r))
+    run = run_peers(method, [Spec(steps=100_000, delay=0.02)] * 4, corpus, transports, timeout=120,
+                    shared_loop=kind == "memory", step_seconds=step, started=started)
     t.join(30)
     assert not errors and not run.errors, (errors, run.errors)
     logs = [p.applied_log for p in run.peers]
-
-    def at(key: str) -> float:
-        return int(key.split(".L")[1]) * step
-
-    during = [k for k in set(logs[0]) & set(logs[1]) & set(logs[2]) & set(logs[3])
-              if times["split"] + 1.0 < at(k) < times["heal"]]
-    assert during
-    for k in during:  # while split, each side averaged on its own: agreeing within, not across
-        assert logs[0][k][0] == logs[1][k][0] and logs[2][k][0] == logs[3][k][0], k
-    assert any(logs[0][k][0] != logs[2][k][0] for k in during), [h for h in run.peers[0].history if h[0] in during]
-    settle = times["heal"] + settle_after
-    after = set.intersection(*(set(lg) for lg in logs))
-    after = {k for k in after if at(k) > settle}
-    assert len(after) >= 2, sorted(logs[0])
-    for k in after:  # after healing, one θ again
-        assert len({lg[k][0] for lg in logs}) == 1, k
+    # While split (from half a second in: views of who is live take that long to update), each side
+    # averages on its own: its two peers agree and the sides' θ drift apart.
+    during = sent_by_all(times["split"] + 0.5, times["heal"])
+    assert during, (times, [sorted(s.values())[-3:] for s in sent])
+    assert any(logs[0][k][0] == logs[1][k][0] != logs[2][k][0] == logs[3][k][0] for k in during), [
+        [lg[k][0][:6] for lg in logs] for k in during]
+    # After healing: per fragment, the first two rounds sent by all may still repair; from the third
+    # on, every peer holds the same θ of that fragment.
+    after = sent_by_all(times["heal"])
+    for f in range(method.P):
+        rounds = [k for k in after if k.startswith(f"f{f}.")]
+        assert len(rounds) >= 3, (f, after)
+        for k in rounds[2:]:
+            assert len({lg[k][0] for lg in logs}) == 1, (k, [lg[k][0][:6] for lg in logs])
