@@ -564,7 +564,7 @@ async def _relay_main(cfg: dict[str, Any]) -> None:
         try:
             await asyncio.gather(_forward(client_r, target_w, delay, window),
                                  _forward(target_r, client_w, delay, window))
-        except (OSError, ConnectionError):
+        except (OSError, ConnectionError, RuntimeError):  # RuntimeError: uvloop's write to a closed transport
             pass
         finally:
             for w in (client_w, target_w):
