@@ -219,6 +219,7 @@ class _Mailbox:
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
+    finished: float | None = None  # when our all-reduce of this (round, phase) returned or failed
 
     def poke(self) -> None:
         self.changed.set()
@@ -601,11 +602,15 @@ class HivemindTransport(Transport):
         return {"group": {"key": group.key, "members": list(group.members), "leader": group.leader,
                           "fragment": group.fragment, "sig": group.signature}}
 
-    def _gc(self, max_age: float = 600.0) -> None:
+    def _gc(self, max_age: float = 600.0, after_finish: float = 60.0) -> None:
+        """Forget groups and mailboxes of old rounds: a mailbox ``after_finish`` seconds after our
+        all-reduce of it ended (until then our averaged part can still be fetched by a member that missed
+        it), any other after ``max_age`` (a round that never ran here, late frames)."""
         now = time.monotonic()
         for k in [k for k, f in self._forming.items() if now - f.created > max_age]:
             del self._forming[k]
-        for k in [k for k, m in self._mail.items() if now - m.created > max_age]:
+        for k in [k for k, m in self._mail.items()
+                  if now - m.created > max_age or (m.finished is not None and now - m.finished > after_finish)]:
             del self._mail[k]
 
     # ------------------------------------------------------------------ all-reduce
@@ -676,6 +681,20 @@ class HivemindTransport(Transport):
 
     async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
                         codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
+        try:
+            return await self._allreduce(group, phase, tensors, weight, codec, timeout=timeout,
+                                         fingerprint=fingerprint)
+        finally:
+            # The contributions to our part are spent; the parts' results stay so that a member that
+            # missed one can still fetch it from us (a relay), until the mailbox is collected (_gc).
+            box = self._mail.get((group.key, phase))
+            if box is not None:
+                box.finished = time.monotonic()
+                box.contribs.clear()
+            self._gc()  # also on members that never lead a round (only leaders collected before)
+
+    async def _allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
+                         codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
         t0 = time.monotonic()
         members = list(group.members)
         me = members.index(self.peer_id)
