@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["wait_lines"]
+__all__ = ["free_port", "wait_lines"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_lines(path: Path, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> list[str]:

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from .data import DataConfig
 from .metrics import DEFAULT_METRICS_PORT, PeerMetrics
 from .model import ModelConfig
 from .peer import PeerConfig
+from .procs import free_port
 from .trainer import TrainerConfig
 
 if TYPE_CHECKING:
@@ -43,12 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["launch_stages", "run_staged", "staged_or_none", "staged_plan"]
 
 GRACE_SECONDS = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def offset_port(maddr: str, k: int) -> str:
@@ -94,7 +88,7 @@ def launch_stages(stages: int, argv: list[str]) -> int:
     """Run ``p2ptrain <argv>`` as ``stages`` pipeline processes on this machine; their worst exit code."""
     from .ui import console
 
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     for r in range(stages):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(stages), "LOCAL_RANK": str(r),

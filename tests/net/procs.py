@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -37,12 +36,6 @@ heartbeat = 0.5
 ttl = 3.0
 min_step_seconds = 0.1
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_recipe(tmp: Path, run_id: str) -> Path:

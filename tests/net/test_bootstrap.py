@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ import torch
 from p2ptrain.algo.compress import get_codec
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 from p2ptrain.net.transport import JoinRequest, PeerInfo
+from p2ptrain.procs import free_port
 
 pytestmark = [pytest.mark.net, pytest.mark.timeout(180)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _bootstrap(tmp: Path, port: int, identity: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
@@ -76,7 +70,7 @@ async def _pair_round(initial: list[str], run: str) -> list[HivemindTransport]:
 
 
 def test_bootstrap_identity_gives_a_stable_address(tmp_path: Path) -> None:
-    port, key = _free_port(), tmp_path / "boot.key"
+    port, key = free_port(), tmp_path / "boot.key"
     proc, first = _bootstrap(tmp_path, port, key)
     _stop(proc)
     assert key.exists()
@@ -88,7 +82,7 @@ def test_bootstrap_identity_gives_a_stable_address(tmp_path: Path) -> None:
 
 
 def test_peers_meet_through_our_bootstrap_and_survive_its_death(tmp_path: Path) -> None:
-    proc, maddrs = _bootstrap(tmp_path, _free_port(), tmp_path / "k")
+    proc, maddrs = _bootstrap(tmp_path, free_port(), tmp_path / "k")
 
     async def go() -> None:
         ts = await _pair_round(maddrs, "viaboot")
@@ -117,7 +111,7 @@ def test_peers_meet_through_our_bootstrap_and_survive_its_death(tmp_path: Path) 
                     reason="hivemind-dht console script not installed")
 def test_a_stock_hivemind_dht_node_works_as_bootstrap(tmp_path: Path) -> None:
     exe = shutil.which("hivemind-dht") or str(Path(sys.executable).with_name("hivemind-dht"))
-    proc = subprocess.Popen([exe, "--host_maddrs", f"/ip4/127.0.0.1/tcp/{_free_port()}"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([exe, "--host_maddrs", f"/ip4/127.0.0.1/tcp/{free_port()}"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         maddr = None

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from .procs import free_port, join, kill_all, wait_file, write_recipe
+from p2ptrain.procs import free_port
+
+from .procs import join, kill_all, wait_file, write_recipe
 
 pytestmark = [pytest.mark.net, pytest.mark.timeout(240)]
 

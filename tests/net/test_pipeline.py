@@ -19,11 +19,11 @@ import torch.multiprocessing as mp
 from p2ptrain.data import DataConfig
 from p2ptrain.model import GPT, ModelConfig
 from p2ptrain.pipeline import PipelineConfig, StageEnv
-from p2ptrain.procs import wait_lines
+from p2ptrain.procs import free_port, wait_lines
 from p2ptrain.stages import StagePlan
 from p2ptrain.trainer import Trainer, TrainerConfig
 
-from .procs import free_port, join
+from .procs import join
 
 MODEL = ModelConfig(d_model=32, n_layers=4, n_heads=2, seq_len=16, tie_embeddings=False)
 # A small clip so that clipping is active: the global norm across stages must match the unsplit one.
