@@ -40,11 +40,10 @@ from .bandwidth import LinkMeter
 from .butterfly import MIN_CHUNK, chunk_bounds, part_bounds
 from .guard import Guard, GuardConfig
 from .membership import (
-    agreed_fragment,
     alone_check,
+    close_group,
     leader_of,
     majority_fingerprint,
-    members_by_signature,
     membership_check,
 )
 from .state_transfer import DEFAULT_CHUNK, MAX_STATE, StateServer, fetch_chunked
@@ -109,6 +108,10 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         if self.chunk_values < MIN_CHUNK:
             raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
+
+
+class _DialFailed(Exception):
+    """The stream to a peer could not be opened (nothing was sent yet, so the call may be retried)."""
 
 
 class _Refused(ValueError):
@@ -479,7 +482,13 @@ class HivemindTransport(Transport):
         t0 = time.monotonic()
 
         async def _go() -> dict[str, Any]:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(kind))
+            try:
+                _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
+                                                                              self._proto(kind))
+            except (TimeoutError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # the daemon reports failed dials with its own error types
+                raise _DialFailed(f"{type(e).__name__}: {e}") from None
             key = self.cfg.swarm_key
             try:
                 await write_frame(writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
@@ -501,15 +510,16 @@ class HivemindTransport(Transport):
             finally:
                 writer.close()
 
+        # Only a failed dial is retried: once the stream is open, a second try would send the message twice.
         for attempt in (1, 2):
             try:
                 reply = await asyncio.wait_for(_go(), max(0.05, timeout - (time.monotonic() - t0)))
                 return reply, time.monotonic() - t0
-            except (TimeoutError, FrameError, asyncio.IncompleteReadError) as e:
-                raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
-            except Exception as e:  # the daemon reports failed dials with its own error types
+            except _DialFailed as e:
                 if attempt == 2 or not await self._redial(peer):
-                    raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
+                    raise RoundFailed(f"{kind} to {peer[-8:]}: unreachable ({e})") from None
+            except Exception as e:  # timeouts, a stream closed or reset by the other side, a bad reply
+                raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
         raise AssertionError("unreachable")
 
     async def _redial(self, peer: str) -> bool:
@@ -552,9 +562,11 @@ class HivemindTransport(Transport):
                     continue
                 if "error" in reply:
                     raise RoundFailed(f"round {request.key}: leader says {reply['error']}")
-                g = reply["group"]
-                group = Group(str(g["key"]), tuple(str(m) for m in g["members"]), str(g["leader"]),
-                              None if g.get("fragment") is None else int(g["fragment"]), str(g.get("sig", "")))
+                try:
+                    group = Group.from_wire(reply["group"])
+                except SCHEMA_ERRORS as e:
+                    self.guard.strike(leader, f"malformed group ({type(e).__name__}: {e})")
+                    raise RoundFailed(f"round {request.key}: the leader's group is malformed") from None
             membership_check(group, request)
             alone_check(group, self.peer_id, await self._live_ids())
             return group
@@ -576,12 +588,7 @@ class HivemindTransport(Transport):
                 live = set(await self._live_ids(max_age=0.2))  # closing early: on a fresh view only
             now = time.monotonic()
             if live <= set(f.requests) or now >= f.first + self.cfg.join_window or now >= deadline:
-                members = tuple(members_by_signature(f.requests))
-                reqs = [f.requests[m] for m in members]
-                fragment = agreed_fragment(reqs)
-                if fragment is None and f.decide is not None and reqs:
-                    fragment = f.decide(reqs)
-                f.group = Group(request.key, members, self.peer_id, fragment, reqs[0].signature if reqs else "")
+                f.group = close_group(request.key, f.requests, self.peer_id, f.decide)
                 f.closed.set()
                 break
             try:
@@ -599,8 +606,7 @@ class HivemindTransport(Transport):
             group = await self._lead(req, None, time.monotonic() + self.cfg.join_window + 5)
         except RoundFailed as e:
             return {"error": str(e)}
-        return {"group": {"key": group.key, "members": list(group.members), "leader": group.leader,
-                          "fragment": group.fragment, "sig": group.signature}}
+        return {"group": group.to_wire()}
 
     def _gc(self, max_age: float = 600.0, after_finish: float = 60.0) -> None:
         """Forget groups and mailboxes of old rounds: a mailbox ``after_finish`` seconds after our
