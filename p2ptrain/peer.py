@@ -35,7 +35,7 @@ from .algo.methods import DDPConfig, MethodConfig, OuterLoop, Round, RoundState
 from .algo.priority import choose_merged, sends_per_window
 from .checkpoint import state_from_bytes, state_to_bytes
 from .metrics import PeerMetrics
-from .net.transport import Group, JoinRequest, PeerInfo, RoundFailed, Transport
+from .net.transport import Decision, Group, JoinRequest, PeerInfo, RoundFailed, Transport
 from .peer_checkpoint import PeerCheckpoints, resumable_digest
 from .sync import NetLoop, RoundRunner, fingerprint, theta_digest
 from .trainer import Trainer
@@ -670,19 +670,23 @@ class Peer:
     # -- CoCoDC: the leader of each slot picks the fragment from every member's view
     def _negotiate(self, slot: int) -> None:
         assert self.outer is not None and self.runner is not None
-        self._tune_sends_per_window()
         with self.lock:
             scores = self.outer.drift_scores(self.trainer, slot)
         req = JoinRequest(key=f"slot.L{slot}", peer_id=self.peer_id, weight=1.0, fragment=None, scores=scores,
-                          busy=self.outer.busy_fragments(self.in_flight), last_sent=self.outer.last_sends(), step=slot)
+                          busy=self.outer.busy_fragments(self.in_flight), last_sent=self.outer.last_sends(), step=slot,
+                          sends=self._proposed_sends())
         self.pending_groups.append((slot, self.net.submit(self.runner.negotiate(req, self._decide))))
 
-    def _decide(self, reqs: Sequence[JoinRequest]) -> int | None:
-        """The leader's choice for a slot (runs on the leader's loop thread).
+    def _decide(self, reqs: Sequence[JoinRequest]) -> Decision:
+        """The leader's decision for a slot (runs on the leader's loop thread).
 
         Negotiations can overlap (a group may take longer to form than the gap between slots), so the
         members' requests may predate rounds the leader has just assigned: a fragment assigned at slot
         s stays busy until every member reports it sent since s and no longer in flight (or H steps pass).
+
+        At a window's first slot the leader also sets N for a later window: the smallest N the
+        members' links can carry (the slowest member paces every all-reduce), from the first window
+        start that every member will have heard of it by (see :meth:`_schedule_start`).
         """
         step = max(r.step for r in reqs)
         pending = set()
@@ -696,7 +700,19 @@ class Peer:
                                busy=[r.busy for r in reqs] + [sorted(pending)], scores=[r.scores for r in reqs])
         if choice is not None:
             self._assigned[choice] = step
-        return choice
+        proposals = [r.sends for r in reqs if r.sends is not None]
+        if step % self.method.H or not proposals:
+            return Decision(choice)
+        return Decision(choice, (min(proposals), self._schedule_start(step)))
+
+    def _schedule_start(self, slot: int) -> int:
+        """The first window start after ``slot`` that is far enough away for every member to hold the
+        slot's group by then: the group closes within a join window of its first request, a member
+        that reached the slot late joins within another."""
+        assert self.step_seconds is not None
+        H = self.method.H
+        lag = math.ceil((2 * self.cfg.join_window + 1.0) / self.step_seconds)
+        return (slot + max(1, lag) + H - 1) // H * H
 
     def _start_negotiated(self, step: int) -> None:
         keep = []
@@ -709,6 +725,12 @@ class Peer:
             except Exception as e:
                 log.info("event=slot_skipped slot=%d reason=%s", slot, e)
                 continue
+            if group.schedule is not None:
+                n, start = group.schedule
+                if start <= step:
+                    log.warning("event=schedule_late slot=%d start=%d step=%d", slot, start, step)
+                with self.lock:
+                    self.outer.schedule_sends(n, start)
             busy = {r.fragment for r in self.in_flight}
             if group.fragment is None or group.fragment in busy:
                 if group.fragment is not None:
@@ -718,16 +740,16 @@ class Peer:
             self._send(group.fragment, step, req, group=group)
         self.pending_groups = keep
 
-    def _tune_sends_per_window(self) -> None:
-        """CoCoDC's N from the measured bandwidth and step time."""
-        assert self.outer is not None and self.runner is not None and self.step_seconds is not None
+    def _proposed_sends(self) -> int | None:
+        """CoCoDC's N that this peer's measured bandwidth and the step time allow (None: N is fixed by the
+        config, or nothing was measured yet). The swarm uses the smallest of its members' (``_decide``)."""
+        assert self.runner is not None and self.step_seconds is not None
         bw = self.runner.stats.bandwidth
         if bw <= 0 or getattr(self.method, "sends_per_window", 1) is not None:
-            return
+            return None
         frag_bytes = max(self.codec.encoded_size(f.numel) for f in self.frags)
-        self.outer.set_sends_per_window(sends_per_window(H=self.method.H, P=len(self.frags),
-                                                         step_time=self.step_seconds, fragment_bytes=frag_bytes,
-                                                         bandwidth=bw))
+        return sends_per_window(H=self.method.H, P=len(self.frags), step_time=self.step_seconds,
+                                fragment_bytes=frag_bytes, bandwidth=bw)
 
     # -- data parallel: a blocking gradient all-reduce every inner step
     def _ddp_step(self) -> None:

@@ -45,7 +45,7 @@ from .compress import CODECS, Compressor, Identity, LowRank
 from .delay import taylor_compensate
 from .fragments import Fragment
 from .outer import alpha_merge, eager_estimate, nesterov_step, pseudo_gradient
-from .priority import choose_fragment, drift_score, send_interval
+from .priority import choose_fragment, drift_score, is_send_slot
 from .schedule import streaming_sends
 
 __all__ = [
@@ -406,6 +406,8 @@ class OuterLoop:
         self.seed = seed
         self._state: list[_FragmentState] = []
         self.sends_per_window = cfg.sends_per_window if isinstance(cfg, CoCoDCConfig) else None
+        # CoCoDC on a swarm: N agreed for later windows, as (first step it applies at, N), oldest first
+        self.sends_changes: list[tuple[int, int]] = []
 
     # -- set-up -------------------------------------------------------------------
     def init(self, params: LocalParams) -> None:
@@ -504,14 +506,36 @@ class OuterLoop:
     # -- scheduling ---------------------------------------------------------------
     def set_sends_per_window(self, n: int) -> None:
         """CoCoDC: N from measured bandwidth (see ``priority.sends_per_window``); clamped to [P, H]."""
-        self.sends_per_window = int(min(self.cfg.H, max(self.cfg.fragments, n)))
+        self.sends_per_window = self._clamp_sends(n)
+        self.sends_changes = []
+
+    def _clamp_sends(self, n: int) -> int:
+        return int(min(self.cfg.H, max(self.cfg.fragments, n)))
+
+    def schedule_sends(self, n: int, from_step: int) -> None:
+        """CoCoDC on a swarm: N (clamped to [P, H]) from logical step ``from_step`` on, a window start.
+        Every peer of a slot group gets the same change, so their slot grids stay the same."""
+        if not isinstance(self.cfg, CoCoDCConfig):
+            return
+        if from_step % self.cfg.H:
+            raise ValueError(f"a change of N must start a window (step {from_step}, H = {self.cfg.H})")
+        changes = dict(self.sends_changes)
+        changes[int(from_step)] = self._clamp_sends(n)
+        self.sends_changes = sorted(changes.items())
+
+    def sends_at(self, step: int) -> int:
+        """CoCoDC's N in effect at ``step`` (P until anything else is set or agreed). Changes that took
+        effect are folded into ``sends_per_window`` as steps go by."""
+        while self.sends_changes and self.sends_changes[0][0] <= step:
+            self.sends_per_window = self.sends_changes.pop(0)[1]
+        return self.sends_per_window or self.cfg.fragments
 
     def needs_scores(self, step: int) -> bool:
         """Whether the send decision at ``step`` needs the peers' summed drift scores."""
-        if not isinstance(self.cfg, CoCoDCConfig) or step <= 0:
+        if not isinstance(self.cfg, CoCoDCConfig):
             return False
-        h = send_interval(self.cfg.H, self.sends_per_window or self.cfg.P)
-        return step % h == 0 and all(st.last_send is not None for st in self._state)
+        return is_send_slot(step, self.cfg.H, self.sends_at(step)) and all(
+            st.last_send is not None for st in self._state)
 
     def drift_scores(self, params: LocalParams, step: int) -> list[float]:
         """This peer's ``R_p`` for every fragment (to be summed over peers)."""
@@ -526,7 +550,7 @@ class OuterLoop:
         if step <= 0 or any(st.last_send == step for st in self._state if isinstance(c, CoCoDCConfig)):
             return []  # the driver re-plans within a step: never send twice
         if isinstance(c, CoCoDCConfig):
-            if step % send_interval(c.H, self.sends_per_window or c.P):
+            if not is_send_slot(step, c.H, self.sends_at(step)):
                 return []
             busy = {r.fragment for r in in_flight}
             p = choose_fragment(step=step, H=c.H, last_sent=[st.last_send for st in self._state],
@@ -544,10 +568,10 @@ class OuterLoop:
         return isinstance(self.cfg, CoCoDCConfig)
 
     def is_slot(self, step: int) -> bool:
-        """CoCoDC: whether ``step`` is a send slot (every h = ⌊H/N⌋ steps)."""
-        if not isinstance(self.cfg, CoCoDCConfig) or step <= 0:
+        """CoCoDC: whether ``step`` is a send slot (every h = ⌊H/N⌋ steps from each window's start)."""
+        if not isinstance(self.cfg, CoCoDCConfig):
             return False
-        return step % send_interval(self.cfg.H, self.sends_per_window or self.cfg.P) == 0
+        return is_send_slot(step, self.cfg.H, self.sends_at(step))
 
     def busy_fragments(self, in_flight: Sequence[Round]) -> list[int]:
         return sorted({r.fragment for r in in_flight if r.state in (RoundState.AVERAGING, RoundState.ARRIVED)})
@@ -639,6 +663,7 @@ class OuterLoop:
         return {
             "method": self.cfg.to_dict(),
             "sends_per_window": self.sends_per_window,
+            "sends_changes": [list(c) for c in self.sends_changes],
             "fragments": [
                 {"theta": st.theta, "momentum": st.momentum, "last_send": st.last_send, "seq": st.seq,
                  "own": st.own, "compressor": st.compressor.state_dict()}
@@ -696,3 +721,4 @@ class OuterLoop:
             self._state.append(_FragmentState(theta, [m.float().clone() for m in s["momentum"]], comp,
                                               s["last_send"], int(s["seq"]), own))
         self.sends_per_window = state.get("sends_per_window")
+        self.sends_changes = [(int(a), int(n)) for a, n in state.get("sends_changes", [])]

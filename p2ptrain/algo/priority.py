@@ -1,7 +1,8 @@
 """CoCoDC's adaptive transmission (arXiv 2504.17672): how often to send, and what.
 
 N fragment sends fit in each window of H inner steps, one every ``h = ⌊H/N⌋``
-steps, N following the measured link: ``N = max(P, ⌊H·t_step / t_send⌋)`` (capped
+steps counted from the window's start (so a window's first step is a slot for
+every N, and N can change there without the peers' slot grids drifting apart), N following the measured link: ``N = max(P, ⌊H·t_step / t_send⌋)`` (capped
 at H) with ``t_send = fragment bytes / bandwidth + latency`` — the number of
 sends that the link can carry while the peer computes. Which fragment:
 
@@ -23,7 +24,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-__all__ = ["choose_fragment", "choose_merged", "drift_score", "send_interval", "sends_per_window"]
+__all__ = ["choose_fragment", "choose_merged", "drift_score", "is_send_slot", "send_interval", "sends_per_window"]
 
 
 def sends_per_window(*, H: int, P: int, step_time: float, fragment_bytes: float, bandwidth: float,
@@ -44,6 +45,16 @@ def send_interval(H: int, N: int) -> int:
     if N < 1:
         raise ValueError(f"N must be positive, got {N}")
     return max(1, H // N)
+
+
+def is_send_slot(step: int, H: int, N: int) -> bool:
+    """Whether inner step ``step`` (> 0) is one of a window's N send slots: ``r = step mod H`` with
+    ``r mod h = 0`` and ``r / h < N`` for ``h = ⌊H/N⌋``. Step 0 (nothing trained yet) never is."""
+    if step <= 0:
+        return False
+    h = send_interval(H, N)
+    r = step % H
+    return r % h == 0 and r // h < N
 
 
 @torch.no_grad()

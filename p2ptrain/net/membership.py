@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from .transport import Group, JoinRequest, RoundFailed, StateMismatch
+from .transport import Decide, Decision, Group, JoinRequest, RoundFailed, StateMismatch
 
-__all__ = ["agreed_fragment", "alone_check", "fingerprints_match", "leader_of", "majority_fingerprint",
-           "members_by_signature", "membership_check"]
+__all__ = ["agreed_fragment", "alone_check", "close_group", "fingerprints_match", "leader_of",
+           "majority_fingerprint", "members_by_signature", "membership_check"]
 
 
 def leader_of(live: Sequence[str]) -> str:
@@ -27,6 +27,18 @@ def agreed_fragment(requests: Sequence[JoinRequest]) -> int | None:
     counts = Counter(proposed)
     best = max(counts.values())
     return min(f for f, c in counts.items() if c == best)
+
+
+def close_group(key: str, requests: Mapping[str, JoinRequest], leader: str, decide: Decide | None) -> Group:
+    """The group a leader closes from the requests it holds: the members of the most common signature,
+    the fragment they proposed, else the one ``decide`` picks (with the schedule it may set)."""
+    members = tuple(members_by_signature(requests))
+    reqs = [requests[m] for m in members]
+    decision = Decision(agreed_fragment(reqs))
+    if decision.fragment is None and decide is not None and reqs:
+        d = decide(reqs)
+        decision = d if isinstance(d, Decision) else Decision(d)
+    return Group(key, members, leader, decision.fragment, reqs[0].signature if reqs else "", decision.schedule)
 
 
 def fingerprints_match(a: Sequence[float], b: Sequence[float], rtol: float = 1e-5) -> bool:

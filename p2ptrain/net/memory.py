@@ -23,8 +23,8 @@ from ..sim.allreduce import wire_roundtrip
 from ..sim.network import ring_factor
 from .guard import Guard, GuardConfig
 from .membership import (
-    agreed_fragment,
     alone_check,
+    close_group,
     leader_of,
     majority_fingerprint,
     members_by_signature,
@@ -173,14 +173,10 @@ class MemoryTransport(Transport):
             raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s") from None
 
     def _close(self, f: _Forming, decide: Decide | None) -> None:
-        members = tuple(members_by_signature({p: r for p, r in f.requests.items() if p not in self.swarm.dead}))
-        reqs = [f.requests[p] for p in members]
-        fragment = agreed_fragment(reqs)
-        if fragment is None and decide is not None and reqs:
-            fragment = decide(reqs)
+        alive = {p: r for p, r in f.requests.items() if p not in self.swarm.dead}
+        members = members_by_signature(alive)
         key = next(iter(f.requests.values())).key
-        f.group = Group(key, members, leader_of(members) if members else "", fragment,
-                        reqs[0].signature if reqs else "")
+        f.group = close_group(key, alive, leader_of(members) if members else "", decide)
         f.closed.set()
 
     async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,

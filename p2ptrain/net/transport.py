@@ -27,6 +27,7 @@ from ..algo.compress import Codec
 
 __all__ = [
     "Decide",
+    "Decision",
     "Group",
     "JoinRequest",
     "PeerInfo",
@@ -52,7 +53,8 @@ class JoinRequest:
 
     ``fragment`` is the fragment the peer's fixed schedule sends, or None to let the
     leader decide from ``scores`` (drift per fragment), ``busy`` (fragments in flight)
-    and ``last_sent`` (step of each fragment's last send, -1 for never).
+    and ``last_sent`` (step of each fragment's last send, -1 for never). ``sends`` is
+    the sends per window this peer's link could carry (CoCoDC's N, for the leader to agree on).
     """
 
     key: str
@@ -65,11 +67,12 @@ class JoinRequest:
     step: int = 0
     abstain: bool = False  # "I am here but sit this round out": counts as joined, is not a member
     signature: str = ""  # the shape of what this peer will send (e.g. low-rank ranks): must match the group's
+    sends: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "peer": self.peer_id, "weight": self.weight, "fragment": self.fragment,
                 "scores": self.scores, "busy": self.busy, "last_sent": self.last_sent, "step": self.step,
-                "abstain": self.abstain, "sig": self.signature}
+                "abstain": self.abstain, "sig": self.signature, "sends": self.sends}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> JoinRequest:
@@ -77,24 +80,50 @@ class JoinRequest:
                    fragment=None if m.get("fragment") is None else int(m["fragment"]),
                    scores=None if m.get("scores") is None else [float(x) for x in m["scores"]],
                    busy=[int(x) for x in m.get("busy", [])], last_sent=[int(x) for x in m.get("last_sent", [])],
-                   step=int(m.get("step", 0)), abstain=bool(m.get("abstain", False)), signature=str(m.get("sig", "")))
+                   step=int(m.get("step", 0)), abstain=bool(m.get("abstain", False)), signature=str(m.get("sig", "")),
+                   sends=None if m.get("sends") is None else int(m["sends"]))
 
 
-#: The leader's choice of fragment from all members' requests (None: nothing to send).
-Decide = Callable[[Sequence[JoinRequest]], "int | None"]
+@dataclass(frozen=True)
+class Decision:
+    """A round leader's decision: the fragment (None: nothing to send) and, optionally, a schedule
+    ``(N, from_step)``: CoCoDC's sends per window from logical step ``from_step`` on."""
+
+    fragment: int | None
+    schedule: tuple[int, int] | None = None
+
+
+#: The leader's decision from all members' requests: a Decision, or just the fragment.
+Decide = Callable[[Sequence[JoinRequest]], "int | Decision | None"]
 #: Serves named state (e.g. "outer", "before:f1.L40") as bytes; None when it has none.
 StateProvider = Callable[[str], "bytes | None"]
 
 
 @dataclass(frozen=True)
 class Group:
-    """A formed round: sorted members, its leader, and the agreed fragment."""
+    """A formed round: sorted members, its leader, the agreed fragment and schedule (see Decision)."""
 
     key: str
     members: tuple[str, ...]
     leader: str
     fragment: int | None
     signature: str = ""
+    schedule: tuple[int, int] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"key": self.key, "members": list(self.members), "leader": self.leader, "fragment": self.fragment,
+                "sig": self.signature, "schedule": None if self.schedule is None else list(self.schedule)}
+
+    @classmethod
+    def from_wire(cls, g: dict[str, Any]) -> Group:
+        sched = g.get("schedule")
+        if sched is not None:
+            n, start = (int(x) for x in sched)  # ValueError/TypeError unless exactly two integers
+            if n < 1 or start < 0:
+                raise ValueError(f"schedule {sched!r}: N must be positive and its first step non-negative")
+            sched = (n, start)
+        return cls(str(g["key"]), tuple(str(m) for m in g["members"]), str(g["leader"]),
+                   None if g.get("fragment") is None else int(g["fragment"]), str(g.get("sig", "")), sched)
 
     def __post_init__(self) -> None:
         if list(self.members) != sorted(set(self.members)):

@@ -19,6 +19,7 @@ from p2ptrain.algo.methods import (
     DiLoCoXConfig,
     EagerConfig,
     MethodConfig,
+    OuterLoop,
     StreamingConfig,
     method_config,
 )
@@ -180,6 +181,23 @@ def test_cocodc_peers_choose_the_same_fragment() -> None:
         assert [(s, f) for s, kind, p, f in r.history if kind == "send" and p == peer] == sends
     assert {f for _, f in sends} == {0, 1, 2, 3}
     assert len(sends) == 40  # N = 8 sends per window of 8 steps: one every step (skipping busy fragments)
+
+
+def test_an_agreed_change_of_n_applies_from_its_window_start_and_travels_with_the_state() -> None:
+    frags = make_fragments(UNITS, 2)
+    o = OuterLoop(CoCoDCConfig(H=8, P=2, tau=1, codec="fp32"), frags)
+    o.init(FakePeer(0))
+    assert [t for t in range(1, 17) if o.is_slot(t)] == [4, 8, 12, 16]  # N = P until agreed otherwise
+    with pytest.raises(ValueError, match="must start a window"):
+        o.schedule_sends(4, 20)
+    o.schedule_sends(4, 24)
+    o.schedule_sends(99, 40)  # clamped to H
+    assert [t for t in range(17, 33) if o.is_slot(t)] == [20, 24, 26, 28, 30, 32]
+    state = o.state_dict()
+    assert state["sends_per_window"] == 4 and state["sends_changes"] == [[40, 8]]
+    joiner = OuterLoop(CoCoDCConfig(H=8, P=2, tau=1, codec="fp32"), frags)
+    joiner.load_state_dict(state)
+    assert [t for t in range(33, 49) if joiner.is_slot(t)] == [34, 36, 38, 40, 41, 42, 43, 44, 45, 46, 47, 48]
 
 
 def test_streaming_schedule_in_a_run() -> None:

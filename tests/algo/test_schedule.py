@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from p2ptrain.algo.fragments import make_fragments, model_units
-from p2ptrain.algo.priority import choose_fragment, drift_score, send_interval, sends_per_window
+from p2ptrain.algo.priority import choose_fragment, drift_score, is_send_slot, send_interval, sends_per_window
 from p2ptrain.algo.schedule import streaming_offsets, streaming_sends
 from p2ptrain.model import GPT, ModelConfig
 
@@ -83,3 +83,15 @@ def test_drift_score() -> None:
     local = [torch.tensor([1.0, -1.0, 0.0, 0.0]), torch.tensor([2.0, 0.0])]
     # ‖·‖₁ = 4 over 6 parameters and 2 steps
     assert drift_score(theta, local, 2) == pytest.approx(4 / 12)
+
+
+def test_send_slots_are_counted_from_each_window_start() -> None:
+    # H = 12, N = 5: h = 2, slots at r = 0, 2, 4, 6, 8 of every window (five, not the six of a global grid)
+    assert [t for t in range(1, 25) if is_send_slot(t, 12, 5)] == [2, 4, 6, 8, 12, 14, 16, 18, 20, 24]
+    # H = 10, N = 3: h = 3, r = 0, 3, 6: the window start stays a slot although 3 does not divide 10
+    assert [t for t in range(1, 21) if is_send_slot(t, 10, 3)] == [3, 6, 10, 13, 16, 20]
+    assert not is_send_slot(0, 12, 5)  # nothing trained yet
+    for H, N in ((12, 2), (12, 5), (10, 3), (48, 7), (8, 8)):
+        for w in (0, H, 5 * H):  # exactly N slots per window, the first at its start (for any N)
+            slots = [t for t in range(w + 1, w + H + 1) if is_send_slot(t, H, N)]
+            assert len(slots) == N and w + H in slots

@@ -17,7 +17,7 @@ from p2ptrain.algo.compress import CODECS, get_codec
 from p2ptrain.checkpoint import CheckpointError, state_from_bytes
 from p2ptrain.net.state_transfer import StateServer, fetch_chunked
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
-from p2ptrain.net.transport import JoinRequest, PeerInfo, RoundFailed
+from p2ptrain.net.transport import Group, JoinRequest, PeerInfo, RoundFailed
 from p2ptrain.net.wire import SCHEMA_ERRORS, FrameError, decode_message, encode_message, read_frame
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -119,12 +119,26 @@ def test_state_download_refuses_whatever_a_source_sends(replies: list[dict[str, 
 
 
 @FUZZ
-@given(_msg(["key", "peer", "weight", "fragment", "scores", "busy", "last_sent", "step", "abstain", "sig"]))
+@given(_msg(["key", "peer", "weight", "fragment", "scores", "busy", "last_sent", "step", "abstain", "sig", "sends"]))
 def test_join_requests_parse_or_refuse(msg: dict[str, Any]) -> None:
     try:
         JoinRequest.from_wire(msg)
     except SCHEMA_ERRORS:
         pass
+
+
+@FUZZ
+@given(_msg(["key", "members", "leader", "fragment", "sig", "schedule"])
+       | st.fixed_dictionaries({"key": st.text(max_size=8), "members": st.lists(st.text(max_size=4), max_size=3),
+                                "leader": st.text(max_size=4)},
+                               optional={"schedule": st.lists(values, max_size=3)}))
+def test_groups_parse_or_refuse(msg: dict[str, Any]) -> None:
+    """What a round's leader replies to a join: a Group whose schedule is two sane integers, or a refusal."""
+    try:
+        g = Group.from_wire(msg)
+    except SCHEMA_ERRORS:
+        return
+    assert g.schedule is None or (g.schedule[0] >= 1 and g.schedule[1] >= 0)
 
 
 @FUZZ

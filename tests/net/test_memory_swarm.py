@@ -10,7 +10,7 @@ import torch
 from p2ptrain.algo.methods import method_config
 from p2ptrain.data import Corpus
 
-from .peers import Spec, applied_agree, memory_transports, run_peers
+from .peers import Spec, SwarmRun, applied_agree, memory_transports, run_peers
 
 
 @pytest.mark.parametrize("name,knobs", [
@@ -34,3 +34,25 @@ def test_methods_run_and_outer_params_agree(name: str, knobs: dict[str, Any], co
             assert all(torch.equal(t, r.outer_params[n_]) for n_, t in res[0].outer_params.items())
     elif name != "eager":  # eager's outer parameters are per peer by design
         applied_agree(res)  # after every applied round, θ^(p) is bitwise equal on every peer
+
+
+def test_cocodc_peers_agree_on_n_when_their_links_would_pick_different_ones(corpus: Corpus) -> None:
+    """N from each peer's own link (the CLI default) used to give each peer its own slot grid, and slot
+    groups closed before their members came. Now a window's first slot (a slot for every N) carries
+    the members' proposals; its leader sets the smallest for a later window, the same on all."""
+    method = method_config("cocodc", H=8, P=2, tau=2, codec="fp32", timeout=10)
+    proposals = [6, 4, 8]
+
+    def force(run: SwarmRun) -> None:
+        for peer, n in zip(run.peers, proposals, strict=True):
+            peer._proposed_sends = lambda n=n: n  # type: ignore[method-assign]
+
+    run = run_peers(method, [Spec(steps=260, delay=0.02)] * 3, corpus, memory_transports(), shared_loop=True,
+                    started=force)
+    assert not run.errors, run.errors
+    res = [r for r in run.results if r is not None]
+    assert len(res) == 3 and all(r.repairs == 0 for r in res)
+    assert [p.outer.sends_at(p.last_lstep) for p in run.peers if p.outer] == [4, 4, 4]
+    common = applied_agree(res, min_common=6)  # bitwise equal θ after every round all applied
+    offsets = {int(k.rsplit(".L", 1)[1]) % 8 for k in common}
+    assert offsets & {2, 6}, sorted(common)  # rounds at slots of N = 4 (h = 2) that N = P = 2 does not have

@@ -37,6 +37,21 @@ def test_every_method_on_three_libp2p_peers(name: str, knobs: dict[str, Any], co
         applied_agree(res)
 
 
+def test_cocodc_with_n_from_each_link_syncs_on_one_grid(corpus: Corpus) -> None:
+    """The CLI default: no fixed N, each peer proposes the N its measured link carries, and the leader
+    of each window's first slot sets one N for a later window. Every slot group forms with all three."""
+    method = method_config("cocodc", H=8, P=2, tau=2, codec="fp32", timeout=10)
+    run = run_peers(method, [Spec(steps=160, delay=0.03)] * 3, corpus, libp2p_transports("adaptive"),
+                    step_seconds=0.05)
+    assert not run.errors, run.errors
+    res = [r for r in run.results if r is not None]
+    assert len(res) == 3 and all(r.rounds_failed <= 2 for r in res), \
+        [(r.rounds_complete, r.rounds_partial, r.rounds_failed, r.repairs) for r in res]
+    common = applied_agree(res, min_common=20)  # bitwise equal θ after every round all three applied
+    offsets = {int(k.rsplit(".L", 1)[1]) % 8 for k in common}
+    assert offsets & {2, 6}, sorted(common)  # rounds on the grid of an agreed N > P (h = 2)
+
+
 def test_late_joiner_syncs_and_takes_part(corpus: Corpus) -> None:
     specs = [Spec(steps=120, delay=0.03)] * 3 + [Spec(steps=50, delay=0.03, start_after=4.0)]
     run = run_peers(method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10), specs, corpus,
