@@ -729,8 +729,11 @@ class Peer:
                 n, start = group.schedule
                 if start <= step:
                     log.warning("event=schedule_late slot=%d start=%d step=%d", slot, start, step)
-                with self.lock:
-                    self.outer.schedule_sends(n, start)
+                try:
+                    with self.lock:
+                        self.outer.schedule_sends(n, start)
+                except ValueError as e:  # a leader that does not follow the rule: keep our N
+                    log.warning("event=schedule_refused slot=%d leader=%s reason=%s", slot, group.leader, e)
             busy = {r.fragment for r in self.in_flight}
             if group.fragment is None or group.fragment in busy:
                 if group.fragment is not None:

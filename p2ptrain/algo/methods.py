@@ -66,6 +66,9 @@ __all__ = [
     "method_config",
 ]
 
+#: CoCoDC on a swarm: agreed changes of N kept ahead of time (the earliest; more would be a leader's abuse).
+MAX_SEND_CHANGES = 8
+
 
 class LocalParams(Protocol):
     """What the outer loop needs of a peer's live model (``p2ptrain.trainer.Trainer`` has it)."""
@@ -521,7 +524,7 @@ class OuterLoop:
             raise ValueError(f"a change of N must start a window (step {from_step}, H = {self.cfg.H})")
         changes = dict(self.sends_changes)
         changes[int(from_step)] = self._clamp_sends(n)
-        self.sends_changes = sorted(changes.items())
+        self.sends_changes = sorted(changes.items())[:MAX_SEND_CHANGES]
 
     def sends_at(self, step: int) -> int:
         """CoCoDC's N in effect at ``step`` (P until anything else is set or agreed). Changes that took

@@ -198,6 +198,9 @@ def test_an_agreed_change_of_n_applies_from_its_window_start_and_travels_with_th
     joiner = OuterLoop(CoCoDCConfig(H=8, P=2, tau=1, codec="fp32"), frags)
     joiner.load_state_dict(state)
     assert [t for t in range(33, 49) if joiner.is_slot(t)] == [34, 36, 38, 40, 41, 42, 43, 44, 45, 46, 47, 48]
+    for w in range(100):  # a leader that schedules far ahead, window after window: the earliest few are kept
+        joiner.schedule_sends(3, 8 * (1000 + w))
+    assert len(joiner.sends_changes) == 8 and joiner.sends_changes[0] == (8000, 3)
 
 
 def test_streaming_schedule_in_a_run() -> None:
