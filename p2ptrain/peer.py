@@ -163,6 +163,7 @@ class Peer:
         self.tokens_at_send: list[int] = [0] * len(self.frags)
         self.step_seconds = cfg.step_seconds
         self.last_lstep = -1
+        self.last_slot = -1  # CoCoDC: the last slot negotiated
         self.compute = self.stall = 0.0
         self.applied = self.repairs = 0
         # θ^(p) after each applied round, by round key: its digest (and a copy when keep_applied, for tests).
@@ -576,7 +577,8 @@ class Peer:
                 self._sync_from_swarm(keep_progress=True)
         for step in range(self.last_lstep + 1, lstep + 1) if lstep > self.last_lstep else [lstep]:
             self._plan(step)
-            if self.outer.negotiated and self.outer.is_slot(step):
+            if self.outer.negotiated and step > self.last_slot and self.outer.is_slot(step):
+                self.last_slot = step  # once per slot: inner steps faster than the pacing see it again
                 self._negotiate(step)
         self.last_lstep = max(self.last_lstep, lstep)
         self._start_negotiated(lstep)
@@ -736,9 +738,11 @@ class Peer:
                     log.warning("event=schedule_refused slot=%d leader=%s reason=%s", slot, group.leader, e)
             busy = {r.fragment for r in self.in_flight}
             if group.fragment is None or group.fragment in busy:
-                if group.fragment is not None:
-                    log.info("event=slot_skipped slot=%d reason=fragment %d busy here", slot, group.fragment)
+                log.info("event=slot_skipped slot=%d leader=%s reason=%s", slot, group.leader[-8:],
+                         "nothing to send" if group.fragment is None else f"fragment {group.fragment} busy here")
                 continue
+            log.info("event=slot_send slot=%d fragment=%d leader=%s members=%d schedule=%s", slot, group.fragment,
+                     group.leader[-8:], len(group.members), group.schedule)
             req = JoinRequest(key=group.key, peer_id=self.peer_id, weight=0.0, fragment=group.fragment, step=step)
             self._send(group.fragment, step, req, group=group)
         self.pending_groups = keep

@@ -586,6 +586,8 @@ class HivemindTransport(Transport):
             live = set(await self._live_ids())
             if live <= set(f.requests):
                 live = set(await self._live_ids(max_age=0.2))  # closing early: on a fresh view only
+            if f.group is not None:
+                break  # closed by another member's join while we looked at who is live: never close twice
             now = time.monotonic()
             if live <= set(f.requests) or now >= f.first + self.cfg.join_window or now >= deadline:
                 f.group = close_group(request.key, f.requests, self.peer_id, f.decide)
