@@ -110,10 +110,6 @@ class SwarmConfig:
             raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
 
 
-class _DialFailed(Exception):
-    """The stream to a peer could not be opened (nothing was sent yet, so the call may be retried)."""
-
-
 class _Refused(ValueError):
     """A streamed payload that does not fit what its header announced (the sender gets a strike)."""
 
@@ -482,13 +478,7 @@ class HivemindTransport(Transport):
         t0 = time.monotonic()
 
         async def _go() -> dict[str, Any]:
-            try:
-                _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
-                                                                              self._proto(kind))
-            except (TimeoutError, asyncio.CancelledError):
-                raise
-            except Exception as e:  # the daemon reports failed dials with its own error types
-                raise _DialFailed(f"{type(e).__name__}: {e}") from None
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(kind))
             key = self.cfg.swarm_key
             try:
                 await write_frame(writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
@@ -510,16 +500,15 @@ class HivemindTransport(Transport):
             finally:
                 writer.close()
 
-        # Only a failed dial is retried: once the stream is open, a second try would send the message twice.
         for attempt in (1, 2):
             try:
                 reply = await asyncio.wait_for(_go(), max(0.05, timeout - (time.monotonic() - t0)))
                 return reply, time.monotonic() - t0
-            except _DialFailed as e:
-                if attempt == 2 or not await self._redial(peer):
-                    raise RoundFailed(f"{kind} to {peer[-8:]}: unreachable ({e})") from None
-            except Exception as e:  # timeouts, a stream closed or reset by the other side, a bad reply
+            except (TimeoutError, FrameError, asyncio.IncompleteReadError) as e:
                 raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
+            except Exception as e:  # the daemon reports failed dials with its own error types
+                if attempt == 2 or not await self._redial(peer):
+                    raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
         raise AssertionError("unreachable")
 
     async def _redial(self, peer: str) -> bool:
