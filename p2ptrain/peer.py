@@ -409,6 +409,11 @@ class Peer:
                 with self.lock:
                     old = [t.clone() for t in self.outer.theta(int(fragment))]
                     self.outer.overwrite(int(fragment), st["theta"], st["momentum"])
+                    if "round" in st:  # e.g. low-rank ranks adapted in that round: ours would not match the next
+                        try:
+                            self.outer.take_round_state(int(fragment), st["round"])
+                        except (ValueError, KeyError, TypeError) as e:
+                            log.warning("event=round_state_refused fragment=%s key=%s reason=%s", fragment, key, e)
                     new = self.outer.theta(int(fragment))
                     if keep_progress:
                         local = self.trainer.snapshot(names)
@@ -635,7 +640,8 @@ class Peer:
             rep = self.outer.finish(rnd, step, self.trainer)
             theta = self.outer.theta(rnd.fragment)
             digest = theta_digest(theta)
-            self.after[rnd.key] = state_to_bytes({"theta": theta, "momentum": self.outer.momentum(rnd.fragment)})
+            self.after[rnd.key] = state_to_bytes({"theta": theta, "momentum": self.outer.momentum(rnd.fragment),
+                                                  "round": self.outer.round_state(rnd.fragment)})
             while len(self.after) > 4 * len(self.frags) + 4:
                 self.after.popitem(last=False)
             self.applied_log[rnd.key] = (digest, [t.clone() for t in theta] if self.keep_applied else [])

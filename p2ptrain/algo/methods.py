@@ -684,6 +684,28 @@ class OuterLoop:
                 frag["compressor"] = {**frag["compressor"], "error": []}
         return state
 
+    def round_state(self, fragment: int) -> dict[str, Any]:
+        """A fragment's shared round state (its round counter and the compressor's shared part, e.g.
+        low-rank ranks and warm-start bases): what a peer catching up on a round takes along with θ."""
+        st = self._state[fragment]
+        comp = st.compressor.state_dict()
+        if "error" in comp:
+            comp = {**comp, "error": []}
+        return {"seq": st.seq, "compressor": comp}
+
+    def take_round_state(self, fragment: int, state: dict[str, Any]) -> None:
+        """Take another peer's :meth:`round_state` of a fragment (ValueError if it does not fit). This
+        peer's error feedback is kept where the layout and ranks still match; a round of this fragment
+        still in flight here keeps the compressor it started with."""
+        st = self._state[fragment]
+        new = dict(state["compressor"])
+        mine = st.compressor.state_dict()
+        if mine.get("error") and mine.get("index") == new.get("index") and mine.get("rank") == new.get("rank"):
+            new["error"] = mine["error"]
+        comp = self._new_compressor(self.fragments[fragment].index)
+        comp.load_state_dict(new)
+        st.compressor, st.seq = comp, int(state["seq"])
+
     def keep_own(self, saved: dict[str, Any]) -> int:
         """After taking a shared state (:meth:`shared_state` of another peer), put back this peer's own
         per-fragment state from ``saved`` (its :meth:`state_dict` from before) where it still fits:

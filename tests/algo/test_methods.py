@@ -223,6 +223,25 @@ def test_late_results() -> None:
     assert stalled.utilization < res.utilization
 
 
+def test_a_catching_up_peer_takes_a_rounds_adapted_ranks() -> None:
+    """A peer that synced from a state one round behind takes θ and the round state after that round:
+    the low-rank ranks and bases it adapted, or its next round would not match the swarm's."""
+    cfg = DiLoCoXConfig(H=4, rank=1, rank_min=1, rank_max=3, energy=0.5)
+    r, _, _ = run(cfg, peers=2, steps=16)
+    src = r.outers[0]
+    behind = OuterLoop(cfg, make_fragments(UNITS, cfg.fragments, cfg.fragment_mode))
+    behind.init(FakePeer(0))
+    assert behind.signature(0) != src.signature(0)  # no round yet: no layout, no ranks
+    behind.take_round_state(0, src.round_state(0))
+    assert behind.signature(0) == src.signature(0)
+    theirs, mine = src.round_state(0), behind.round_state(0)
+    assert mine["seq"] == theirs["seq"] and mine["compressor"]["rank"] == theirs["compressor"]["rank"]
+    assert all(torch.equal(a, b) for a, b in zip(mine["compressor"]["q"], theirs["compressor"]["q"], strict=True))
+    with pytest.raises(ValueError):
+        behind.take_round_state(0, {"seq": 1, "compressor": {"shapes": [[9, 9]], "rounds": 1, "index": [0],
+                                                             "rank": [1, 2], "q": [torch.zeros(9, 1)], "error": []}})
+
+
 def test_dilocox_sends_far_fewer_bytes() -> None:
     _, _, full = run(DiLoCoConfig(H=6), peers=2, steps=24)
     _, _, lowrank = run(DiLoCoXConfig(H=6, rank=1, rank_max=1), peers=2, steps=24)
