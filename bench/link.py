@@ -61,7 +61,7 @@ def _emit(rec: dict[str, Any]) -> None:
 
 
 async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
-    from p2ptrain.algo.compress import get_codec
+    from p2ptrain.collective.codecs import get_codec
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
     from p2ptrain.net.transport import JoinRequest, PeerInfo
 

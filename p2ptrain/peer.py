@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from .algo.compress import get_codec
 from .algo.fragments import make_fragments, model_units
 from .algo.methods import DDPConfig, MethodConfig, OuterLoop, Round, RoundState
 from .algo.priority import choose_merged, sends_per_window
 from .checkpoint import state_from_bytes, state_to_bytes
+from .collective.codecs import get_codec
 from .metrics import PeerMetrics
 from .net.transport import Decision, Group, JoinRequest, PeerInfo, RoundFailed, Transport
 from .peer_checkpoint import PeerCheckpoints, resumable_digest

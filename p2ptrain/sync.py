@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from .algo.compress import Codec
 from .algo.methods import Round
+from .collective.codecs import Codec
 from .net.bandwidth import ThroughputEMA
 from .net.transport import Decide, Group, JoinRequest, ReduceResult, RoundFailed, StateMismatch, Transport
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.algo.compress import CODECS, get_codec
+from p2ptrain.collective.codecs import CODECS, get_codec
 from p2ptrain.data import DataConfig
 from p2ptrain.model import GPT, ModelConfig
 from p2ptrain.snapshot import HostSnapshots

@@ -41,7 +41,8 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
-from .compress import CODECS, Compressor, Identity, LowRank
+from ..collective.codecs import CODECS
+from .compress import Compressor, Identity, LowRank
 from .delay import taylor_compensate
 from .fragments import Fragment
 from .outer import alpha_merge, eager_estimate, nesterov_step, pseudo_gradient

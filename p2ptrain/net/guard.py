@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..algo.aggregate import AGGREGATIONS, aggregate
+from ..collective.aggregate import AGGREGATIONS, aggregate
 
 __all__ = ["Guard", "GuardConfig"]
 

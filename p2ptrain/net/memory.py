@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from ..algo.compress import Codec
+from ..collective.butterfly import butterfly_mean, ring_factor
+from ..collective.codecs import Codec
 from ..faults import corrupt_update
-from ..sim.allreduce import wire_roundtrip
-from ..sim.network import ring_factor
 from .guard import Guard, GuardConfig
 from .membership import (
     alone_check,
@@ -229,12 +228,16 @@ class MemoryTransport(Transport):
             # Other sizes are dropped without a strike: an honest member whose view of the round differs
             # sends those too (see net/swarm.py).
             sizes = [p for p in use if flats[p].numel() == numel]
+            # The guard's checks (weights, finite values, norm bound) on whole contributions; then what a
+            # butterfly of the accepted members computes, part by part (collective.butterfly).
             try:
-                avg, total, used = guard.aggregate({p: (wire_roundtrip(codec, flats[p]), present[p][1]) for p in sizes})
+                _, total, used = guard.aggregate({p: (flats[p], present[p][1]) for p in sizes})
             except ValueError:
                 used = []
             if used:
-                out, shapes, offset, pieces = wire_roundtrip(codec, avg), [t.shape for t in present[used[0]][0]], 0, []
+                out = butterfly_mean([flats[p] for p in used], [present[p][1] for p in used], codec,
+                                     how=guard.cfg.aggregation)
+                shapes, offset, pieces = [t.shape for t in present[used[0]][0]], 0, []
                 for shape in shapes:
                     n = int(torch.Size(shape).numel())
                     pieces.append(out[offset : offset + n].view(shape))

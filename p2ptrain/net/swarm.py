@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from ..algo.compress import Codec, get_codec
+from ..collective.butterfly import MIN_CHUNK, chunk_bounds, part_bounds
+from ..collective.codecs import Codec, get_codec
 from ..faults import corrupt_payload, maybe_die_in_allreduce
 from .auth import MAC_FIELD, SwarmKey
 from .bandwidth import LinkMeter
-from .butterfly import MIN_CHUNK, chunk_bounds, part_bounds
 from .guard import Guard, GuardConfig
 from .membership import (
     alone_check,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..algo.compress import Codec
+from ..collective.codecs import Codec
 
 __all__ = [
     "Decide",

@@ -16,7 +16,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Network", "Region", "parse_bandwidth", "parse_duration", "parse_regions", "ring_factor"]
+from ..collective.butterfly import ring_factor
+
+__all__ = ["Network", "Region", "parse_bandwidth", "parse_duration", "parse_regions"]
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
@@ -62,11 +64,6 @@ def parse_regions(text: str) -> list[Region]:
     if len(set(names)) != len(names):
         raise ValueError(f"region names must be unique: {names}")
     return out
-
-
-def ring_factor(members: int) -> float:
-    """Fraction of the vector a ring all-reduce moves through each peer's link: 2(M−1)/M."""
-    return 2.0 * (members - 1) / members if members > 1 else 0.0
 
 
 class Network:

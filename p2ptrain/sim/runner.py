@@ -19,15 +19,15 @@ from typing import Any, Protocol
 
 import torch
 
-from ..algo.compress import get_codec
 from ..algo.fragments import Fragment, make_fragments, model_units
 from ..algo.methods import DDPConfig, MethodConfig, OuterLoop, Round
 from ..algo.priority import sends_per_window
+from ..collective.butterfly import butterfly_mean, ring_factor
+from ..collective.codecs import get_codec
 from ..data import Corpus, DataConfig
 from ..model import ModelConfig
 from ..trainer import TrainerConfig, make_trainer
-from .allreduce import quantized_mean
-from .network import Network, Region, parse_bandwidth, parse_regions, ring_factor
+from .network import Network, Region, parse_bandwidth, parse_regions
 
 __all__ = ["OuterRun", "RunResult", "RunSpec", "SimConfig", "SimPeer", "Simulator", "replay_utilization"]
 
@@ -142,6 +142,18 @@ class RunResult:
         }
 
 
+def _mean(payloads: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], codec: Any) -> tuple[list[torch.Tensor], int]:
+    """The peers' weighted mean as a butterfly all-reduce delivers it (shapes of the first peer's tensors),
+    and the encoded size of one peer's vector in bytes (what a ring moves ``2(M−1)/M`` times)."""
+    flats = [torch.cat([t.reshape(-1).float().cpu() for t in ts]) for ts in payloads]
+    out = butterfly_mean(flats, weights, codec)
+    pieces, offset = [], 0
+    for t in payloads[0]:
+        pieces.append(out[offset : offset + t.numel()].view(t.shape).to(t.device))
+        offset += t.numel()
+    return pieces, codec.encoded_size(out.numel())
+
+
 class _Collective:
     """One fragment round across all peers: every member's Round, then the phases' timing."""
 
@@ -239,7 +251,7 @@ class _DDPRun(_Base):
                 self.compute[i] += dt
             if self.m > 1:
                 grads = [list(tr.gradients()) for tr in self.trainers]
-                avg, nbytes = quantized_mean(grads, [1.0] * self.m, self.codec)
+                avg, nbytes = _mean(grads, [1.0] * self.m, self.codec)
                 for tr in self.trainers:
                     for g, a in zip(tr.gradients(), avg, strict=True):
                         g.copy_(a)
@@ -369,7 +381,7 @@ class OuterRun(_Base):
             weights = [r.weight for r in rounds]
             ready, sent, phase_bytes = col.ready, 0.0, []
             while rounds[0].payload is not None:
-                avg, nbytes = quantized_mean([r.payload for r in rounds], weights, self.codec)  # type: ignore[misc]
+                avg, nbytes = _mean([r.payload for r in rounds], weights, self.codec)  # type: ignore[misc]
                 phase_bytes.append(nbytes)
                 ready = self.net.transfer(members, nbytes, ready)
                 sent += ring_factor(self.m) * nbytes

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from p2ptrain.algo.compress import get_codec
+from p2ptrain.collective.butterfly import part_bounds
+from p2ptrain.collective.codecs import get_codec
 from p2ptrain.faults import CORRUPTIONS
-from p2ptrain.net.butterfly import part_bounds
 from p2ptrain.net.guard import GuardConfig
 from p2ptrain.net.memory import MemorySwarm
 from p2ptrain.net.transport import JoinRequest, PeerInfo

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.algo.compress import get_codec
+from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 from p2ptrain.net.transport import JoinRequest, PeerInfo
 from p2ptrain.procs import free_port

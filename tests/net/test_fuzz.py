@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.algo.compress import CODECS, get_codec
 from p2ptrain.checkpoint import CheckpointError, state_from_bytes
+from p2ptrain.collective.codecs import CODECS, get_codec
 from p2ptrain.net.state_transfer import StateServer, fetch_chunked
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 from p2ptrain.net.transport import Group, JoinRequest, PeerInfo, RoundFailed

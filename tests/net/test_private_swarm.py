@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from p2ptrain.algo.compress import get_codec
+from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.auth import SwarmKey, generate_key_file
 from p2ptrain.net.transport import JoinRequest, PeerInfo, RoundFailed
 

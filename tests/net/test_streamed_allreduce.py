@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from p2ptrain.algo.compress import get_codec
+from p2ptrain.collective.butterfly import chunk_bounds
+from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.auth import SwarmKey
-from p2ptrain.net.butterfly import chunk_bounds
 from p2ptrain.net.transport import JoinRequest, PeerInfo, RoundFailed
 
 pytestmark = [pytest.mark.net, pytest.mark.timeout(120)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.algo.aggregate import aggregate, centered_clip, trimmed_mean, weighted_mean
+from p2ptrain.collective.aggregate import aggregate, centered_clip, trimmed_mean, weighted_mean
 
 
 def test_weighted_mean_by_hand() -> None:

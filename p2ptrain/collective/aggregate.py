@@ -12,7 +12,8 @@ contribution pulls the centre by at most τ, so one scaled or random update move
 the result by at most ``ŵ_i·τ`` per iteration whatever its size. τ defaults to the
 median distance of the contributions to ``v₀`` (scale-free: no knob to tune per model).
 
-All arithmetic is fp32 (float64 in, float64 out for references), on the inputs' device.
+The mean accumulates in float64; the robust rules work in fp32 (float64 in, float64 out for references), on
+the inputs' device.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ def _check(xs: Sequence[torch.Tensor], ws: Sequence[float]) -> torch.Tensor:
 
 
 def weighted_mean(xs: Sequence[torch.Tensor], ws: Sequence[float]) -> torch.Tensor:
+    """Σ w_i·x_i / Σ w_i, accumulated in float64 and returned in the inputs' dtype: the result hardly depends
+    on the order of the contributions (a part's owner sums them in its members' order, the simulator in its
+    peers'), so every collective rounds to the same float32 values."""
     w = _check(xs, ws)
-    dtype = torch.float64 if xs[0].dtype == torch.float64 else torch.float32
-    acc = torch.zeros_like(xs[0], dtype=dtype)
+    acc = torch.zeros_like(xs[0], dtype=torch.float64)
     total = float(w.sum())
     for x, wi in zip(xs, w.tolist(), strict=True):
-        acc.add_(x.to(dtype), alpha=wi / total)
-    return acc
+        acc.add_(x.to(torch.float64), alpha=wi / total)
+    return acc if xs[0].dtype == torch.float64 else acc.to(xs[0].dtype if xs[0].is_floating_point() else torch.float32)
 
 
 def trimmed_mean(xs: Sequence[torch.Tensor], ws: Sequence[float], trim: float = 0.2) -> torch.Tensor:

@@ -1,0 +1,415 @@
+"""Wire codecs: one 1-D float tensor to the exact bytes sent over the wire, and back (torch and stdlib only).
+
+They only quantise the *transfer*: a receiver decodes to float32 and every sum or average is taken in float32
+(or float64, see :mod:`p2ptrain.collective.aggregate`). Used by every all-reduce: the simulator's, the in-memory
+swarm's and the libp2p butterfly's.
+
+Payload layouts (all multi-byte numbers little-endian; ``n`` values, blocks counted with ``ceil``):
+
+=========  ===============================================================  ==============================
+codec      layout                                                           bytes
+=========  ===============================================================  ==============================
+``fp32``   ``n`` float32                                                    ``4n``
+``fp16``   ``n`` float16                                                    ``2n``
+``bf16``   ``n`` bfloat16 (the int16 bit pattern)                           ``2n``
+``uint8``  per block of 1024: (min, max) float32 pairs, then ``n`` uint8    ``n + 8*ceil(n/1024)``
+``fp8``    per row of 256: scale float32, then ``n`` float8 e4m3 codes      ``n + 4*ceil(n/256)``
+``e3m0``   per block of 64: scale float32, then ``n`` 4-bit codes, 2/byte   ``ceil(n/2) + 4*ceil(n/64)``
+=========  ===============================================================  ==============================
+
+All block headers come first, then the packed values, so both sides vectorise without per-block loops.
+Bytes are read and written through ``torch.frombuffer`` (no host array library): the layouts above are
+little-endian, so a big-endian host byte-swaps (see :func:`_le`).
+"""
+
+from __future__ import annotations
+
+import sys
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["CODECS", "BF16Codec", "Codec", "E3M0Codec", "FP8Codec", "FP16Codec", "FP32Codec", "Uint8Codec",
+           "get_codec"]
+
+_NON_FINITE_INPUT = "non-finite values cannot be encoded"
+_NON_FINITE_PAYLOAD = "payload decodes to non-finite values"
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_LITTLE = sys.byteorder == "little"
+
+
+def _check_numel(numel: int) -> int:
+    """Return ``numel`` as an int; ValueError unless it is a non-negative integer."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative integer, got {numel!r}")
+    return int(numel)
+
+
+def _blocks(numel: int, block: int) -> int:
+    """Number of blocks of ``block`` values covering ``numel`` values (the last one may be shorter)."""
+    return -(-numel // block)
+
+
+def _as_float32_cpu(x: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Validate a codec input and return it as a contiguous 1-D float32 tensor on the CPU, or on ``device``
+    (a GPU: the codec computes there; see :attr:`Codec.device`).
+
+    Raises TypeError for a non-tensor or a non-floating tensor, ValueError for a tensor that is not 1-D or that
+    holds NaN/inf (float64 values beyond float32's range become inf here and are rejected the same way).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"expected a floating-point tensor, got {x.dtype}")
+    if x.dim() != 1:
+        raise ValueError(f"expected a 1-D tensor, got shape {tuple(x.shape)}")
+    flat = x.detach().to(device=device or "cpu", dtype=torch.float32, non_blocking=True).contiguous()
+    # One reduction over the whole tensor: cheaper than per-block checks and catches NaN and +-inf alike.
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError(_NON_FINITE_INPUT)
+    return flat
+
+
+def _pad(x: torch.Tensor, total: int, value: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """``x`` (1-D) extended to ``total`` values with ``value`` (a scalar or a 1-element tensor)."""
+    missing = total - x.numel()
+    if missing == 0:
+        return x
+    fill = value.reshape(1).expand(missing) if isinstance(value, torch.Tensor) else x.new_full((missing,), value)
+    return torch.cat([x, fill])
+
+
+def _le(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a CPU tensor) in little-endian byte order: unchanged on little-endian hosts."""
+    if _LITTLE or t.element_size() == 1:
+        return t
+    n = t.element_size()  # pragma: no cover - big-endian hosts only
+    return t.contiguous().view(torch.uint8).view(-1, n).flip(1).reshape(-1).view(t.dtype)  # pragma: no cover
+
+
+def _to_bytes(*parts: torch.Tensor) -> bytes:
+    """The little-endian bytes of ``parts`` (each 1-D, on any device) one after the other: the one device → host
+    copy of an encode, written straight into the payload buffer."""
+    host = [_le(p.detach().contiguous().cpu()).view(torch.uint8) for p in parts]
+    buf = bytearray(sum(h.numel() for h in host))
+    if buf:
+        out, pos = torch.frombuffer(buf, dtype=torch.uint8), 0
+        for h in host:
+            out[pos : pos + h.numel()] = h
+            pos += h.numel()
+    return bytes(buf)
+
+
+def _read(buf: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    """``count`` little-endian values of ``dtype`` at byte ``offset`` as a fresh, writable CPU tensor (a copy:
+    the result never aliases the payload)."""
+    if count == 0:
+        return torch.zeros(0, dtype=dtype)
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.frombuffer(bytearray(buf[offset : offset + count * size]), dtype=torch.uint8)
+    return _le(raw.view(dtype))
+
+
+def _read_f32(buf: memoryview, offset: int, count: int) -> torch.Tensor:
+    """``count`` little-endian float32 values at byte ``offset`` as a fresh, writable float32 tensor."""
+    return _read(buf, torch.float32, offset, count)
+
+
+def _read_u8(buf: memoryview, offset: int, count: int) -> torch.Tensor:
+    """``count`` bytes at ``offset`` as a fresh, writable uint8 tensor."""
+    return _read(buf, torch.uint8, offset, count)
+
+
+class Codec(ABC):
+    """Lossy or lossless wire format for one 1-D float tensor.
+
+    ``encode`` accepts any floating dtype on any device and returns the exact payload; ``decode`` returns a 1-D
+    float32 CPU tensor. ``encoded_size(n)`` is exactly ``len(encode(x))`` for every ``x`` with ``n`` values, so a
+    receiver knows how many bytes to expect before reading them.
+
+    Failures: ``encode`` raises ValueError("non-finite values cannot be encoded") for NaN/inf input, ValueError
+    for a tensor that is not 1-D and TypeError for a non-floating tensor. ``decode`` raises ValueError when the
+    payload length differs from ``encoded_size(numel)`` (it never reads past the payload) and when the payload
+    decodes to NaN/inf or carries an invalid block header: payloads come from the network.
+    """
+
+    name: ClassVar[str]
+    #: Whether encoding computes anything (quantisation) worth running on a GPU.
+    computes: ClassVar[bool] = True
+    #: Inputs smaller than this are encoded on the CPU (a GPU round trip costs more than it saves).
+    GPU_MIN_NUMEL: ClassVar[int] = 1 << 16
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        #: A CUDA device to encode on (the input is copied there; only the packed payload comes back),
+        #: or None: encode on the CPU. The bytes are the same either way.
+        self.device = torch.device(device) if device is not None else None
+        self._stream: Any = None
+
+    def _compute_device(self, x: torch.Tensor) -> torch.device | None:
+        dev = self.device if self.device is not None and self.device.type == "cuda" else None
+        if dev is None and x.is_cuda:
+            dev = x.device
+        if dev is None or not self.computes or x.numel() < self.GPU_MIN_NUMEL:
+            return None
+        return dev
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        """Encode the 1-D float tensor ``x`` into its wire payload (see the class docstring for failures).
+
+        On a GPU (:attr:`device`, or an input already there) the work runs on a side CUDA stream, after the
+        writes already queued for ``x``; the result is the same bytes as on the CPU."""
+        dev = self._compute_device(x) if isinstance(x, torch.Tensor) else None
+        if dev is None:
+            return self._encode_flat(_as_float32_cpu(x))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        if x.is_cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self._stream):
+            return self._encode_flat(_as_float32_cpu(x, dev))
+
+    def _encode_flat(self, flat: torch.Tensor) -> bytes:
+        if flat.numel() == 0:
+            return b""
+        data = self._encode(flat)
+        # Cheap self-check: the size formula is the contract the network layer relies on.
+        assert len(data) == self.encoded_size(flat.numel())
+        return data
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        """Decode a payload of ``numel`` values into a 1-D float32 CPU tensor (ValueError on a bad payload)."""
+        n = _check_numel(numel)
+        buf = memoryview(data).cast("B")  # byte view of any buffer, so len() counts bytes
+        expected = self.encoded_size(n)
+        if len(buf) != expected:
+            raise ValueError(f"{self.name}: payload for {n} values must be {expected} bytes, got {len(buf)}")
+        if n == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        out = self._decode(buf, n)
+        if not bool(torch.isfinite(out).all()):
+            raise ValueError(f"{self.name}: {_NON_FINITE_PAYLOAD}")
+        return out
+
+    @abstractmethod
+    def encoded_size(self, numel: int) -> int:
+        """Exact payload size in bytes for ``numel`` values (ValueError for a negative or non-integer count)."""
+
+    @abstractmethod
+    def _encode(self, x: torch.Tensor) -> bytes:
+        """Payload of ``x``: a non-empty, finite, contiguous 1-D float32 tensor (CPU, or the encoding GPU)."""
+
+    @abstractmethod
+    def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
+        """Values of a payload whose length has been checked; ``numel`` > 0."""
+
+
+class FP32Codec(Codec):
+    """Raw little-endian float32: lossless, 4 bytes per value."""
+
+    name: ClassVar[str] = "fp32"
+    computes: ClassVar[bool] = False  # raw bytes: nothing to compute
+
+    def encoded_size(self, numel: int) -> int:
+        return 4 * _check_numel(numel)
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        return _to_bytes(x)
+
+    def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
+        return _read_f32(buf, 0, numel)
+
+
+class FP16Codec(Codec):
+    """IEEE half precision, 2 bytes per value: relative error <= 2^-11 within the normal range.
+
+    Finite values beyond +-65504 saturate to +-65504 instead of becoming inf (one outlier must not poison the
+    average); magnitudes below 2^-24 flush to zero.
+    """
+
+    name: ClassVar[str] = "fp16"
+    _MAX: ClassVar[float] = float(torch.finfo(torch.float16).max)
+
+    def encoded_size(self, numel: int) -> int:
+        return 2 * _check_numel(numel)
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        return _to_bytes(x.clamp(-self._MAX, self._MAX).to(torch.float16))
+
+    def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
+        return _read(buf, torch.float16, 0, numel).to(torch.float32)
+
+
+class BF16Codec(Codec):
+    """bfloat16 (float32's exponent, 8 significant bits), 2 bytes per value: relative error <= 2^-8.
+
+    Sent as the little-endian int16 bit pattern. Values
+    beyond bfloat16's largest finite value (about 3.39e38) saturate instead of rounding to inf.
+    """
+
+    name: ClassVar[str] = "bf16"
+    _MAX: ClassVar[float] = float(torch.finfo(torch.bfloat16).max)
+
+    def encoded_size(self, numel: int) -> int:
+        return 2 * _check_numel(numel)
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        return _to_bytes(x.clamp(-self._MAX, self._MAX).to(torch.bfloat16).view(torch.int16))
+
+    def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
+        return _read(buf, torch.int16, 0, numel).view(torch.bfloat16).to(torch.float32)
+
+
+class Uint8Codec(Codec):
+    """Min-max affine 8-bit quantisation per block of 1024 values.
+
+    Each block stores its min and max (float32) and one uint8 per value, ``q = round((x - min) / step)`` with
+    ``step = (max - min) / 255``, so ``|x - decoded| <= step / 2`` plus float32 rounding. Decoding computes
+    ``min*(1 - q/255) + max*(q/255)``, which returns min and max exactly and cannot overflow; a constant block
+    decodes exactly. Decode raises ValueError for a header with min > max or non-finite bounds.
+    """
+
+    name: ClassVar[str] = "uint8"
+    BLOCK: ClassVar[int] = 1024
+
+    def encoded_size(self, numel: int) -> int:
+        n = _check_numel(numel)
+        return n + 8 * _blocks(n, self.BLOCK)
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        n, nb = x.numel(), _blocks(x.numel(), self.BLOCK)
+        # Pad with the last value: it already belongs to the last block, so that block's min/max are unchanged.
+        xb = _pad(x, nb * self.BLOCK, x[-1:]).view(nb, self.BLOCK)  # (nb, 1024) f32
+        lo, hi = xb.amin(dim=1), xb.amax(dim=1)  # (nb,) f32
+        # Work on halves so that max - min and x - min stay finite even for bounds near +-float32 max.
+        lo_h = (lo * 0.5).unsqueeze(1)  # (nb, 1)
+        step_h = (hi * 0.5 - lo * 0.5) / 255.0  # (nb,) half the quantisation step
+        step_h = torch.where(step_h > 0, step_h, torch.ones_like(step_h)).unsqueeze(1)  # constant block -> q = 0
+        q = ((xb * 0.5 - lo_h) / step_h).round_().clamp_(0, 255).to(torch.uint8)  # (nb, 1024)
+        header = torch.stack([lo, hi], dim=1).reshape(-1)  # (2*nb,) f32: min0, max0, min1, max1, ...
+        return _to_bytes(header, q.reshape(-1)[:n])
+
+    def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
+        nb = _blocks(numel, self.BLOCK)
+        header = _read_f32(buf, 0, 2 * nb).view(nb, 2)
+        lo, hi = header[:, :1], header[:, 1:]  # (nb, 1) each
+        if not bool(torch.isfinite(header).all()) or bool((lo > hi).any()):
+            raise ValueError(f"{self.name}: invalid block header (non-finite bounds or min > max)")
+        q = _pad(_read_u8(buf, 8 * nb, numel), nb * self.BLOCK, 0).view(nb, self.BLOCK)
+        w = q.to(torch.float32).div_(255.0)  # (nb, 1024) in [0, 1]; w = 1 exactly for q = 255
+        # Convex combination min*(1-w) + max*w: exact at both ends and never overflows (unlike min + w*(max-min)).
+        out = torch.rsub(w, 1.0).mul_(lo).add_(w.mul_(hi))
+        return out.reshape(-1)[:numel]
+
+
+class FP8Codec(Codec):
+    """float8 e4m3 (``torch.float8_e4m3fn``) with one float32 scale per row of 256 values.
+
+    Following the FP8 formats paper (arXiv 2209.05433), each row is scaled by ``absmax / 448`` (448 is e4m3's
+    largest finite value) so the row's largest magnitude lands on the top of the range. Error per value:
+    ``<= 2^-4 |x|`` for scaled magnitudes in e4m3's normal range, ``<= scale * 2^-10`` in its subnormal range.
+    An all-zero row stores scale 0 and decodes to zeros (no division by zero). Decode raises ValueError for a
+    negative or non-finite scale or a NaN code (0x7f, 0xff).
+    """
+
+    name: ClassVar[str] = "fp8"
+    ROW: ClassVar[int] = 256
+    _MAX: ClassVar[float] = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+    def encoded_size(self, numel: int) -> int:
+        n = _check_numel(numel)
+        return n + 4 * _blocks(n, self.ROW)
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        n, rows = x.numel(), _blocks(x.numel(), self.ROW)
+        xr = _pad(x, rows * self.ROW).view(rows, self.ROW)  # zero padding leaves each row's absmax unchanged
+        scale = xr.abs().amax(dim=1) / self._MAX  # (rows,) f32
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)  # zero row -> divide by 1
+        # Clamp because x / scale can round a hair above 448, and the cast's out-of-range behaviour (NaN or
+        # saturate) has differed between versions.
+        v = (xr / safe).clamp_(-self._MAX, self._MAX)
+        codes = v.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)[:n]
+        return _to_bytes(scale, codes)
+
+    def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
+        rows = _blocks(numel, self.ROW)
+        scale = _read_f32(buf, 0, rows)
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise ValueError(f"{self.name}: invalid row scale (negative or non-finite)")
+        codes = _pad(_read_u8(buf, 4 * rows, numel), rows * self.ROW, 0).view(rows, self.ROW)
+        out = codes.view(torch.float8_e4m3fn).to(torch.float32) * scale.unsqueeze(1)  # NaN codes -> caught later
+        # 448 * (absmax / 448) can round one ulp above absmax; for absmax within an ulp of float32's max that is
+        # inf, so saturate (clamp keeps NaN, which decode() then rejects).
+        return out.reshape(-1)[:numel].clamp_(-_F32_MAX, _F32_MAX)
+
+
+class E3M0Codec(Codec):
+    """4-bit floats, sign + 3 exponent bits and no mantissa, with a float32 absmax scale per block of 64.
+
+    Streaming DiLoCo (arXiv 2501.18512) exchanges outer updates as 4-bit floats of this kind. Code ``k`` in
+    0..7 is the magnitude 0 (``k = 0``) or ``scale * 2^(k-7)`` (so the largest level is the block's absmax);
+    bit 3 is the sign. Values round to the nearest level in the linear domain, ties away from zero: scaled
+    magnitudes below 2^-7 (half the smallest level) become 0. Hence ``|x - decoded| <= max(|x| / 3,
+    scale * 2^-7)``. Two codes per byte, the earlier value in the low nibble; an odd count pads one zero nibble.
+    Decode raises ValueError for a negative or non-finite scale.
+    """
+
+    name: ClassVar[str] = "e3m0"
+    BLOCK: ClassVar[int] = 64
+    # Magnitude of code k (bits 0-2) with its sign (bit 3); code 8 ("negative zero") decodes as +0.
+    _LEVELS: ClassVar[torch.Tensor] = torch.tensor(
+        [0.0] + [2.0 ** (k - 7) for k in range(1, 8)] + [0.0] + [-(2.0 ** (k - 7)) for k in range(1, 8)],
+        dtype=torch.float32,
+    )
+
+    def encoded_size(self, numel: int) -> int:
+        n = _check_numel(numel)
+        return (n + 1) // 2 + 4 * _blocks(n, self.BLOCK)
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        n, nb = x.numel(), _blocks(x.numel(), self.BLOCK)
+        xb = _pad(x, nb * self.BLOCK).view(nb, self.BLOCK)  # zero padding: absmax unchanged, codes 0
+        scale = xb.abs().amax(dim=1)  # (nb,) f32, stored as is
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
+        v = xb / safe  # (nb, 64) f32 in [-1, 1]: correctly rounded division never exceeds 1 in magnitude
+        # Nearest power of two straight from the float32 bits (pure integer ops, no log2 rounding): for
+        # |v| = 1.f * 2^e, adding half a binade to the magnitude bits carries into the exponent field exactly when
+        # 1.f >= 1.5, so ((bits + 2^22) >> 23) - 127 is the exponent j of the nearest power of two, and the code
+        # is k = j + 7. Magnitudes in [2^-7, 1.5*2^-7) give k = 0 but must round to code 1 (2^-6); they are the
+        # magnitudes whose bits >> 22 equal 0xF0 (exponent 120, top mantissa bit clear).
+        bits = v.view(torch.int32)  # (nb, 64) int32, v is our own temporary
+        negative = bits < 0
+        bits.bitwise_and_(0x7FFFFFFF)  # |v| bits
+        k = ((bits + (1 << 22)) >> 23).sub_(120).clamp_(0, 7).to(torch.uint8)  # below 1.5*2^-8 -> 0
+        k += ((bits >> 22) == 0xF0).to(torch.uint8)
+        k |= (negative & (k > 0)).to(torch.uint8) << 3  # sign bit only on nonzero codes
+        codes = k.reshape(-1)[: 2 * ((n + 1) // 2)].view(-1, 2)  # padding codes are 0
+        packed = codes[:, 0] | (codes[:, 1] << 4)
+        return _to_bytes(scale, packed)
+
+    def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
+        nb = _blocks(numel, self.BLOCK)
+        scale = _read_f32(buf, 0, nb)
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise ValueError(f"{self.name}: invalid block scale (negative or non-finite)")
+        packed = _read_u8(buf, 4 * nb, (numel + 1) // 2)
+        codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)  # (2*ceil(n/2),) uint8
+        codes = _pad(codes, nb * self.BLOCK, 0)
+        mags = self._LEVELS.index_select(0, codes.to(torch.int32)).view(nb, self.BLOCK)
+        return (mags * scale.unsqueeze(1)).reshape(-1)[:numel]  # power-of-two multiples: exact for normal scales
+
+
+CODECS: dict[str, type[Codec]] = {
+    cls.name: cls for cls in (FP32Codec, FP16Codec, BF16Codec, Uint8Codec, FP8Codec, E3M0Codec)
+}
+
+
+def get_codec(name: str, device: torch.device | str | None = None) -> Codec:
+    """A codec instance by name, encoding on ``device`` when that is a GPU; ValueError naming the valid
+    choices for an unknown name."""
+    try:
+        return CODECS[name](device)
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(sorted(CODECS))}") from None
+
+
