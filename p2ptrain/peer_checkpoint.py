@@ -22,7 +22,7 @@ from .checkpoint import CheckpointDir, pack
 from .faults import maybe_die_in_checkpoint
 
 if TYPE_CHECKING:
-    from .peer import Peer
+    from .peer.base import PeerBase
 
 __all__ = ["PeerCheckpoints", "resumable_digest", "state_digest"]
 
@@ -61,22 +61,23 @@ class PeerCheckpoints:
         self._since = 0
 
     @staticmethod
-    def state(peer: Peer) -> dict[str, Any]:
+    def state(peer: PeerBase) -> dict[str, Any]:
         stats = peer.runner.stats if peer.runner is not None else None
         with peer.lock:
+            own = peer.checkpoint_state()
             return {
                 "kind": KIND,
                 "run_id": peer.cfg.run_id,
                 "method": peer.method.name,
                 "trainer": peer.trainer.state_dict(),
-                "outer": None if peer.outer is None else peer.outer.state_dict(),
-                "peer": {"applied": peer.applied, "repairs": peer.repairs, "tokens_at_send": list(peer.tokens_at_send),
+                "outer": own["outer"],
+                "peer": {"applied": own["applied"], "repairs": peer.repairs, "tokens_at_send": own["tokens_at_send"],
                          "rounds": {k: int(getattr(stats, k)) if stats else 0 for k in COUNTERS}},
                 "rng": torch.get_rng_state(),
                 "saved_at": time.time(),
             }
 
-    def save(self, peer: Peer, why: str) -> Path:
+    def save(self, peer: PeerBase, why: str) -> Path:
         state = self.state(peer)
         maybe_die_in_checkpoint()
         path = self.dir.save(peer.trainer.step_count, state)
@@ -86,9 +87,12 @@ class PeerCheckpoints:
             peer.metrics.checkpoint_time.set(self.last_saved)
         return path
 
-    def after_round(self, peer: Peer) -> None:
-        """Count an applied round (or a data-parallel step); save every ``every``."""
+    def count(self) -> None:
+        """Count an applied round (or a data-parallel step)."""
         self._since += 1
+
+    def save_if_due(self, peer: PeerBase) -> None:
+        """Save when ``every`` rounds were counted since the last checkpoint."""
         if self._since >= self.every:
             self.save(peer, "rounds")
 
@@ -97,7 +101,7 @@ class PeerCheckpoints:
         return self.dir.latest()
 
     @staticmethod
-    def restore(peer: Peer, state: dict[str, Any]) -> None:
+    def restore(peer: PeerBase, state: dict[str, Any]) -> None:
         """Put a checkpoint's state into a peer that has not started yet (the outer state is taken
         when the peer starts, after which the swarm's newer θ may replace the shared part)."""
         if state.get("kind") != KIND:
@@ -106,12 +110,7 @@ class PeerCheckpoints:
             raise ValueError(f"checkpoint is of method {state['method']!r}, this peer runs {peer.method.name!r}")
         if state["run_id"] != peer.cfg.run_id:
             log.warning("event=resume_other_run saved=%s now=%s", state["run_id"], peer.cfg.run_id)
-        peer.trainer.load_state_dict(state["trainer"])
-        if (state["outer"] is None) != (peer.outer is None):
+        if (state["outer"] is None) == peer.has_outer_loop:
             raise ValueError("checkpoint and peer disagree on whether the method has an outer loop")
-        counters = state["peer"]
-        peer.applied, peer.repairs = int(counters["applied"]), int(counters["repairs"])
-        if len(counters["tokens_at_send"]) == len(peer.tokens_at_send):
-            peer.tokens_at_send = [int(x) for x in counters["tokens_at_send"]]
-        peer.resume_state = state
+        peer.restore(state)
         torch.set_rng_state(state["rng"])

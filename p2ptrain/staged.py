@@ -184,7 +184,7 @@ class StagedPeer:
         addrs = self._object_from_rank0(addrs)
         for g, p in zip(self.held.groups, self.peers, strict=True):
             if p.transport is None:
-                p._make_transport = self._transport(g, p.cfg.run_id, list(addrs))
+                p.transport_factory = self._transport(g, p.cfg.run_id, list(addrs))
                 p.connect()
         found = self.peers[0].published_step_seconds() if self.held.first == 0 else None
         s = self._from_rank0(found or self.cfg.step_seconds or 0.0)
@@ -212,22 +212,22 @@ class StagedPeer:
             time.sleep(self.cfg.min_step_seconds - seconds)
             seconds = self.cfg.min_step_seconds
         for p in self.peers:
-            p._account(st, seconds)
+            p.record_step(st.loss, st.tokens, seconds)
         return st, stop
 
     def run(self) -> list[PeerSummary]:
         """Train until ``cfg.steps`` inner steps (or a stop request), then drain every namespace and summarise."""
         t0 = time.perf_counter()
         try:
-            if not self.peers[0]._started:
+            if not self.peers[0].started:
                 self.start()
             t_loop = time.perf_counter()
             for p in self.peers:
-                p._t_start = t_loop
+                p.begin_loop(t_loop)
             while self.trainer.step_count < self.cfg.steps:
                 st, stop = self._step()
                 for p in self.peers:
-                    p._outer()
+                    p.after_step()
                 if self.on_status is not None:
                     p0 = self.peers[0]
                     st0 = p0.runner.stats if p0.runner else None
@@ -245,10 +245,10 @@ class StagedPeer:
             for p in self.peers:
                 p.loop_seconds = self.loop_seconds
                 t_drain = time.perf_counter()
-                p._drain()
+                p.drain()
                 p.drain_seconds = time.perf_counter() - t_drain
             for p in self.peers:
-                out.append(p._summary(time.perf_counter() - t0))
+                out.append(p.summary(time.perf_counter() - t0))
             return out
         finally:
             self.close()

@@ -238,7 +238,7 @@ def run_staged(*, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, data_cfg: 
                         "rounds_failed": s.rounds_failed, "rounds_applied": s.rounds_applied,
                         "stuck_rounds": s.stuck_rounds, "bytes_sent": s.bytes_sent,
                         "applied": {k: v[0] for k, v in s.applied.items()},
-                        "contributors": {key: len(c) for key, _, c, _ in p.history},
+                        "contributors": {key: len(c) for key, c, _ in p.history},
                         "theta": {n: float(t.double().sum()) for n, t in s.outer_params.items()}}
                        for g, p, s in zip(held.groups, staged.peers, summaries, strict=True)],
         }, indent=2))

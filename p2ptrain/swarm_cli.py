@@ -95,7 +95,7 @@ def join(
     from .net.auth import SwarmKey
     from .net.guard import GuardConfig
     from .net.swarm import HivemindTransport, SwarmConfig, SwarmError
-    from .peer import Peer, PeerConfig
+    from .peer import PeerConfig, make_peer
     from .peer_checkpoint import PeerCheckpoints
     from .trainer import make_trainer
     from .ui import console, out, setup_logging, status_printer, table
@@ -167,7 +167,7 @@ def join(
         return
 
     metrics = PeerMetrics(method=method_cfg.name, region=peer_cfg.region)
-    peer = Peer(peer_cfg, method_cfg, trainer, lambda: HivemindTransport.create(swarm_cfg), metrics=metrics)
+    peer = make_peer(peer_cfg, method_cfg, trainer, lambda: HivemindTransport.create(swarm_cfg), metrics=metrics)
     resumed_step: int | None = None
     if resume is not None:
         try:

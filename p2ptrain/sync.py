@@ -176,21 +176,30 @@ class RoundRunner:
         """Form a group without a round yet (CoCoDC: the leader picks the fragment)."""
         return await self.transport.form_group(request, decide, timeout=self.join_timeout)
 
-    async def launch(self, rnd: Round, group: Group | JoinRequest, print_: list[float] | None) -> None:
-        """Start ``rnd`` in the background with a formed group, or a request to form one (the task
-        belongs to the runner's TaskGroup)."""
+    async def launch(self, rnd: Round, group: Group | JoinRequest, *, fingerprint: list[float] | None = None,
+                     fingerprint_of: list[torch.Tensor] | None = None, done: threading.Event | None = None) -> None:
+        """Start ``rnd`` in the background with a formed group, or a request to form one (the task belongs to
+        the runner's TaskGroup). The members compare ``fingerprint``, or one taken here (in a worker thread,
+        off the compute thread) of ``fingerprint_of`` (θ at send time: never written in place). ``done`` is set
+        once the round is ARRIVED or ABORTED."""
         if self._group is None:
             rnd.abort()
+            if done is not None:
+                done.set()
             return
         self.stats.in_flight += 1
-        task = self._group.create_task(self._drive(rnd, group, print_), name=f"round-{rnd.key}")
+        task = self._group.create_task(self._drive(rnd, group, fingerprint, fingerprint_of, done),
+                                       name=f"round-{rnd.key}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _drive(self, rnd: Round, group_or_request: Group | JoinRequest, print_: list[float] | None) -> None:
+    async def _drive(self, rnd: Round, group_or_request: Group | JoinRequest, print_: list[float] | None,
+                     print_of: list[torch.Tensor] | None, done: threading.Event | None) -> None:
         last: ReduceResult | None = None
         t0 = time.monotonic()
         try:
+            if print_ is None and print_of is not None:
+                print_ = await asyncio.to_thread(fingerprint, print_of)
             if isinstance(group_or_request, Group):
                 group = group_or_request
             else:
@@ -233,8 +242,12 @@ class RoundRunner:
             log.log(level, "event=round_failed key=%s reason=%s: %s", rnd.key, type(e).__name__, e)
         finally:
             self.stats.in_flight -= 1
-            if self.on_result is not None:
-                self.on_result(rnd, last)
+            try:
+                if self.on_result is not None:
+                    self.on_result(rnd, last)
+            finally:
+                if done is not None:
+                    done.set()
 
     def _account(self, res: ReduceResult, seconds: float) -> None:
         self.stats.bytes_sent += res.bytes_sent

@@ -23,12 +23,16 @@ def pseudo_gradient(theta: Sequence[torch.Tensor], local: Sequence[torch.Tensor]
 
 @torch.no_grad()
 def nesterov_step(theta: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], delta: Sequence[torch.Tensor],
-                  lr: float, mu: float) -> None:
-    """Outer SGD with Nesterov momentum, in place (as ``torch.optim.SGD(nesterov=True)``):
-    ``b ← μ·b + Δ;  θ ← θ − η·(Δ + μ·b)``. ``momentum`` starts at zeros."""
+                  lr: float, mu: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outer SGD with Nesterov momentum (as ``torch.optim.SGD(nesterov=True)``): returns new tensors
+    ``b' = μ·b + Δ;  θ' = θ − η·(Δ + μ·b')`` and leaves ``theta`` and ``momentum`` untouched, so that a
+    reference to an older θ stays that version (the outer state is copy-on-write). ``momentum`` starts at zeros."""
+    new_theta, new_momentum = [], []
     for t, b, d in zip(theta, momentum, delta, strict=True):
-        b.mul_(mu).add_(d)
-        t.sub_(d + mu * b, alpha=lr)
+        b2 = b.mul(mu).add_(d)
+        new_momentum.append(b2)
+        new_theta.append(t.sub(d + mu * b2, alpha=lr))
+    return new_theta, new_momentum
 
 
 @torch.no_grad()

@@ -1,11 +1,13 @@
 """The WAN simulator: M virtual peers in one process, real inner steps, a virtual clock.
 
-Every peer has its own data stream, model replica, inner AdamW and outer loop
-(the same ``p2ptrain.algo`` objects the swarm runs). An inner step costs
-``step_time`` virtual seconds (or its measured wall time); an all-reduce phase
-costs what :class:`~p2ptrain.sim.network.Network` says, starts when every member
-has sent and every member's link is free, and a peer that needs a result before
-it has arrived stalls until it does (the stall is accounted). Peers advance in
+Every peer has its own data stream, model replica, inner AdamW and outer loop,
+driven by the same :class:`~p2ptrain.driver.OuterDriver` (or
+:class:`~p2ptrain.driver.DDPDriver`) a swarm peer runs, over a virtual-clock
+collective (:mod:`p2ptrain.sim.collective`). An inner step costs ``step_time``
+virtual seconds (or its measured wall time); an all-reduce phase costs what
+:class:`~p2ptrain.sim.network.Network` says, starts when every member has sent
+and every member's link is free, and a peer that needs a result before it has
+arrived stalls until it does (the stall is accounted). Peers advance in
 lockstep, one inner step at a time.
 """
 
@@ -19,14 +21,16 @@ from typing import Any, Protocol
 
 import torch
 
+from ..algo.configs import DDPConfig, MethodConfig
 from ..algo.fragments import Fragment, make_fragments, model_units
-from ..algo.methods import DDPConfig, MethodConfig, OuterLoop, Round
-from ..algo.priority import sends_per_window
-from ..collective.butterfly import butterfly_mean, ring_factor
+from ..algo.outer_loop import OuterLoop
+from ..collective.butterfly import ring_factor
 from ..collective.codecs import get_codec
 from ..data import Corpus, DataConfig
+from ..driver import DDPDriver, OuterDriver
 from ..model import ModelConfig
 from ..trainer import TrainerConfig, make_trainer
+from .collective import VirtualSwarm
 from .network import Network, Region, parse_bandwidth, parse_regions
 
 __all__ = ["OuterRun", "RunResult", "RunSpec", "SimConfig", "SimPeer", "Simulator", "replay_utilization"]
@@ -142,26 +146,6 @@ class RunResult:
         }
 
 
-def _mean(payloads: Sequence[Sequence[torch.Tensor]], weights: Sequence[float], codec: Any) -> tuple[list[torch.Tensor], int]:
-    """The peers' weighted mean as a butterfly all-reduce delivers it (shapes of the first peer's tensors),
-    and the encoded size of one peer's vector in bytes (what a ring moves ``2(M−1)/M`` times)."""
-    flats = [torch.cat([t.reshape(-1).float().cpu() for t in ts]) for ts in payloads]
-    out = butterfly_mean(flats, weights, codec)
-    pieces, offset = [], 0
-    for t in payloads[0]:
-        pieces.append(out[offset : offset + t.numel()].view(t.shape).to(t.device))
-        offset += t.numel()
-    return pieces, codec.encoded_size(out.numel())
-
-
-class _Collective:
-    """One fragment round across all peers: every member's Round, then the phases' timing."""
-
-    def __init__(self) -> None:
-        self.rounds: dict[int, Round] = {}
-        self.ready = 0.0
-
-
 class Simulator:
     """Runs :class:`RunSpec` s on one shared corpus with identical seeds and data."""
 
@@ -184,7 +168,7 @@ class Simulator:
                         else "single", peers, spec.method.to_dict())
         wall0 = time.perf_counter()
         if isinstance(spec.method, DDPConfig):
-            _DDPRun(self.sim, spec.method, trainers, self._network(peers), res, on_step).run()
+            DDPRun(self.sim, spec.method, trainers, self._network(peers), res, on_step).run()
         else:
             frags = make_fragments(model_units(trainers[0].model), spec.method.fragments,
                                    spec.method.fragment_mode)  # type: ignore[arg-type]
@@ -207,203 +191,120 @@ class SimPeer(Protocol):
     def apply_outer(self, names: Sequence[str], values: Sequence[torch.Tensor]) -> None: ...
 
 
-class _Base:
-    def __init__(self, sim: SimConfig, cfg: MethodConfig, trainers: Sequence[Any], net: Network,
-                 res: RunResult, on_step: Callable[[int], None] | None) -> None:
-        self.sim, self.cfg, self.trainers, self.net, self.res, self.on_step = sim, cfg, trainers, net, res, on_step
-        self.codec = get_codec(cfg.codec)
-        self.m = len(trainers)
-        self.clock = [0.0] * self.m
-        self.compute = [0.0] * self.m
-        self.stall = [0.0] * self.m
+class _Run:
+    """M virtual peers in lockstep: every peer takes an inner step, then every driver advances until all are
+    through the step (a driver blocked on the others is polled again once a collective ran)."""
 
-    def _inner_step(self, i: int) -> None:
-        st = self.trainers[i].step()
-        dt = self.sim.step_time if self.sim.step_time is not None else st.seconds
-        self.clock[i] += dt
-        self.compute[i] += dt
+    def __init__(self, sim: SimConfig, cfg: MethodConfig, trainers: Sequence[Any], net: Network, res: RunResult,
+                 on_step: Callable[[int], None] | None, *, late_ok: bool = False) -> None:
+        self.sim, self.cfg, self.trainers, self.net, self.res, self.on_step = sim, cfg, trainers, net, res, on_step
+        self.m = len(trainers)
+        self.swarm = VirtualSwarm(self.m, net, get_codec(cfg.codec), step_time=sim.step_time or 0.1, late_ok=late_ok)
+
+    def _all(self, advance: Callable[[int], bool], what: str) -> None:
+        """Call ``advance(i)`` for every peer until each returned True (a virtual collective blocks a peer
+        until the others have acted)."""
+        pending = set(range(self.m))
+        for _ in range(10_000):
+            events = self.swarm.events
+            progressed = False
+            for i in sorted(pending):
+                if advance(i):
+                    pending.discard(i)
+                    progressed = True
+            progressed |= self.swarm.complete() or self.swarm.events != events
+            if not pending:
+                return
+            if not progressed:
+                raise RuntimeError(f"simulator: peers cannot make progress at {what} (schedules disagree)")
+        raise RuntimeError(f"simulator: too many passes at {what}")
 
     def _eval(self, step: int, params: dict[str, torch.Tensor] | None) -> None:
         loss = self.trainers[0].evaluate(params).loss
-        self.res.evals.append((step, self.clock[0], loss))
+        self.res.evals.append((step, self.swarm.clock[0], loss))
 
     def _finish(self) -> None:
-        self.res.steps = self.sim.steps
-        self.res.compute_seconds = sum(self.compute) / self.m
-        self.res.stall_seconds = sum(self.stall) / self.m
-        self.res.sim_seconds = sum(self.clock) / self.m
+        sw, res = self.swarm, self.res
+        res.steps = self.sim.steps
+        res.compute_seconds = sum(sw.compute) / self.m
+        res.stall_seconds = sum(sw.stall) / self.m
+        res.sim_seconds = sum(sw.clock) / self.m
+        res.bytes_sent_per_peer = sw.acct.bytes_sent_per_peer
+        res.peak_bytes_per_sync = sw.acct.peak_bytes_per_sync
+        res.syncs = sw.acct.syncs
+        res.trace = list(sw.acct.trace)
+        res.final_loss = res.evals[-1][2]
 
 
-class _DDPRun(_Base):
+class DDPRun(_Run):
     """Gradients all-reduced after every inner step (blocking; no overlap with the backward pass)."""
+
+    def __init__(self, sim: SimConfig, cfg: MethodConfig, trainers: Sequence[Any], net: Network, res: RunResult,
+                 on_step: Callable[[int], None] | None) -> None:
+        super().__init__(sim, cfg, trainers, net, res, on_step)
+        self.drivers = [DDPDriver(tr, self.swarm.view(i)) for i, tr in enumerate(trainers)]
+
+    def _ddp_advance(self, i: int, step: int) -> bool:
+        d = self.drivers[i]
+        if d.round is None:  # forward/backward and send; the average needs every peer's gradients
+            t0 = time.perf_counter()
+            done = d.advance(step)
+            self.swarm.tick(i, self.sim.step_time if self.sim.step_time is not None else time.perf_counter() - t0)
+            return done
+        return d.advance(step)
 
     def run(self) -> None:
         self._eval(0, None)
-        members = list(range(self.m))
         for step in range(1, self.sim.steps + 1):
-            for i, tr in enumerate(self.trainers):
-                t0 = time.perf_counter()
-                tr.model.train()
-                _, tokens = tr.forward_backward()
-                tr.tokens_seen += tokens
-                dt = self.sim.step_time if self.sim.step_time is not None else time.perf_counter() - t0
-                self.clock[i] += dt
-                self.compute[i] += dt
-            if self.m > 1:
-                grads = [list(tr.gradients()) for tr in self.trainers]
-                avg, nbytes = _mean(grads, [1.0] * self.m, self.codec)
-                for tr in self.trainers:
-                    for g, a in zip(tr.gradients(), avg, strict=True):
-                        g.copy_(a)
-                end = self.net.transfer(members, nbytes, max(self.clock))
-                for i in range(self.m):
-                    self.stall[i] += end - self.clock[i]
-                    self.clock[i] = end
-                per_peer = ring_factor(self.m) * nbytes
-                self.res.trace.append((step, step, False, [nbytes]))
-                self.res.bytes_sent_per_peer += per_peer
-                self.res.peak_bytes_per_sync = max(self.res.peak_bytes_per_sync, per_peer)
-                self.res.syncs += 1
-            for tr in self.trainers:
-                tr.optimizer_step()
+            if self.m == 1:
+                st = self.trainers[0].step()
+                self.swarm.tick(0, self.sim.step_time if self.sim.step_time is not None else st.seconds)
+            else:
+                self._all(lambda i, step=step: self._ddp_advance(i, step), f"step {step}")
             if step % self.sim.eval_every == 0 or step == self.sim.steps:
                 self._eval(step, None)
             if self.on_step:
                 self.on_step(step)
-        self.res.final_loss = self.res.evals[-1][2]
         self._finish()
 
 
-class OuterRun(_Base):
-    """One outer-loop method on M virtual peers (any :class:`SimPeer`), on the virtual clock."""
+class OuterRun(_Run):
+    """One outer-loop method on M virtual peers (any :class:`SimPeer`), one :class:`OuterDriver` each."""
 
     def __init__(self, sim: SimConfig, cfg: MethodConfig, peers: Sequence[SimPeer], net: Network, res: RunResult,
                  on_step: Callable[[int], None] | None, frags: Sequence[Fragment]) -> None:
-        super().__init__(sim, cfg, peers, net, res, on_step)
+        self.outers = [OuterLoop(cfg, frags, num_peers=len(peers)) for _ in peers]
+        super().__init__(sim, cfg, peers, net, res, on_step, late_ok=self.outers[0].late_ok)
         self.frags = list(frags)
-        self.outers = [OuterLoop(self.cfg, frags, num_peers=self.m) for _ in range(self.m)]
-        self.history: list[tuple[int, str, int, int]] = []  # (step, "send"/"apply", peer, fragment)
         for o, tr in zip(self.outers, self.trainers, strict=True):
             o.init(tr)
-        if getattr(self.cfg, "sends_per_window", 1) is None:
-            # CoCoDC: N from the (here: configured) bandwidth and step time.
-            frag_bytes = max(self.codec.encoded_size(f.numel) for f in frags) * ring_factor(self.m)
-            bw = min(self.net.bandwidth) / 8.0
-            n = sends_per_window(H=self.cfg.H, P=len(frags), step_time=self.sim.step_time or 0.1,
-                                 fragment_bytes=frag_bytes, bandwidth=bw, latency=self.net.latency(range(self.m)))
-            for o in self.outers:
-                o.set_sends_per_window(n)
-            self.res.config["sends_per_window"] = n
-        self.in_flight: list[list[Round]] = [[] for _ in range(self.m)]
-        self.arrival: dict[Round, float] = {}
-        self.collectives: dict[tuple[int, int], _Collective] = {}
-        self.tokens_at_send = [[0] * len(frags) for _ in range(self.m)]
-        self.corrections: list[float] = []
+        self.drivers = [OuterDriver(o, tr, self.swarm.view(i), negotiate_at_slot=True)
+                        for i, (o, tr) in enumerate(zip(self.outers, self.trainers, strict=True))]
+
+    @property
+    def history(self) -> list[tuple[int, str, int, int]]:
+        """(step, "send"/"apply", peer, fragment) of every peer, each peer's in its own order."""
+        return [(s, kind, i, f) for i, d in enumerate(self.drivers) for s, kind, f in d.stats.history]
 
     def run(self) -> None:
         self._eval(0, self.outers[0].outer_params())
         for step in range(1, self.sim.steps + 1):
-            for i in range(self.m):
-                self._inner_step(i)
-            self._outer(step)
+            for i, tr in enumerate(self.trainers):
+                st = tr.step()
+                self.swarm.tick(i, self.sim.step_time if self.sim.step_time is not None else st.seconds)
+            self._all(lambda i, step=step: self.drivers[i].advance(step), f"step {step}")
             if step % self.sim.eval_every == 0 and step != self.sim.steps:
                 self._eval(step, self.outers[0].outer_params())
             if self.on_step:
                 self.on_step(step)
-        self._drain()
+        self._all(lambda i: self.drivers[i].drain(self.sim.steps), "the final drain")
         self._eval(self.sim.steps, self.outers[0].outer_params())
-        self.res.final_loss = self.res.evals[-1][2]
-        self.res.mean_correction = sum(self.corrections) / len(self.corrections) if self.corrections else 0.0
+        corrections = [c for d in self.drivers for c in d.stats.corrections]
+        self.res.mean_correction = sum(corrections) / len(corrections) if corrections else 0.0
+        self.res.max_delay = max(d.stats.max_delay for d in self.drivers)
+        if self.outers[0].grid is not None:
+            self.res.config["sends_per_window"] = self.outers[0].sends_at(self.sim.steps)
         self._finish()
-
-    def _arrived(self, i: int) -> Callable[[Round], bool]:
-        return lambda r: r in self.arrival and self.arrival[r] <= self.clock[i]
-
-    def _outer(self, step: int) -> None:
-        scores = None
-        if self.outers[0].needs_scores(step):
-            per_peer = [o.drift_scores(tr, step) for o, tr in zip(self.outers, self.trainers, strict=True)]
-            scores = [sum(col) for col in zip(*per_peer, strict=True)]
-        pending = set(range(self.m))
-        for _ in range(10_000):
-            if not pending:
-                return
-            progressed = False
-            for i in sorted(pending):
-                plan = self.outers[i].plan(step, self.in_flight[i], scores, is_arrived=self._arrived(i))
-                if plan.wait:
-                    if all(r in self.arrival for r in plan.wait):
-                        t = max(self.arrival[r] for r in plan.wait)
-                        self.stall[i] += max(0.0, t - self.clock[i])
-                        self.clock[i] = max(self.clock[i], t)
-                        progressed = True
-                    continue
-                if not plan.actions:
-                    pending.discard(i)
-                    progressed = True
-                    continue
-                for kind, x in plan.actions:
-                    if kind == "send":
-                        self._send(i, x, step)
-                    else:
-                        self._apply(i, x, step)
-                progressed = True
-            progressed |= self._complete_collectives()
-            if not progressed:
-                raise RuntimeError(f"simulator: peers cannot make progress at step {step} (schedules disagree)")
-        raise RuntimeError("simulator: too many planning passes in one step")
-
-    def _send(self, i: int, fragment: int, step: int) -> None:
-        tr = self.trainers[i]
-        weight = max(1, tr.tokens_seen - self.tokens_at_send[i][fragment])
-        self.tokens_at_send[i][fragment] = tr.tokens_seen
-        rnd = self.outers[i].start(fragment, step, tr, weight=weight)
-        self.history.append((step, "send", i, fragment))
-        self.in_flight[i].append(rnd)
-        col = self.collectives.setdefault((fragment, rnd.seq), _Collective())
-        col.rounds[i] = rnd
-        col.ready = max(col.ready, self.clock[i])
-
-    def _apply(self, i: int, rnd: Round, step: int) -> None:
-        rep = self.outers[i].finish(rnd, step, self.trainers[i])
-        self.history.append((step, "apply", i, rnd.fragment))
-        self.in_flight[i].remove(rnd)
-        self.res.max_delay = max(self.res.max_delay, rep.delay)
-        if rep.correction_norm:
-            self.corrections.append(rep.correction_norm)
-
-    def _complete_collectives(self) -> bool:
-        done = [k for k, c in self.collectives.items() if len(c.rounds) == self.m]
-        members = list(range(self.m))
-        for key in done:
-            col = self.collectives.pop(key)
-            rounds = [col.rounds[i] for i in members]
-            weights = [r.weight for r in rounds]
-            ready, sent, phase_bytes = col.ready, 0.0, []
-            while rounds[0].payload is not None:
-                avg, nbytes = _mean([r.payload for r in rounds], weights, self.codec)  # type: ignore[misc]
-                phase_bytes.append(nbytes)
-                ready = self.net.transfer(members, nbytes, ready)
-                sent += ring_factor(self.m) * nbytes
-                for r in rounds:
-                    r.receive([a.clone() for a in avg], total_weight=sum(weights), members=self.m)
-            for r in rounds:
-                self.arrival[r] = ready
-            self.res.trace.append((rounds[0].send_step, rounds[0].due, self.outers[0].late_ok, phase_bytes))
-            self.res.bytes_sent_per_peer += sent
-            self.res.peak_bytes_per_sync = max(self.res.peak_bytes_per_sync, sent)
-            self.res.syncs += 1
-        return bool(done)
-
-    def _drain(self) -> None:
-        """Apply every round still in flight at the end, waiting for it (so θ holds all the work)."""
-        self._complete_collectives()
-        for i in range(self.m):
-            for rnd in sorted(self.in_flight[i], key=lambda r: (r.send_step, r.fragment)):
-                t = self.arrival[rnd]
-                self.stall[i] += max(0.0, t - self.clock[i])
-                self.clock[i] = max(self.clock[i], t)
-                self._apply(i, rnd, self.sim.steps)
 
 
 def replay_utilization(res: RunResult, *, bandwidth: float, step_time: float, latency: float = 0.0) -> float:

@@ -16,7 +16,7 @@ def test_pseudo_gradient_sign_is_global_minus_local() -> None:
     locals_ = [torch.tensor([0.5, 2.5]), torch.tensor([1.5, 1.0])]
     mean_delta = sum(pseudo_gradient(theta, [x])[0] for x in locals_) / 2
     t = [theta[0].clone()]
-    nesterov_step(t, [torch.zeros(2)], [mean_delta], lr=1.0, mu=0.0)
+    t, _ = nesterov_step(t, [torch.zeros(2)], [mean_delta], lr=1.0, mu=0.0)
     assert torch.allclose(t[0], (locals_[0] + locals_[1]) / 2)
 
 
@@ -30,16 +30,19 @@ def test_nesterov_matches_torch_sgd() -> None:
     for d in deltas:
         ref.grad = d.clone()
         opt.step()
-        nesterov_step(theta, buf, [d.float()], lr=0.7, mu=0.9)
+        theta, buf = nesterov_step(theta, buf, [d.float()], lr=0.7, mu=0.9)
     assert torch.allclose(theta[0].double(), ref.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_nesterov_hand_computed_two_steps() -> None:
     theta, buf = [torch.tensor([1.0])], [torch.zeros(1)]
-    nesterov_step(theta, buf, [torch.tensor([0.5])], lr=0.1, mu=0.9)
+    before = [theta[0].clone(), buf[0].clone()]
+    old = list(theta)
+    theta, buf = nesterov_step(theta, buf, [torch.tensor([0.5])], lr=0.1, mu=0.9)
+    assert torch.equal(old[0], before[0])  # copy-on-write: the old θ is untouched
     # b = 0.5; θ = 1 − 0.1·(0.5 + 0.9·0.5) = 0.905
     assert torch.allclose(theta[0], torch.tensor([0.905])) and torch.allclose(buf[0], torch.tensor([0.5]))
-    nesterov_step(theta, buf, [torch.tensor([0.2])], lr=0.1, mu=0.9)
+    theta, buf = nesterov_step(theta, buf, [torch.tensor([0.2])], lr=0.1, mu=0.9)
     # b = 0.9·0.5 + 0.2 = 0.65; θ = 0.905 − 0.1·(0.2 + 0.9·0.65) = 0.8265
     assert torch.allclose(theta[0], torch.tensor([0.8265]))
 

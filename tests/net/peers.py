@@ -13,7 +13,7 @@ from p2ptrain.data import Corpus, DataConfig
 from p2ptrain.model import ModelConfig
 from p2ptrain.net.memory import MemorySwarm
 from p2ptrain.net.transport import Transport
-from p2ptrain.peer import Peer, PeerConfig, PeerSummary
+from p2ptrain.peer import PeerConfig, PeerSummary, make_peer
 from p2ptrain.sync import NetLoop
 from p2ptrain.trainer import TrainerConfig, make_trainer
 
@@ -33,7 +33,7 @@ class Spec:
 @dataclass
 class SwarmRun:
     results: list[PeerSummary | None]
-    peers: list[Peer]
+    peers: list[Any]
     errors: list[BaseException] = field(default_factory=list)
     step_rates: list[float] = field(default_factory=list)
 
@@ -84,8 +84,9 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
             tr.step = slowed  # type: ignore[method-assign]
         cfg = PeerConfig(run_id="t", steps=spec.steps, step_seconds=step_seconds, join_window=join_window,
                          join_timeout=10, heartbeat=0.3, ttl=4.0, drain_timeout=15)
-        peer = Peer(cfg, method, tr, transports(i, list(initial)), net=shared)
-        peer.keep_applied = keep_applied
+        peer = make_peer(cfg, method, tr, transports(i, list(initial)), net=shared)
+        if keep_applied:
+            peer.keep_applied = True  # type: ignore[attr-defined]
         out.peers.append(peer)
     t0 = time.monotonic()
     rates = [0.0] * n
@@ -109,7 +110,7 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
     if hasattr(first.transport, "visible_maddrs"):
         initial.extend(first.net.call(first.transport.visible_maddrs(), 10))  # type: ignore[union-attr]
         for i in range(1, n):
-            out.peers[i]._make_transport = transports(i, list(initial))
+            out.peers[i].transport_factory = transports(i, list(initial))
     if started is not None:
         started(out)  # the peers exist (the first has started): a test may reach into them from now on
     threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(n) if specs[i].run]

@@ -10,8 +10,9 @@ import torch
 from p2ptrain.algo.methods import method_config
 from p2ptrain.data import Corpus
 from p2ptrain.net.memory import MemorySwarm
+from p2ptrain.peer.collective import SwarmCollective
 
-from .peers import Spec, SwarmRun, applied_agree, memory_transports, run_peers
+from .peers import Spec, applied_agree, memory_transports, run_peers
 
 
 @pytest.mark.parametrize("name,knobs", [
@@ -41,19 +42,17 @@ def test_methods_run_and_outer_params_agree(name: str, knobs: dict[str, Any], co
         applied_agree(res)  # after every applied round, θ^(p) is bitwise equal on every peer
 
 
-def test_cocodc_peers_agree_on_n_when_their_links_would_pick_different_ones(corpus: Corpus) -> None:
+def test_cocodc_peers_agree_on_n_when_their_links_would_pick_different_ones(corpus: Corpus,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """N from each peer's own link (the CLI default) used to give each peer its own slot grid, and slot
     groups closed before their members came. Now a window's first slot (a slot for every N) carries
     the members' proposals; its leader sets the smallest for a later window, the same on all."""
     method = method_config("cocodc", H=8, P=2, tau=2, codec="fp32", timeout=10)
     proposals = [6, 4, 8]
 
-    def force(run: SwarmRun) -> None:
-        for peer, n in zip(run.peers, proposals, strict=True):
-            peer._proposed_sends = lambda n=n: n  # type: ignore[method-assign]
-
-    run = run_peers(method, [Spec(steps=260, delay=0.02)] * 3, corpus, memory_transports(), shared_loop=True,
-                    started=force)
+    by_peer = {f"peer{i}": n for i, n in enumerate(proposals)}
+    monkeypatch.setattr(SwarmCollective, "proposed_sends", lambda self, H, P, numels: by_peer[self.peer_id])
+    run = run_peers(method, [Spec(steps=260, delay=0.02)] * 3, corpus, memory_transports(), shared_loop=True)
     assert not run.errors, run.errors
     res = [r for r in run.results if r is not None]
     assert len(res) == 3 and all(r.repairs == 0 for r in res)

@@ -8,7 +8,7 @@ from p2ptrain.algo.methods import method_config
 from p2ptrain.data import Corpus, DataConfig
 from p2ptrain.net.memory import MemorySwarm
 from p2ptrain.net.transport import Transport
-from p2ptrain.peer import Peer, PeerConfig
+from p2ptrain.peer import PeerConfig, make_peer
 from p2ptrain.trainer import TrainerConfig, make_trainer
 
 from .peers import MODEL
@@ -25,7 +25,7 @@ def test_eval_every_logs_theta_loss_at_start_and_every_n_steps(name: str, knobs:
 
     cfg = PeerConfig(run_id="t", steps=10, step_seconds=0.05, join_window=0.2, join_timeout=10, heartbeat=0.3,
                      ttl=3.0, drain_timeout=10, warmup=0.0, eval_every=5)
-    peer = Peer(cfg, method_config(name, timeout=10, **knobs), tr, transport)
+    peer = make_peer(cfg, method_config(name, timeout=10, **knobs), tr, transport)
     summary = peer.run()
     assert [s for _t, s, _l, _e in peer.val_log] == [0, 5, 10]
     assert peer.val_log[0][2] == pytest.approx(initial, abs=1e-6)

@@ -1,0 +1,175 @@
+"""What differs between the outer-loop methods, as one strategy object per method, chosen once from its config.
+
+:class:`~p2ptrain.algo.outer_loop.OuterLoop` does the parts every method shares (per-fragment θ and
+momentum, rounds, the outer Nesterov step, state); a :class:`Rules` says the rest:
+
+=========  =========  =============  ==========================  ===================================
+rules      τ          sends          merge on apply              other
+=========  =========  =============  ==========================  ===================================
+diloco     0          every H        θ_i ← θ
+streaming  τ          o_p = p·⌊H/P⌋  α-merge
+eager      k·H        every H        θ_i ← θ                     restarts; eager: Δ̃_i (per-peer θ)
+cocodc     τ          slots (N)      Taylor compensation         negotiated; applies first; late ok
+dilocox    H          every H        naive/eager: θ_i ← θ;       low-rank compressor; delta applies
+                                     delta: keep local progress  first; naive/eager restart
+=========  =========  =============  ==========================  ===================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .compress import Compressor, Identity, LowRank
+from .configs import (
+    CoCoDCConfig,
+    DDPConfig,
+    DiLoCoConfig,
+    DiLoCoXConfig,
+    EagerConfig,
+    MethodConfig,
+    StreamingConfig,
+)
+from .delay import taylor_compensate
+from .outer import alpha_merge
+from .schedule import streaming_sends
+
+__all__ = ["CoCoDCRules", "DiLoCoXRules", "EagerRules", "Rules", "StreamingRules", "rules_for"]
+
+
+class Rules:
+    """DiLoCo's rules (arXiv 2311.08105), the base every other method changes a part of.
+
+    Attributes:
+        tau: inner steps between a fragment's send and its apply.
+        apply_first: at a step where both fall, applies precede sends. The rules that keep local progress
+            (Taylor, delta) need the new θ before the next snapshot; the rules that restart from θ need the
+            fresh snapshot (and eager its fresh Δ_i) before the apply.
+        restarts_each_round: every round restarts the local model from θ^(i) at send time (local progress
+            leaves with the snapshot and must not be counted again in the next round).
+        eager: the peer's own fresh Δ_i stands in for its share of the stale average (Δ̃_i); θ is per peer.
+        late_ok: a round past its due step is applied when it arrives instead of stalling.
+        negotiated: the swarm agrees on which fragment a slot sends (CoCoDC's adaptive choice).
+    """
+
+    apply_first = False
+    restarts_each_round = False
+    eager = False
+    late_ok = False
+    negotiated = False
+
+    def __init__(self, cfg: MethodConfig) -> None:
+        self.cfg = cfg
+
+    @property
+    def tau(self) -> int:
+        return 0
+
+    def fixed_sends(self, step: int) -> list[int]:
+        """Fragments a fixed schedule sends after inner step ``step`` (> 0)."""
+        return [0] if step > 0 and step % self.cfg.H == 0 else []
+
+    def merge(self, theta: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor],
+              local: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """The local fragment's new values after an apply (θ^(p) just stepped; ``snapshot`` at send time,
+        ``local`` now), and the norm of any delay correction."""
+        return [t.clone() for t in theta], 0.0
+
+    def compressor(self, index: int, seed: int) -> Compressor:
+        return Identity()
+
+
+class StreamingRules(Rules):
+    """Streaming DiLoCo (arXiv 2501.18512): fragment p at offset p·⌊H/P⌋, overlap τ, α-merge."""
+
+    cfg: StreamingConfig
+
+    @property
+    def tau(self) -> int:
+        return self.cfg.tau
+
+    def fixed_sends(self, step: int) -> list[int]:
+        return streaming_sends(step, self.cfg.H, self.cfg.P)
+
+    def merge(self, theta: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor],
+              local: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        return alpha_merge(local, theta, self.cfg.alpha), 0.0
+
+
+class CoCoDCRules(StreamingRules):
+    """CoCoDC (arXiv 2504.17672): slots negotiated by the swarm, Taylor delay compensation, late applies."""
+
+    cfg: CoCoDCConfig
+    apply_first = True
+    negotiated = True
+
+    @property
+    def late_ok(self) -> bool:  # type: ignore[override]
+        return self.cfg.late == "compensate"
+
+    def fixed_sends(self, step: int) -> list[int]:
+        return []  # every send is a slot's negotiated choice
+
+    def merge(self, theta: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor],
+              local: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        return taylor_compensate(theta, snapshot, local, self.cfg.lambda0)
+
+
+class EagerRules(Rules):
+    """Eager updates (arXiv 2502.12996): k whole rounds of overlap, restarting from θ^(i) every round."""
+
+    cfg: EagerConfig
+    restarts_each_round = True
+
+    def __init__(self, cfg: EagerConfig) -> None:
+        super().__init__(cfg)
+        self.eager = cfg.variant == "eager"
+
+    @property
+    def tau(self) -> int:
+        return self.cfg.overlap_rounds * self.cfg.H
+
+
+class DiLoCoXRules(Rules):
+    """DiLoCoX (arXiv 2506.21263): one round of delay, low-rank + quantised pseudo-gradients, a start rule."""
+
+    cfg: DiLoCoXConfig
+
+    def __init__(self, cfg: DiLoCoXConfig) -> None:
+        super().__init__(cfg)
+        self.apply_first = cfg.start_rule == "delta"
+        self.restarts_each_round = cfg.start_rule != "delta"
+        self.eager = cfg.start_rule == "eager"
+
+    @property
+    def tau(self) -> int:
+        return self.cfg.H
+
+    def merge(self, theta: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor],
+              local: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        if self.cfg.start_rule == "delta":  # keep the overlap's progress, rebased on the new θ
+            new, _ = taylor_compensate(theta, snapshot, local, 0.0)
+            return new, 0.0
+        return super().merge(theta, snapshot, local)
+
+    def compressor(self, index: int, seed: int) -> Compressor:
+        c = self.cfg
+        return LowRank(rank=c.rank, rank_min=c.rank_min, rank_max=c.rank_max, energy=c.energy,
+                       error_feedback=c.error_feedback, seed=seed * 1000 + index)
+
+
+_RULES: dict[type[MethodConfig], type[Rules]] = {
+    DiLoCoConfig: Rules, StreamingConfig: StreamingRules, CoCoDCConfig: CoCoDCRules, EagerConfig: EagerRules,
+    DiLoCoXConfig: DiLoCoXRules,
+}
+
+
+def rules_for(cfg: MethodConfig) -> Rules:
+    """The rules of ``cfg``'s method. ValueError for ddp (it has no outer loop) and unknown configs."""
+    if isinstance(cfg, DDPConfig):
+        raise ValueError("ddp has no outer loop: gradients are all-reduced every inner step")
+    try:
+        return _RULES[type(cfg)](cfg)  # type: ignore[arg-type]
+    except KeyError:
+        raise ValueError(f"no outer-loop rules for {type(cfg).__name__}") from None

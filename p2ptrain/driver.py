@@ -1,0 +1,345 @@
+"""The outer loop, written once: plan, send, wait, apply, drain, and CoCoDC's slot negotiation.
+
+An :class:`OuterDriver` runs one peer's :class:`~p2ptrain.algo.outer_loop.OuterLoop` against a
+:class:`Collective`: the simulator plugs in a virtual-clock one (:mod:`p2ptrain.sim.collective`), a swarm peer
+the real round runner (:mod:`p2ptrain.peer.collective`). Both go through the same plan, the same token
+weighting, the same slot decision (:class:`~p2ptrain.algo.slots.SlotLeader`), so what the simulator measures is
+what real peers do. :class:`DDPDriver` is the same for data parallel: one gradient round per inner step.
+
+A collective either blocks until what the driver needs is there (a real swarm: a thread waits) or says "not
+yet" (the simulator: the other virtual peers must act first). So :meth:`OuterDriver.advance` returns False
+when it is blocked and may be called again for the same step: it is idempotent (a fragment is never sent twice
+at one step, an applied round leaves the rounds in flight).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .algo.compress import Identity
+from .algo.outer_loop import LocalParams, OuterLoop
+from .algo.rounds import Action, ApplyReport, Round, RoundState
+from .algo.slots import SlotLeader
+
+__all__ = ["Collective", "DDPDriver", "DriverHooks", "OuterDriver", "Pending", "RoundRequest", "SlotOutcome",
+           "SlotRequest"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundRequest:
+    """How a round meets its peers: its swarm-wide key, the fragment, the logical step, the shape of what
+    this peer sends (``signature``), a slot's already formed group (negotiated sends), and what proves this
+    peer's state: ``fingerprint`` given, or taken of the round's θ at send time when ``check_theta``."""
+
+    key: str
+    fragment: int
+    step: int
+    signature: str = ""
+    group: Any = None
+    check_theta: bool = False
+    fingerprint: list[float] | None = None
+
+
+@dataclass
+class SlotRequest:
+    """One member's view of a CoCoDC slot, for its leader (see :class:`~p2ptrain.algo.slots.SlotView`)."""
+
+    key: str
+    step: int
+    scores: list[float] | None
+    busy: list[int]
+    last_sent: list[int]
+    sends: int | None
+
+
+@dataclass
+class SlotOutcome:
+    """A slot's decision: the fragment (None: nothing to send), a change of N ``(N, from_step)`` if any, and
+    the group it formed (handed back with the send)."""
+
+    fragment: int | None
+    schedule: tuple[int, int] | None = None
+    group: Any = None
+    leader: str = ""
+    members: int = 0
+
+
+class Pending(Protocol):
+    """A slot negotiation in progress."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> SlotOutcome: ...  # raises when the negotiation failed
+
+
+class Collective(Protocol):
+    """What a driver needs of the rounds' transport: start, tell, wait, negotiate."""
+
+    def launch(self, rnd: Round, request: RoundRequest) -> None:
+        """Start ``rnd``'s all-reduce in the background (it ends ARRIVED or ABORTED)."""
+
+    def arrived(self, rnd: Round) -> bool:
+        """Whether ``rnd``'s result is here for this peer now."""
+
+    def wait(self, rounds: Sequence[Round]) -> bool:
+        """Wait until every round is finished (arrived or aborted) and return True; or return False at once
+        when that cannot happen before other peers act (a virtual clock)."""
+
+    def negotiate(self, request: SlotRequest, leader: SlotLeader) -> Pending:
+        """Join slot ``request.key``; whoever leads it decides with its own ``leader``."""
+
+    def settle(self, pending: Pending) -> bool:
+        """Wait for a negotiation to end (True), or False at once if it cannot end before others act."""
+
+    def expected_members(self) -> int:
+        """How many peers a round is expected to have (the live view)."""
+
+    def proposed_sends(self, H: int, P: int, numels: Sequence[int]) -> int | None:
+        """CoCoDC's N that this peer's link can carry, or None when nothing is measured yet."""
+
+
+class DriverHooks:
+    """What a peer adds around the loop (replica state, repair, metrics, checkpoints). No-ops here."""
+
+    def after_send(self, rnd: Round) -> None:
+        """``rnd`` was just started (under the driver's lock)."""
+
+    def repair(self, rnd: Round) -> None:
+        """``rnd`` says this peer's state left the majority's: take theirs before applying it."""
+
+    def after_apply(self, rnd: Round, report: ApplyReport | None) -> None:
+        """``rnd`` was applied (under the driver's lock); ``report`` is None for a data-parallel step."""
+
+
+@dataclass
+class _Stats:
+    max_delay: int = 0
+    corrections: list[float] = field(default_factory=list)
+    history: list[tuple[int, str, int]] = field(default_factory=list)  # (step, "send"/"apply", fragment)
+
+
+class OuterDriver:
+    """One peer's outer loop over a collective (see the module docstring).
+
+    Args:
+        outer: the method's outer loop (initialised).
+        params: the peer's live model (snapshots, writes, and ``tokens_seen`` for token weighting).
+        collective: where rounds run.
+        hooks: the peer's additions around sends and applies.
+        lock: held while the outer state changes (a state provider on another thread reads it under it).
+        negotiate_at_slot: wait for a slot's decision before the next inner step (the simulator, and tests that
+            need a deterministic schedule); otherwise a slot's send starts whenever its decision is in.
+        slot_lag: logical steps after a slot by which every member holds its decision (a change of N starts
+            no earlier); see :class:`~p2ptrain.algo.slots.SlotLeader`.
+        tokens: tokens trained so far (default ``params.tokens_seen``): a round's weight is those since the
+            fragment's last send.
+    """
+
+    def __init__(self, outer: OuterLoop, params: LocalParams, collective: Collective, *,
+                 hooks: DriverHooks | None = None, lock: contextlib.AbstractContextManager[Any] | None = None,
+                 negotiate_at_slot: bool = False, slot_lag: int = 1,
+                 tokens: Callable[[], int] | None = None) -> None:
+        if not outer.initialized:
+            raise ValueError("the outer loop must be initialised (OuterLoop.init) before it is driven")
+        self.outer, self.params, self.collective = outer, params, collective
+        self.hooks = hooks or DriverHooks()
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.negotiate_at_slot = negotiate_at_slot
+        self.leader = SlotLeader(outer.cfg.H, slot_lag) if outer.negotiated else None
+        self._tokens = tokens or (lambda: int(params.tokens_seen))  # type: ignore[attr-defined]
+        self.tokens_at_send = [0] * len(outer.fragments)
+        self.in_flight: list[Round] = []
+        self.pending: list[tuple[int, Pending]] = []  # CoCoDC negotiations: (slot, decision to come)
+        self.last_slot = -1
+        self.applied = 0
+        self.stats = _Stats()
+
+    # ------------------------------------------------------------------ one step
+    def advance(self, step: int) -> bool:
+        """Do what the method does after logical step ``step``; False when blocked (call again)."""
+        if not self._plan(step):
+            return False
+        o = self.outer
+        if o.negotiated and step > self.last_slot and o.is_slot(step):
+            self.last_slot = step  # once per slot: a step seen again (blocked, or a faster inner loop) is not
+            self._negotiate(step)
+        if self.negotiate_at_slot and not all(self.collective.settle(p) for _, p in self.pending):
+            return False
+        if self._start_negotiated(step):
+            return self._plan(step)  # a round due at once (τ = 0) is applied within its step
+        return True
+
+    def _plan(self, step: int) -> bool:
+        for _ in range(1000):
+            self.in_flight = [r for r in self.in_flight if r.live]
+            plan = self.outer.plan(step, self.in_flight, is_arrived=self.collective.arrived)
+            if plan.wait:
+                if not self.collective.wait(plan.wait):
+                    return False
+                continue
+            if not plan.actions:
+                return True
+            for action, x in plan.actions:
+                if action is Action.SEND:
+                    assert isinstance(x, int)
+                    self._send(x, step, RoundRequest(key=f"f{x}.L{step}", fragment=x, step=step,
+                                                     signature=self.outer.signature(x)))
+                else:
+                    assert isinstance(x, Round)
+                    self._apply(x, step)
+        raise RuntimeError(f"outer loop made no progress at step {step}")
+
+    def _send(self, fragment: int, step: int, request: RoundRequest) -> Round:
+        tokens = self._tokens()
+        weight = max(1, tokens - self.tokens_at_send[fragment])
+        self.tokens_at_send[fragment] = tokens
+        request.check_theta = self.outer.shared_theta
+        with self.lock:  # a state provider on another thread sees the round in flight with the state it left
+            rnd = self.outer.start(fragment, step, self.params, weight=weight, name=request.key,
+                                   members=self.collective.expected_members())
+            self.in_flight.append(rnd)
+            self.hooks.after_send(rnd)
+        self.stats.history.append((step, "send", fragment))
+        self.collective.launch(rnd, request)
+        return rnd
+
+    def _apply(self, rnd: Round, step: int) -> None:
+        if rnd.divergent:
+            self.hooks.repair(rnd)
+        with self.lock:
+            rep = self.outer.finish(rnd, step, self.params)
+            self.in_flight.remove(rnd)
+            self.hooks.after_apply(rnd, rep)
+        self.applied += 1
+        self.stats.history.append((step, "apply", rnd.fragment))
+        self.stats.max_delay = max(self.stats.max_delay, rep.delay)
+        if rep.correction_norm:
+            self.stats.corrections.append(rep.correction_norm)
+
+    # ------------------------------------------------------------------ CoCoDC's slots
+    def _negotiate(self, slot: int) -> None:
+        o = self.outer
+        assert self.leader is not None
+        with self.lock:
+            scores = o.drift_scores(self.params, slot) if o.needs_scores(slot) else None
+        proposal = None
+        if getattr(o.cfg, "sends_per_window", None) is None:  # N follows the links unless the config fixes it
+            proposal = self.collective.proposed_sends(o.cfg.H, len(o.fragments), [f.numel for f in o.fragments])
+        req = SlotRequest(key=f"slot.L{slot}", step=slot, scores=scores, busy=o.busy_fragments(self.in_flight),
+                          last_sent=o.last_sends(), sends=proposal)
+        self.pending.append((slot, self.collective.negotiate(req, self.leader)))
+
+    def _start_negotiated(self, step: int) -> bool:
+        """Send what the slots decided whose decision is in; True if anything was sent."""
+        keep, sent = [], False
+        for slot, pending in self.pending:
+            if not pending.done():
+                keep.append((slot, pending))
+                continue
+            try:
+                out = pending.result()
+            except Exception as e:  # a slot that formed no group: its fragment waits for a later slot
+                log.info("event=slot_skipped slot=%d reason=%s", slot, e)
+                continue
+            if out.schedule is not None:
+                n, start = out.schedule
+                if start <= step:
+                    log.warning("event=schedule_late slot=%d start=%d step=%d", slot, start, step)
+                try:
+                    with self.lock:
+                        self.outer.schedule_sends(n, start)
+                except ValueError as e:  # a leader that does not follow the rule: keep our N
+                    log.warning("event=schedule_refused slot=%d leader=%s reason=%s", slot, out.leader, e)
+            busy = {r.fragment for r in self.in_flight if r.live}
+            if out.fragment is None or out.fragment in busy:
+                log.info("event=slot_skipped slot=%d leader=%s reason=%s", slot, out.leader[-8:],
+                         "nothing to send" if out.fragment is None else f"fragment {out.fragment} busy here")
+                continue
+            log.info("event=slot_send slot=%d fragment=%d leader=%s members=%d schedule=%s", slot, out.fragment,
+                     out.leader[-8:], out.members, out.schedule)
+            self._send(out.fragment, step, RoundRequest(key=f"slot.L{slot}", fragment=out.fragment, step=step,
+                                                        signature=self.outer.signature(out.fragment),
+                                                        group=out.group))
+            sent = True
+        self.pending = keep
+        return sent
+
+    # ------------------------------------------------------------------ the end
+    def drain(self, step: int) -> bool:
+        """Apply every round still in flight, waiting for each (so θ holds all the work); False when blocked.
+        A round that ends aborted is dropped (its progress stays in θ − θ_i)."""
+        for rnd in sorted([r for r in self.in_flight if r.live], key=lambda r: (r.send_step, r.fragment)):
+            if not self.collective.wait([rnd]):
+                return False
+            if rnd.arrived:
+                self._apply(rnd, step)
+        self.in_flight = [r for r in self.in_flight if r.live]
+        self.pending = []
+        return True
+
+
+class DDPDriver:
+    """Data parallel, written once: forward/backward, a one-phase round of the gradients weighted by tokens,
+    then the optimizer step on the average. A step whose round failed drops its gradient (a lone update would
+    fork the replicas); a divergent peer repairs (``hooks.repair``) instead of stepping."""
+
+    def __init__(self, trainer: Any, collective: Collective, *, hooks: DriverHooks | None = None,
+                 lock: contextlib.AbstractContextManager[Any] | None = None,
+                 fingerprint: Callable[[], list[float]] | None = None) -> None:
+        self.trainer, self.collective = trainer, collective
+        self.hooks = hooks or DriverHooks()
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.fingerprint = fingerprint
+        self.round: Round | None = None
+        self.last_loss = float("nan")
+        self.last_tokens = 0
+
+    def advance(self, step: int) -> bool:
+        """One data-parallel step (``step``: the step being taken, 1-based); False when blocked (call again:
+        the gradients are not computed twice)."""
+        tr = self.trainer
+        if self.round is None:
+            tr.model.train()
+            self.last_loss, self.last_tokens = tr.forward_backward()
+            tr.tokens_seen += self.last_tokens
+            grads = list(tr.gradients())
+            rnd = Round(0, step, step, step, [], grads, float(self.last_tokens), Identity(), name=f"g{step}")
+            rnd.payload = rnd.compressor.begin(grads)
+            rnd.state = RoundState.AVERAGING
+            self.round = rnd
+            print_ = None
+            if self.fingerprint is not None:
+                with self.lock:
+                    print_ = self.fingerprint()
+            self.collective.launch(rnd, RoundRequest(key=rnd.name, fragment=0, step=step, fingerprint=print_))
+        if not self.collective.wait([self.round]):
+            return False
+        rnd, self.round = self.round, None
+        if rnd.arrived and rnd.divergent:
+            self.hooks.repair(rnd)
+            return True
+        with self.lock:  # a state provider must not read half-updated parameters
+            if rnd.arrived and rnd.result is not None:
+                for g, a in zip(tr.gradients(), rnd.result, strict=True):
+                    g.copy_(a)
+                tr.optimizer_step()
+            else:
+                # We missed this step's group: drop the gradient; the next step's fingerprint shows whether
+                # we must take the swarm's state.
+                tr.optimizer.zero_grad(set_to_none=True)
+                tr.step_count += 1
+            self.hooks.after_apply(rnd, None)
+        return True
+
+
+def param_sums(params: dict[str, torch.Tensor]) -> list[float]:
+    """A data-parallel peer's fingerprint: float64 sums of its parameters, one per tensor."""
+    return [float(p.detach().double().sum()) for p in params.values()]

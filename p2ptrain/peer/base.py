@@ -1,0 +1,471 @@
+"""What every kind of swarm peer shares: its life (connect, pace, sync, loop, leave), its services on the
+network loop (heartbeat, state service, round runner), its counters and metrics.
+
+The compute thread (the caller of :meth:`PeerBase.run`) takes inner steps and does every mutation of
+parameters and outer state, in program order. The network lives on a :class:`~p2ptrain.sync.NetLoop`; the two
+meet only through ``NetLoop.submit`` and ``NetLoop.call`` (bounded waits). A peer is a context manager: leaving
+the ``with`` block closes it (leave the swarm, stop the services, stop the loop it owns).
+
+**Pacing (heterogeneous peers).** Rounds are paced by time, not by each peer's own step count: the swarm
+shares a step duration ``step_seconds`` (published in the DHT by the first peer), and the *logical step* is
+``⌊wall time / step_seconds⌋``. Every method's schedule (H, offsets, τ, CoCoDC's slots) runs on logical steps,
+so all peers reach a round at the same moment whatever their speed; each contributes what it computed since
+its last sync, weighted by its tokens. A peer 3× slower than the rest takes fewer inner steps per round and
+never makes the others wait beyond the method's own waiting. (``clock="steps"`` paces by this peer's own
+inner steps instead: see :class:`~p2ptrain.peer.config.PeerConfig`.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import torch
+
+from ..algo.configs import MethodConfig
+from ..checkpoint import state_from_bytes
+from ..collective.codecs import get_codec
+from ..metrics import PeerMetrics
+from ..net.transport import PeerInfo, RoundFailed, Transport
+from ..peer_checkpoint import PeerCheckpoints, resumable_digest
+from ..sync import NetLoop, RoundRunner
+from ..trainer import Trainer
+from .config import PeerConfig, PeerState, PeerSummary
+
+__all__ = ["PeerBase"]
+
+log = logging.getLogger(__name__)
+
+
+class PeerBase:
+    """The run lifecycle of a swarm peer; :class:`~p2ptrain.peer.outer.Peer` and
+    :class:`~p2ptrain.peer.ddp.DDPPeer` add what their kind does at each step."""
+
+    kind: ClassVar[str] = ""
+    #: Whether this kind keeps outer state (θ per fragment), i.e. its checkpoints have an ``outer`` part.
+    has_outer_loop: ClassVar[bool] = False
+
+    def __init__(self, cfg: PeerConfig, method: MethodConfig, trainer: Trainer,
+                 transport: Callable[[], Awaitable[Transport]], *, net: NetLoop | None = None,
+                 on_status: Callable[[dict[str, Any]], None] | None = None, seed: int = 0,
+                 metrics: PeerMetrics | None = None) -> None:
+        self.cfg, self.method, self.trainer = cfg, method, trainer
+        self.transport_factory, self._own_net = transport, net is None
+        self.net = net or NetLoop()
+        self.on_status, self.metrics, self.seed = on_status, metrics, seed
+        device = getattr(trainer, "device", None)
+        # On a GPU the codec quantises there (only the packed payload comes back to the host).
+        self.codec = get_codec(method.codec, device if device is not None and device.type == "cuda" else None)
+        self.state = PeerState.NEW
+        self.transport: Transport | None = None
+        self.runner: RoundRunner | None = None
+        self.lock = threading.Lock()  # guards parameters and outer state against the state service (loop thread)
+        self.step_seconds = cfg.step_seconds
+        self.last_lstep = -1
+        self.compute = 0.0
+        self.catchup_stall = 0.0
+        self.last_loss = math.nan
+        self.loss_log: list[tuple[float, int, float]] = []  # (unix time, inner step, train loss)
+        # (unix time, inner step, val loss of θ, eval seconds so far) every ``eval_every`` steps
+        self.val_log: list[tuple[float, int, float, float]] = []
+        self.eval_seconds = 0.0
+        self.loop_seconds = 0.0  # wall time of the inner-step loop (without start-up and the final drain)
+        self.drain_seconds = 0.0
+        self.loop_started = math.nan  # unix time the inner-step loop started
+        self._t_start: float | None = None
+        self._stop = threading.Event()
+        self._bytes_seen = (0, 0)
+        self._warm_until = 0.0
+        self._service: Any = None
+        self._stopping: asyncio.Event | None = None
+        self.checkpoints = (PeerCheckpoints(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
+                            if cfg.checkpoint_dir else None)
+        self.resume_state: dict[str, Any] | None = None  # set by PeerCheckpoints.restore before start()
+        self.synced_from: str | None = None  # the peer whose state this one took at start, if any
+        # Set by a driver that decides the pacing for several namespaces (p2ptrain.staged): publish
+        # step_seconds as given instead of taking this namespace's published value.
+        self.fixed_pacing = False
+        self.announce_extra: dict[str, Any] = {}  # more fields of this peer's announcement (its stage)
+
+    # ------------------------------------------------------------------ what each kind adds
+    def _init_state(self, resumed: dict[str, Any] | None) -> None:
+        """Set up the method's state at start (from a checkpoint's state when resuming)."""
+
+    def _provide(self, name: str) -> bytes | None:
+        """State other peers may ask for (called in the network loop's worker thread)."""
+        return None
+
+    def _take_state(self, state: dict[str, Any], source: str, keep_progress: bool) -> None:
+        """Take a downloaded ``outer`` state (ValueError/KeyError if it does not fit)."""
+
+    def step(self) -> None:
+        """One iteration of the compute loop."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Finish what is in flight before leaving."""
+
+    def theta(self) -> dict[str, torch.Tensor]:
+        """The parameters this peer's run produces (evaluation, summary)."""
+        return {n: p.detach().float().clone() for n, p in self.trainer.params.items()}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This kind's part of a checkpoint (see :mod:`p2ptrain.peer_checkpoint`)."""
+        return {"outer": None, "applied": 0, "tokens_at_send": []}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Put a checkpoint's state into a peer that has not started (the outer state is taken at start)."""
+        self.trainer.load_state_dict(state["trainer"])
+        self.resume_state = state
+
+    @property
+    def applied(self) -> int:
+        return 0
+
+    @property
+    def repairs(self) -> int:
+        return 0
+
+    @property
+    def stuck(self) -> int:
+        return 0
+
+    @property
+    def stall(self) -> float:
+        return self.catchup_stall
+
+    # ------------------------------------------------------------------ identity & clock
+    @property
+    def peer_id(self) -> str:
+        assert self.transport is not None
+        return self.transport.peer_id
+
+    @property
+    def started(self) -> bool:
+        return self.state is PeerState.STARTED
+
+    def logical_step(self, now: float | None = None) -> int:
+        if self.cfg.clock == "steps":
+            return self.trainer.step_count
+        assert self.step_seconds is not None
+        return int((time.time() if now is None else now) / self.step_seconds)
+
+    def request_stop(self) -> None:
+        """Ask the compute loop to leave at its next step (thread-safe; used by signal handlers)."""
+        self._stop.set()
+
+    def __enter__(self) -> PeerBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self) -> None:
+        """Connect (retrying is the transport's job) and start the background services (idempotent)."""
+        if self.transport is not None:
+            return
+        self.transport = self.net.call(self.transport_factory(), timeout=self.cfg.join_timeout + 60)
+        self.transport.serve_state(self._provide)
+        self.runner = RoundRunner(self.transport, self.codec, join_timeout=self.cfg.join_timeout,
+                                  round_timeout=self.method.timeout, on_result=self._on_round)
+        self._service = self.net.submit(self._serve())
+        self.runner.wait_ready(10)
+        self.state = PeerState.CONNECTED
+        self._connected()
+
+    def _connected(self) -> None:
+        """Hook: the transport and runner exist."""
+
+    def published_step_seconds(self) -> float | None:
+        """The pacing this namespace published (the smallest peer id's), or None (after :meth:`connect`)."""
+        assert self.transport is not None
+        metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
+        published = [metas[p]["step_seconds"] for p in sorted(metas) if "step_seconds" in metas[p]]
+        return float(published[0]) if published else None
+
+    def start(self) -> None:
+        """Connect, start the background services, agree on the pacing, and take the swarm's state if it
+        has one."""
+        self.connect()
+        self._agree_pacing()
+        self.compute = 0.0  # steps taken to measure the pacing are start-up, not the loop's compute
+        resumed = self.resume_state
+        self._init_state(resumed)
+        if resumed is not None:
+            digest = resumable_digest(self.trainer.state_dict(), self.checkpoint_state()["outer"])
+            log.info("event=resumed step=%d state=%s", self.trainer.step_count, digest)
+            assert self.runner is not None
+            for k, v in resumed["peer"]["rounds"].items():
+                setattr(self.runner.stats, k, int(v))
+            self.resume_state = None
+        if self.cfg.sync_on_join:
+            # A resumed peer keeps its local progress and own state where the swarm's θ still fits it.
+            self.sync_from_swarm(keep_progress=resumed is not None)
+        self._announce_now()
+        self._warm_until = time.monotonic() + float(self.cfg.warmup or 0.0)
+        self.state = PeerState.STARTED
+        self._on_started()
+
+    def _on_started(self) -> None:
+        """Hook: the peer is paced and synced."""
+
+    async def _serve(self) -> None:
+        assert self.runner is not None
+        self._stopping = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.runner.serve())
+            hb = tg.create_task(self._heartbeat())
+            await self._stopping.wait()
+            hb.cancel()
+            await self.runner.stop()
+
+    async def _heartbeat(self) -> None:
+        assert self.transport is not None
+        while True:
+            try:
+                await asyncio.wait_for(self.transport.announce(self._info()), self.cfg.heartbeat * 2)
+                live = await asyncio.wait_for(self.transport.peers(), self.cfg.heartbeat * 2)
+                self._live_view(len(live))
+                if self.metrics is not None:
+                    self.metrics.live_peers.set(len(live))
+                if self.step_seconds is not None:
+                    await asyncio.wait_for(self.transport.publish_meta({"step_seconds": self.step_seconds}),
+                                           self.cfg.heartbeat * 2)
+            except (TimeoutError, OSError, RoundFailed) as e:
+                log.info("event=heartbeat_failed reason=%s", e)
+            await asyncio.sleep(self.cfg.heartbeat)
+
+    def _live_view(self, live: int) -> None:
+        """Hook: the heartbeat saw ``live`` peers of the run (this one included)."""
+
+    def _round_label(self, rnd: Any) -> str:
+        return str(rnd.fragment)
+
+    def _on_round(self, rnd: Any, last: Any) -> None:
+        """A round arrived or failed (called on the loop thread)."""
+        m = self.metrics
+        if m is None:
+            return
+        outcome = "failed" if not rnd.arrived else ("partial" if last is not None and last.partial else "complete")
+        m.rounds.labels(fragment=self._round_label(rnd), outcome=outcome).inc()
+        st = self.runner.stats if self.runner else None
+        if st is not None:
+            if rnd.arrived and st.seconds:
+                m.round_duration.observe(st.seconds[-1])
+            m.bandwidth.set(st.bandwidth)
+            m.rounds_in_flight.set(st.in_flight)
+            m.bytes_sent.labels(codec=self.codec.name).inc(max(0, st.bytes_sent - self._bytes_seen[0]))
+            m.bytes_received.labels(codec=self.codec.name).inc(max(0, st.bytes_received - self._bytes_seen[1]))
+            self._bytes_seen = (st.bytes_sent, st.bytes_received)
+
+    def _info(self) -> PeerInfo:
+        st = self.runner.stats if self.runner else None
+        tps = self.trainer.tokens_seen / self.compute if self.compute > 0 else 0.0
+        return PeerInfo(peer_id=self.peer_id, region=self.cfg.region, step=self.trainer.step_count,
+                        logical_step=self.last_lstep, tokens_per_second=tps, bandwidth=st.bandwidth if st else 0.0,
+                        loss=self.last_loss, method=self.method.name,
+                        extra={"rounds": st.complete + st.partial if st else 0, "in_flight": st.in_flight if st else 0,
+                               **self.announce_extra})
+
+    def _announce_now(self) -> None:
+        assert self.transport is not None
+        try:
+            self.net.call(self.transport.announce(self._info()), timeout=self.cfg.join_timeout)
+        except (TimeoutError, OSError, RoundFailed) as e:
+            log.warning("event=announce_failed reason=%s", e)
+
+    def _agree_pacing(self) -> None:
+        """All peers must share ``step_seconds``: take the published value of the smallest peer id."""
+        assert self.transport is not None
+        if self.fixed_pacing and self.step_seconds is not None:
+            published = []
+        else:
+            metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
+            published = [metas[p]["step_seconds"] for p in sorted(metas) if "step_seconds" in metas[p]]
+        if published:
+            if self.step_seconds is not None and abs(published[0] - self.step_seconds) > 1e-9:
+                log.warning("event=pacing_override mine=%s swarm=%s", self.step_seconds, published[0])
+            self.step_seconds = float(published[0])
+        elif self.step_seconds is None:
+            t0 = time.perf_counter()
+            for _ in range(3):  # measure, and keep the steps: they are real training
+                self._inner_step()
+            self.step_seconds = round(max(0.01, (time.perf_counter() - t0) / 3), 3)
+        self.net.call(self.transport.publish_meta({"step_seconds": self.step_seconds}), timeout=self.cfg.join_timeout)
+        self.last_lstep = self.logical_step()
+
+    def sync_from_swarm(self, keep_progress: bool = False) -> None:
+        """Take the swarm's state, downloaded chunked and hash-verified from the first live peer that
+        delivers it whole (most advanced first). ``keep_progress``: keep local progress and own state where
+        the swarm's still fits (see :meth:`_take_state`)."""
+        assert self.transport is not None
+        others = [p for p in self.net.call(self.transport.peers(), self.cfg.join_timeout) if p.peer_id != self.peer_id]
+        # Most advanced first (it holds the newest θ), then by id so that joiners agree.
+        sources = [i.peer_id for i in sorted(others, key=lambda i: (-i.step, i.peer_id))]
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            if time.monotonic() - last[0] > 2.0 or done == total:
+                last[0] = time.monotonic()
+                log.info("event=state_download bytes=%d total=%d", done, total)
+
+        while sources:
+            try:
+                source, raw = self.net.call(self.transport.download_state(
+                    sources, "outer", timeout=self.cfg.join_timeout, progress=progress), None)
+                state = state_from_bytes(raw, f"state from {source}")
+                self._take_state(state, source, keep_progress)
+            except (RoundFailed, TimeoutError) as e:
+                log.warning("event=sync_failed reason=%s", e)
+                return
+            except (ValueError, KeyError) as e:  # a verified download that does not fit: try the others
+                log.warning("event=sync_rejected peer=%s reason=%s", source, e)
+                sources = sources[sources.index(source) + 1:]
+                continue
+            self.synced_from = source
+            log.info("event=synced_from peer=%s", source)
+            return
+
+    def fetch(self, peer: str, name: str) -> bytes:
+        """Download state ``name`` from ``peer`` (RoundFailed/TimeoutError when it has none or is gone)."""
+        assert self.transport is not None
+        return self.net.call(self.transport.fetch_state(peer, name, timeout=self.cfg.join_timeout),
+                             self.cfg.join_timeout + 5)
+
+    def close(self) -> None:
+        """Leave the swarm and stop the network (idempotent)."""
+        if self.state is PeerState.CLOSED:
+            return
+        if self.transport is not None:
+            try:
+                self.net.call(self.transport.leave(), timeout=5)
+            except (TimeoutError, OSError, RoundFailed, RuntimeError):
+                pass
+        if self._stopping is not None:
+            self.net.loop.call_soon_threadsafe(self._stopping.set)
+            try:
+                self._service.result(timeout=15)
+            except Exception as e:
+                log.warning("event=service_stop reason=%s", e)
+            self._stopping = None
+        if self.transport is not None and hasattr(self.transport, "aclose"):
+            try:
+                self.net.call(self.transport.aclose(), timeout=15)  # type: ignore[attr-defined]
+            except (TimeoutError, RuntimeError) as e:
+                log.warning("event=transport_close reason=%s", e)
+        self._closed()
+        if self._own_net:
+            self.net.close()
+        self.state = PeerState.CLOSED
+
+    def _closed(self) -> None:
+        """Hook: the services stopped (release what the kind owns)."""
+
+    # ------------------------------------------------------------------ the compute loop
+    def run(self) -> PeerSummary:
+        """Train until ``cfg.steps`` inner steps (or :meth:`request_stop`), then drain and summarise."""
+        t0 = time.perf_counter()
+        try:
+            if self.state is not PeerState.STARTED:
+                self.start()
+            self.begin_loop()
+            self.eval_theta()
+            while self.trainer.step_count < self.cfg.steps and not self._stop.is_set():
+                self.step()
+                if self.cfg.eval_every and self.trainer.step_count % self.cfg.eval_every == 0:
+                    self.eval_theta()
+                self._status()
+            self.end_loop()
+            if self.checkpoints is not None:
+                self.checkpoints.save(self, "leave")
+            return self.summary(time.perf_counter() - t0)
+        finally:
+            self.close()
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether this peer's rounds follow its own inner steps (``clock="steps"``; data parallel always): it
+        then waits out its warm-up before the first step, so that every peer sees it before a round forms."""
+        return self.cfg.clock == "steps"
+
+    def begin_loop(self, t: float | None = None) -> None:
+        """The inner-step loop starts now (or at ``t``, perf_counter): its time and compute count from here."""
+        if self.lockstep:
+            time.sleep(max(0.0, self._warm_until - time.monotonic()))
+        self._t_start = time.perf_counter() if t is None else t
+        self.loop_started = time.time()
+
+    def end_loop(self) -> None:
+        """The inner-step loop is over: record its time, then drain what is in flight."""
+        assert self._t_start is not None
+        self.loop_seconds = time.perf_counter() - self._t_start
+        t_drain = time.perf_counter()
+        self.drain()
+        self.drain_seconds = time.perf_counter() - t_drain
+
+    def eval_theta(self) -> None:
+        """Validation loss of θ now (``eval_every``), logged with the time; not counted as compute."""
+        if not self.cfg.eval_every:
+            return
+        t0 = time.perf_counter()
+        with self.lock:
+            loss = self.trainer.evaluate(self._eval_params()).loss
+        self.trainer.model.train()
+        self.eval_seconds += time.perf_counter() - t0
+        self.val_log.append((time.time(), self.trainer.step_count, loss, self.eval_seconds))
+
+    def _eval_params(self) -> dict[str, torch.Tensor] | None:
+        return None
+
+    def _inner_step(self) -> None:
+        st = self.trainer.step()
+        seconds = st.seconds
+        if seconds < self.cfg.min_step_seconds:
+            time.sleep(self.cfg.min_step_seconds - seconds)
+            seconds = self.cfg.min_step_seconds
+        self.record_step(st.loss, st.tokens, seconds)
+
+    def record_step(self, loss: float, tokens: int, seconds: float) -> None:
+        """Count an inner step taken (here, or by a driver that steps several peers' shared model)."""
+        self.compute += seconds
+        self.last_loss = loss
+        self.loss_log.append((time.time(), self.trainer.step_count, loss))
+        m = self.metrics
+        if m is None:
+            return
+        m.inner_steps.inc()
+        m.tokens.inc(tokens)
+        m.train_loss.set(loss)
+        if self.compute > 0:
+            m.tokens_per_second.set(self.trainer.tokens_seen / self.compute)
+        if self._t_start is not None:
+            m.utilization.set(self.compute / max(1e-9, time.perf_counter() - self._t_start))
+
+    def _status(self) -> None:
+        if self.on_status is None or self.runner is None:
+            return
+        st = self.runner.stats
+        self.on_status({"step": self.trainer.step_count, "loss": self.last_loss,
+                        "tokens_per_second": self.trainer.tokens_seen / self.compute if self.compute else 0.0,
+                        "rounds": st.complete + st.partial, "failed": st.failed, "in_flight": st.in_flight,
+                        "logical_step": self.last_lstep})
+
+    def _applied_digests(self) -> dict[str, tuple[str, list[torch.Tensor]]]:
+        return {}
+
+    def summary(self, wall: float) -> PeerSummary:
+        st = self.runner.stats if self.runner else None
+        return PeerSummary(
+            peer_id=self.peer_id, steps=self.trainer.step_count, wall_seconds=wall, compute_seconds=self.compute,
+            stall_seconds=self.stall, rounds_complete=st.complete if st else 0, rounds_partial=st.partial if st else 0,
+            rounds_failed=st.failed if st else 0, rounds_applied=self.applied, repairs=self.repairs,
+            bytes_sent=st.bytes_sent if st else 0, bytes_received=st.bytes_received if st else 0,
+            final_train_loss=self.last_loss, outer_params=self.theta(), applied=self._applied_digests(),
+            loop_seconds=self.loop_seconds, drain_seconds=self.drain_seconds, stuck_rounds=self.stuck,
+            eval_seconds=self.eval_seconds)

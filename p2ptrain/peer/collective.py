@@ -1,0 +1,124 @@
+"""A swarm peer's collective: the driver's rounds on the real round runner, across the thread seam.
+
+The driver runs on the compute thread; rounds run on the network loop (:class:`~p2ptrain.sync.NetLoop`,
+:class:`~p2ptrain.sync.RoundRunner`). :class:`SwarmCollective` is the one place where the two meet for the
+outer loop: a launch is a ``submit`` to the loop, a wait is a bounded wait on the round's completion event, a
+slot negotiation is a future whose decision the leader makes on its own loop thread with the driver's
+:class:`~p2ptrain.algo.slots.SlotLeader`. Every wait has a limit: a round that outlives its own timeouts is
+aborted here and counted as stuck.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..algo.priority import sends_per_window
+from ..algo.rounds import Round
+from ..algo.slots import SlotLeader
+from ..collective.codecs import Codec
+from ..driver import RoundRequest, SlotOutcome, SlotRequest
+from ..net.transport import Decision, Group, JoinRequest
+from ..sync import NetLoop, RoundRunner
+
+__all__ = ["SwarmCollective"]
+
+log = logging.getLogger(__name__)
+
+
+class _GroupPending:
+    """A slot negotiation on the network loop; its result is the group the slot's leader formed."""
+
+    def __init__(self, fut: concurrent.futures.Future[Group]) -> None:
+        self.fut = fut
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def result(self) -> SlotOutcome:
+        group = self.fut.result(timeout=0)
+        return SlotOutcome(group.fragment, group.schedule, group, group.leader, len(group.members))
+
+
+class SwarmCollective:
+    """The :class:`~p2ptrain.driver.Collective` of a swarm peer.
+
+    Args:
+        net, runner: the network loop and the round runner on it.
+        peer_id: this peer's id (its join requests carry it).
+        codec: the wire codec (for CoCoDC's N: bytes per fragment on the wire).
+        join_timeout: seconds a slot's group may take to form.
+        wait_limit: seconds the compute thread waits for one round before it aborts it as stuck (beyond the
+            round's own timeouts, which normally end it first).
+        step_seconds: the swarm's step duration now (for CoCoDC's N).
+    """
+
+    def __init__(self, net: NetLoop, runner: RoundRunner, *, peer_id: str, codec: Codec, join_timeout: float,
+                 wait_limit: float, step_seconds: Callable[[], float | None]) -> None:
+        self.net, self.runner, self.peer_id, self.codec = net, runner, peer_id, codec
+        self.join_timeout, self.wait_limit, self._step_seconds = join_timeout, wait_limit, step_seconds
+        self._done: weakref.WeakKeyDictionary[Round, threading.Event] = weakref.WeakKeyDictionary()
+        self.members = 1  # the live view's size, refreshed by the peer's heartbeat
+        self.stall = 0.0  # seconds the compute thread waited for rounds
+        self.stuck = 0  # rounds aborted here: their own timeouts never fired
+        self.deadline: float | None = None  # perf_counter time every wait ends by (leaving: the drain's limit)
+
+    def launch(self, rnd: Round, request: RoundRequest) -> None:
+        target: Group | JoinRequest
+        if request.group is not None:
+            target = request.group
+        else:
+            target = JoinRequest(key=request.key, peer_id=self.peer_id, weight=rnd.weight, fragment=request.fragment,
+                                 step=request.step, signature=request.signature)
+        done = self._done[rnd] = threading.Event()
+        self.net.submit(self.runner.launch(rnd, target, fingerprint=request.fingerprint,
+                                           fingerprint_of=rnd.theta if request.check_theta else None, done=done))
+
+    def arrived(self, rnd: Round) -> bool:
+        return rnd.arrived
+
+    def wait(self, rounds: Sequence[Round]) -> bool:
+        t0 = time.perf_counter()
+        end = t0 + self.wait_limit if self.deadline is None else min(t0 + self.wait_limit, self.deadline)
+        for r in rounds:
+            ev = self._done.get(r)
+            if ev is None or ev.wait(max(0.0, end - time.perf_counter())):
+                continue
+            log.warning("event=round_timeout key=%s%s", r.key, "" if self.deadline is None else " when=leaving")
+            self.stuck += 1
+            r.abort()
+        self.stall += time.perf_counter() - t0
+        return True
+
+    def negotiate(self, request: SlotRequest, leader: SlotLeader) -> _GroupPending:
+        req = JoinRequest(key=request.key, peer_id=self.peer_id, weight=1.0, fragment=None, scores=request.scores,
+                          busy=request.busy, last_sent=request.last_sent, step=request.step, sends=request.sends)
+
+        def decide(views: Sequence[JoinRequest]) -> Decision:  # on the loop thread, when this peer leads
+            return Decision(*leader.decide(views))
+
+        return _GroupPending(self.net.submit(self.runner.negotiate(req, decide)))
+
+    def settle(self, pending: Any) -> bool:
+        t0 = time.perf_counter()
+        try:
+            pending.fut.result(timeout=self.join_timeout + 5)
+        except Exception as e:  # the driver skips a slot that formed no group
+            log.debug("event=slot_failed reason=%s", e)
+        self.stall += time.perf_counter() - t0
+        return True
+
+    def expected_members(self) -> int:
+        return max(1, self.members)
+
+    def proposed_sends(self, H: int, P: int, numels: Sequence[int]) -> int | None:
+        bw, step_seconds = self.runner.stats.bandwidth, self._step_seconds()
+        if bw <= 0 or not step_seconds:
+            return None
+        frag_bytes = max(self.codec.encoded_size(n) for n in numels)
+        return sends_per_window(H=H, P=P, step_time=step_seconds, fragment_bytes=frag_bytes, bandwidth=bw)

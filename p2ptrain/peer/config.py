@@ -1,0 +1,118 @@
+"""A peer's configuration, its life's states, and the summary it leaves with."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = ["PeerConfig", "PeerState", "PeerSummary"]
+
+
+class PeerState(enum.Enum):
+    """NEW → CONNECTED (transport up, services running) → STARTED (paced, synced) → CLOSED."""
+
+    NEW = "new"
+    CONNECTED = "connected"
+    STARTED = "started"
+    CLOSED = "closed"
+
+
+@dataclass(kw_only=True)
+class PeerConfig:
+    """A peer's place in a run.
+
+    Attributes:
+        run_id: the run's name; peers of one run find each other under it.
+        region: a free-form label (announced, shown by ``status``).
+        steps: leave cleanly after this many inner steps.
+        step_seconds: the swarm's logical step duration (round pacing). None: take the run's
+            published value, or (first peer) measure the first inner steps and publish that.
+        join_window: seconds a round's leader waits for live peers to join before it closes the group.
+        join_timeout: seconds a peer waits for its group to form.
+        heartbeat: seconds between announcements; an announcement expires after ``ttl``.
+        sync_on_join: a peer that finds a live swarm downloads θ and the outer state first.
+        drain_timeout: seconds to wait for rounds still in flight when leaving.
+        min_step_seconds: pad every inner step to at least this long (emulates a slower device in
+            tests and demos; the padding counts as compute).
+        warmup: seconds after joining before taking part in rounds (None: three heartbeats), so that
+            every peer's view of who is live includes us before a group can form without us.
+        checkpoint_dir: where to write checkpoints (None: none); every ``checkpoint_every`` applied
+            rounds (data parallel: steps) and on leave, keeping the last ``keep_checkpoints``.
+        eval_every: evaluate θ on the validation set when the loop starts and every this many inner steps
+            (0: never during the run), for loss-over-time curves (benchmarks' time to a target loss). The
+            time it takes is counted apart (``eval_seconds``), not as compute.
+        clock: ``wall`` (the default): rounds are paced by the swarm's shared clock (see
+            :mod:`p2ptrain.peer`); ``steps``: by this peer's own inner steps, and a CoCoDC slot's decision is
+            waited for before the next step. Every peer of a run must use the same; ``steps`` makes a swarm's
+            schedule exactly the simulator's (the equivalence tests), at the price of peers waiting for the
+            slowest at every round.
+    """
+
+    run_id: str = "p2ptrain"
+    region: str = ""
+    steps: int = 300
+    step_seconds: float | None = None
+    join_window: float = 2.0
+    join_timeout: float = 30.0
+    heartbeat: float = 2.0
+    ttl: float = 8.0
+    sync_on_join: bool = True
+    drain_timeout: float = 60.0
+    min_step_seconds: float = 0.0
+    warmup: float | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    eval_every: int = 0
+    clock: Literal["wall", "steps"] = "wall"
+
+    def __post_init__(self) -> None:
+        if self.clock not in ("wall", "steps"):
+            raise ValueError(f"clock must be 'wall' or 'steps', got {self.clock!r}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0: no evaluation during the run), got {self.eval_every}")
+        if self.warmup is None:
+            self.warmup = 3 * self.heartbeat
+        if not self.run_id or any(c in self.run_id for c in " /"):
+            raise ValueError(f"run id must be a non-empty word without spaces or '/', got {self.run_id!r}")
+        if self.steps < 1:
+            raise ValueError("steps must be at least 1")
+        if self.step_seconds is not None and self.step_seconds <= 0:
+            raise ValueError("step_seconds must be positive")
+        for name in ("join_window", "join_timeout", "heartbeat", "ttl", "drain_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.ttl <= self.heartbeat:
+            raise ValueError("ttl must be longer than the heartbeat period")
+
+
+@dataclass
+class PeerSummary:
+    peer_id: str
+    steps: int
+    wall_seconds: float
+    compute_seconds: float
+    stall_seconds: float
+    rounds_complete: int
+    rounds_partial: int
+    rounds_failed: int
+    rounds_applied: int
+    repairs: int
+    bytes_sent: int
+    bytes_received: int
+    final_train_loss: float
+    val_loss: float = math.nan
+    loop_seconds: float = 0.0  # the inner-step loop alone (no start-up, no final drain)
+    drain_seconds: float = 0.0  # waiting for the rounds in flight when leaving
+    stuck_rounds: int = 0  # rounds that outlived every timeout of their own and were aborted
+    eval_seconds: float = 0.0  # evaluations during the run (``eval_every``), inside loop_seconds
+    outer_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    applied: dict[str, tuple[str, list[torch.Tensor]]] = field(default_factory=dict, repr=False)
+
+    @property
+    def utilization(self) -> float:
+        return self.compute_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0

@@ -1,0 +1,221 @@
+"""A swarm peer of an outer-loop method (diloco, streaming, eager, cocodc, dilocox): the compute loop.
+
+After every inner step the peer moves its :class:`~p2ptrain.driver.OuterDriver` through the logical steps
+that passed (the swarm's shared clock, :mod:`p2ptrain.peer.base`), over a
+:class:`~p2ptrain.peer.collective.SwarmCollective`. Its replica's state for the rest of the swarm (versions,
+state service, catch-up, repair) is a :class:`~p2ptrain.peer.replica.ReplicaState`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, ClassVar
+
+import torch
+
+from ..algo.configs import DDPConfig
+from ..algo.fragments import make_fragments, model_units
+from ..algo.outer_loop import OuterLoop
+from ..algo.rounds import ApplyReport, Round
+from ..driver import DriverHooks, OuterDriver
+from .base import PeerBase
+from .collective import SwarmCollective
+from .replica import ReplicaState
+
+__all__ = ["Peer"]
+
+log = logging.getLogger(__name__)
+
+
+class _Hooks(DriverHooks):
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+
+    def after_send(self, rnd: Round) -> None:
+        self.peer.replica.record_send(rnd)
+
+    def repair(self, rnd: Round) -> None:
+        self.peer.replica.repair(rnd, self.peer.peer_id, self.peer.fetch)
+
+    def after_apply(self, rnd: Round, report: ApplyReport | None) -> None:
+        p = self.peer
+        p.replica.record_apply(rnd)
+        if p.checkpoints is not None:
+            p.checkpoints.count()  # saved after the step (the lock is held here)
+        if p.metrics is not None and report is not None:
+            p.metrics.staleness.observe(report.delay)
+            if report.correction_norm:
+                p.metrics.correction.set(report.correction_norm)
+
+
+class Peer(PeerBase):
+    """One peer of a swarm running an outer-loop method (any transport). ``ddp`` is :class:`DDPPeer`'s."""
+
+    kind: ClassVar[str] = "outer"
+    has_outer_loop: ClassVar[bool] = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(self.method, DDPConfig):
+            raise ValueError("ddp has no outer loop: run it as a DDPPeer (p2ptrain.peer.make_peer picks the kind)")
+        self.frags = make_fragments(model_units(self.trainer.model), self.method.fragments,
+                                    self.method.fragment_mode)  # type: ignore[arg-type]
+        self.outer = OuterLoop(self.method, self.frags, seed=self.seed)
+        self.replica = ReplicaState(self.outer, self.trainer, self.frags, self.lock, self._rounds_in_flight)
+        self.collective: SwarmCollective | None = None
+        self.driver: OuterDriver | None = None
+        self.start_digests: list[str] = []  # digest of θ per fragment when start() returned
+        self._synced_after_warmup = False
+        self._applied_before = 0  # rounds applied before this run (resumed from a checkpoint)
+        self._tokens_resumed: list[int] | None = None
+
+    @property
+    def keep_applied(self) -> bool:
+        return self.replica.keep_applied
+
+    @keep_applied.setter
+    def keep_applied(self, value: bool) -> None:
+        self.replica.keep_applied = value
+
+    def _rounds_in_flight(self) -> list[Round]:
+        return list(self.driver.in_flight) if self.driver is not None else []
+
+    # ------------------------------------------------------------------ what this kind adds to the lifecycle
+    def _connected(self) -> None:
+        assert self.runner is not None and self.transport is not None
+        self.collective = SwarmCollective(
+            self.net, self.runner, peer_id=self.transport.peer_id, codec=self.codec,
+            join_timeout=self.cfg.join_timeout, wait_limit=self.cfg.join_timeout + self.method.timeout * 3,
+            step_seconds=lambda: self.step_seconds)
+
+    def _init_state(self, resumed: dict[str, Any] | None) -> None:
+        assert self.collective is not None and self.step_seconds is not None
+        with self.lock:
+            self.outer.init(self.trainer)
+            if resumed is not None:
+                self.outer.load_state_dict(resumed["outer"])
+        # A slot's decision reaches every member within two join windows (and a second of slack).
+        lag = 1 if self.cfg.clock == "steps" else math.ceil((2 * self.cfg.join_window + 1.0) / self.step_seconds)
+        self.driver = OuterDriver(self.outer, self.trainer, self.collective, hooks=_Hooks(self), lock=self.lock,
+                                  negotiate_at_slot=self.cfg.clock == "steps", slot_lag=lag)
+        if self._tokens_resumed is not None and len(self._tokens_resumed) == len(self.driver.tokens_at_send):
+            self.driver.tokens_at_send = list(self._tokens_resumed)
+
+    def _on_started(self) -> None:
+        with self.lock:
+            self.start_digests = self.replica.theta_digests()
+
+    def _live_view(self, live: int) -> None:
+        if self.collective is not None:
+            self.collective.members = live
+
+    def _provide(self, name: str) -> bytes | None:
+        return self.replica.provide(name)
+
+    def _take_state(self, state: dict[str, Any], source: str, keep_progress: bool) -> None:
+        self.replica.take(state, keep_progress)
+        t0 = time.perf_counter()
+        self.replica.catch_up(source, state.get("pending", []), keep_progress, self.fetch,
+                              deadline=time.monotonic() + self.method.timeout + self.cfg.join_timeout,
+                              poll=0.25 * (self.step_seconds or 0.2))
+        self.catchup_stall += time.perf_counter() - t0
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        d = self.driver
+        return {"outer": self.outer.state_dict() if self.outer.initialized else None,
+                "applied": self.applied,
+                "tokens_at_send": list(d.tokens_at_send) if d is not None else [0] * len(self.frags)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        super().restore(state)
+        counters = state["peer"]
+        self._applied_before = int(counters["applied"])
+        self.replica.repairs = int(counters["repairs"])
+        self._tokens_resumed = [int(x) for x in counters["tokens_at_send"]]
+
+    @property
+    def applied(self) -> int:
+        return self._applied_before + (self.driver.applied if self.driver is not None else 0)
+
+    @property
+    def repairs(self) -> int:
+        return self.replica.repairs
+
+    @property
+    def stuck(self) -> int:
+        return self.collective.stuck if self.collective is not None else 0
+
+    @property
+    def stall(self) -> float:
+        return self.catchup_stall + (self.collective.stall if self.collective is not None else 0.0)
+
+    @property
+    def in_flight(self) -> list[Round]:
+        return self._rounds_in_flight()
+
+    @property
+    def served_digests(self) -> list[list[str]]:
+        return self.replica.served_digests
+
+    @property
+    def applied_log(self) -> dict[str, tuple[str, list[torch.Tensor]]]:
+        return self.replica.digests()
+
+    @property
+    def history(self) -> list[tuple[str, tuple[str, ...], bool]]:
+        return self.replica.history
+
+    def theta(self) -> dict[str, torch.Tensor]:
+        return dict(self.outer.outer_params()) if self.outer.initialized else super().theta()
+
+    def _eval_params(self) -> dict[str, torch.Tensor] | None:
+        return dict(self.outer.outer_params())
+
+    def _applied_digests(self) -> dict[str, tuple[str, list[torch.Tensor]]]:
+        return self.replica.digests()
+
+    def _closed(self) -> None:
+        self.replica.close()
+
+    # ------------------------------------------------------------------ the compute loop
+    def step(self) -> None:
+        self._inner_step()
+        self.after_step()
+
+    def after_step(self) -> None:
+        """The outer loop's part after an inner step (taken here, or by a staged driver): every logical step
+        that passed since the last call."""
+        assert self.driver is not None and self.runner is not None
+        lstep = self.logical_step()
+        if time.monotonic() < self._warm_until:
+            # Until the swarm has had time to see our announcement (and we theirs), a round could form
+            # from views that disagree on who is live and split into groups: train locally meanwhile.
+            self.last_lstep = max(self.last_lstep, lstep)
+            return
+        if self.runner.needs_resync.is_set():
+            self.runner.needs_resync.clear()
+            log.warning("event=resync reason=round state differs from the swarm's")
+            self.sync_from_swarm(keep_progress=True)
+        if not self._synced_after_warmup:
+            # The swarm moved on while we warmed up (rounds applied, low-rank ranks adapted): take its
+            # outer state again, keeping the local progress made since the first sync.
+            self._synced_after_warmup = True
+            if self.cfg.sync_on_join:
+                self.sync_from_swarm(keep_progress=True)
+        for step in range(self.last_lstep + 1, lstep + 1) if lstep > self.last_lstep else [lstep]:
+            self.driver.advance(step)
+        self.last_lstep = max(self.last_lstep, lstep)
+        if self.checkpoints is not None:
+            self.checkpoints.save_if_due(self)
+
+    def drain(self) -> None:
+        """Apply what is still in flight (waiting at most ``drain_timeout`` in all)."""
+        if self.driver is None or self.collective is None:
+            return
+        self.collective.deadline = time.perf_counter() + self.cfg.drain_timeout
+        try:
+            self.driver.drain(max(self.last_lstep, self.logical_step()))
+        finally:
+            self.collective.deadline = None

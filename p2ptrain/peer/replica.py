@@ -1,0 +1,205 @@
+"""A replica's state for the rest of the swarm: versions of θ kept for others, the state service, catch-up,
+repair, and the keep-progress rebase (written once, here).
+
+The outer state is copy-on-write (:mod:`p2ptrain.algo.outer_loop`): θ^(p) and its momentum are replaced,
+never written in place. So the versions other peers may ask for are kept as *references*: θ before a round
+(``before:KEY``, for a divergent member's repair) and after it (``after:KEY``, for a joiner catching up on a
+round that was in flight when it took the state), the last ``keep`` of each per fragment. Nothing is
+serialised on the compute thread: the state service runs in the network loop's worker thread, takes the
+references it needs under the lock (microseconds) and serialises them after releasing it.
+
+Digests of θ after every applied round (the record of what this replica held, compared across peers by tests
+and benchmarks) are computed by a worker thread this object owns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..algo.fragments import Fragment
+from ..algo.outer_loop import LocalParams, OuterLoop
+from ..algo.rounds import Round
+from ..checkpoint import state_from_bytes, state_to_bytes
+from ..net.transport import RoundFailed
+from ..sync import theta_digest
+
+__all__ = ["ReplicaState", "rebase"]
+
+log = logging.getLogger(__name__)
+
+#: (peer id, state name) -> bytes; raises RoundFailed/TimeoutError when the peer has none or does not answer.
+Fetch = Callable[[str, str], bytes]
+
+
+@torch.no_grad()
+def rebase(new: Sequence[torch.Tensor], local: Sequence[torch.Tensor],
+           old: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Keep local progress across a change of θ: ``local ← θ_new + (local − θ_old)``."""
+    return [n + (x - o) for n, x, o in zip(new, local, old, strict=True)]
+
+
+class ReplicaState:
+    """What one outer-loop peer keeps and serves of its replica (see the module docstring).
+
+    Args:
+        outer: the peer's outer loop; ``params`` its live model; ``frags`` its fragments.
+        lock: the lock the compute thread holds while the outer state changes.
+        in_flight: returns the rounds in flight now (read under the lock).
+        keep: versions kept per fragment for ``before:``/``after:`` requests.
+        keep_applied: also keep θ after each applied round (references; tests compare them).
+    """
+
+    def __init__(self, outer: OuterLoop, params: LocalParams, frags: Sequence[Fragment], lock: threading.Lock,
+                 in_flight: Callable[[], Sequence[Round]], *, keep: int = 2, keep_applied: bool = False) -> None:
+        self.outer, self.params, self.frags, self.lock, self._in_flight = outer, params, list(frags), lock, in_flight
+        self.keep, self.keep_applied = keep, keep_applied
+        self.before: OrderedDict[str, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+        self.after: OrderedDict[str, tuple[int, list[torch.Tensor], list[torch.Tensor], dict[str, Any]]] = OrderedDict()
+        # θ^(p) after each applied round, by round key: its digest (and θ when keep_applied)
+        self.applied_log: dict[str, tuple[concurrent.futures.Future[str], list[torch.Tensor]]] = {}
+        self.history: list[tuple[str, tuple[str, ...], bool]] = []  # (key, contributors, repaired)
+        self.served_digests: list[list[str]] = []  # digest of θ per fragment in every outer state served
+        self.sent_at: dict[str, float] = {}  # round key -> unix time this peer sent it
+        self.repairs = 0
+        self._digests = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2ptrain-digest")
+
+    # ------------------------------------------------------------------ versions (compute thread, under the lock)
+    def record_send(self, rnd: Round) -> None:
+        self.sent_at.setdefault(rnd.key, time.time())
+        self.before[rnd.key] = (rnd.fragment, rnd.theta, self.outer.momentum(rnd.fragment))
+        self._prune(self.before)
+
+    def record_apply(self, rnd: Round) -> None:
+        f = rnd.fragment
+        theta = self.outer.theta(f)
+        self.after[rnd.key] = (f, theta, self.outer.momentum(f), self.outer.round_state(f))
+        self._prune(self.after)
+        self.applied_log[rnd.key] = (self._digests.submit(theta_digest, theta), list(theta) if self.keep_applied else [])
+        self.history.append((rnd.key, tuple(c[-4:] for c in rnd.contributors), rnd.divergent))
+
+    def _prune(self, versions: OrderedDict[str, Any]) -> None:
+        """Keep the newest ``keep`` versions of each fragment."""
+        seen: dict[int, int] = {}
+        for key in reversed(list(versions)):
+            f = versions[key][0]
+            seen[f] = seen.get(f, 0) + 1
+            if seen[f] > self.keep:
+                del versions[key]
+
+    def digests(self) -> dict[str, tuple[str, list[torch.Tensor]]]:
+        """θ's digest after every applied round (waits for the ones still being computed)."""
+        return {k: (fut.result(), thetas) for k, (fut, thetas) in self.applied_log.items()}
+
+    def theta_digests(self) -> list[str]:
+        """Digest of θ^(p) per fragment now."""
+        return [theta_digest(self.outer.theta(f.index)) for f in self.frags]
+
+    def close(self) -> None:
+        self._digests.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ the state service (network worker thread)
+    def provide(self, name: str) -> bytes | None:
+        """State other peers may ask for: ``outer`` (θ, momentum and counters of every fragment, and the
+        rounds this θ does not include yet), ``before:KEY``, ``after:KEY``; None when unknown or not yet."""
+        if name == "outer":
+            with self.lock:  # references only: serialised below, after the compute thread may go on
+                if not self.outer.initialized:
+                    return None  # still starting: nothing to give yet
+                state = self.outer.shared_state()
+                thetas = [self.outer.theta(f.index) for f in self.frags]
+                # Rounds this θ does not include yet: the taker fetches θ after each ("after:KEY").
+                state["pending"] = [[r.fragment, r.key] for r in list(self._in_flight()) if r.live]
+            self.served_digests.append([theta_digest(t) for t in thetas])
+            return state_to_bytes(state)
+        if name.startswith("before:"):
+            with self.lock:
+                kept = self.before.get(name[len("before:"):])
+            return None if kept is None else state_to_bytes({"theta": kept[1], "momentum": kept[2]})
+        if name.startswith("after:"):
+            key = name[len("after:"):]
+            with self.lock:
+                done = self.after.get(key)
+                flying = any(r.key == key and r.live for r in list(self._in_flight()))
+            if done is not None:
+                return state_to_bytes({"theta": done[1], "momentum": done[2], "round": done[3]})
+            if flying:
+                return None  # not applied yet: ask again
+            return state_to_bytes({"gone": True})  # failed or long gone: θ never included it
+        return None
+
+    # ------------------------------------------------------------------ taking others' state (compute thread)
+    def take(self, state: dict[str, Any], keep_progress: bool) -> None:
+        """Take a downloaded ``outer`` state (ValueError/KEY error if it does not fit). ``keep_progress``:
+        the local model keeps its progress since θ (rebased), and this peer's own per-fragment state (eager's
+        Δ_i, error feedback) is kept where it still fits."""
+        with self.lock:
+            before = {f.index: self.outer.theta(f.index) for f in self.frags}
+            mine = self.outer.state_dict() if keep_progress else None
+            self.outer.load_state_dict(state)
+            if mine is not None:
+                self.outer.keep_own(mine)
+            for frag in self.frags:
+                new = self.outer.theta(frag.index)
+                if keep_progress:
+                    new = rebase(new, self.params.snapshot(frag.names), before[frag.index])
+                self.params.apply_outer(frag.names, new)
+
+    def catch_up(self, source: str, pending: Sequence[Sequence[Any]], keep_progress: bool, fetch: Fetch, *,
+                 deadline: float, poll: float) -> None:
+        """The state taken from ``source`` did not include its rounds then in flight: take θ after each of
+        them once the source has applied it, or this peer would start one round behind the swarm on that
+        fragment (bounded by ``deadline``, monotonic; a round the source never applies is left to repair)."""
+        for fragment, key in pending:
+            while time.monotonic() < deadline:
+                try:
+                    raw = fetch(source, f"after:{key}")
+                except RoundFailed:  # not applied yet
+                    time.sleep(poll)
+                    continue
+                except TimeoutError:
+                    return
+                st = state_from_bytes(raw, f"θ after {key} from {source}")
+                if st.get("gone"):
+                    break
+                f = int(fragment)
+                names = self.frags[f].names
+                with self.lock:
+                    old = self.outer.theta(f)
+                    self.outer.overwrite(f, st["theta"], st["momentum"])
+                    if "round" in st:  # e.g. low-rank ranks adapted in that round: ours would not match the next
+                        try:
+                            self.outer.take_round_state(f, st["round"])
+                        except (ValueError, KeyError, TypeError) as e:
+                            log.warning("event=round_state_refused fragment=%s key=%s reason=%s", fragment, key, e)
+                    new = self.outer.theta(f)
+                    if keep_progress:
+                        new = rebase(new, self.params.snapshot(names), old)
+                    self.params.apply_outer(names, new)
+                log.info("event=caught_up fragment=%s key=%s", fragment, key)
+                break
+
+    def repair(self, rnd: Round, me: str, fetch: Fetch) -> bool:
+        """Our θ^(p) disagreed with the round's majority: take theirs as it was before the round, from the
+        first contributor that has it. True if repaired."""
+        for peer in rnd.contributors:
+            if peer == me:
+                continue
+            try:
+                st = state_from_bytes(fetch(peer, f"before:{rnd.key}"), f"θ from {peer}")
+                with self.lock:
+                    self.outer.overwrite(rnd.fragment, st["theta"], st["momentum"])
+                    self.params.apply_outer(self.frags[rnd.fragment].names, self.outer.theta(rnd.fragment))
+                self.repairs += 1
+                log.warning("event=repaired fragment=%d from=%s", rnd.fragment, peer)
+                return True
+            except (RoundFailed, TimeoutError, ValueError, KeyError) as e:
+                log.info("event=repair_failed peer=%s reason=%s", peer, e)
+        return False
