@@ -38,6 +38,9 @@ def _match(averaged: list[torch.Tensor], shapes: list[torch.Size], devices: list
 class Compressor(ABC):
     """Turns one peer's pseudo-gradient tensors into one or more all-reduce phases.
 
+    ``stateless``: nothing carries from one round to the next, so every round may have its own instance
+    (rounds of one fragment that overlap, e.g. two rounds of eager overlap, must not share one).
+
     Protocol for one round: ``payload = begin(tensors)``; then repeatedly average ``payload`` across peers and
     call ``payload = receive(averaged)`` until it returns None; then ``result()`` is the estimate of the peers'
     average pseudo-gradient. Every peer of a round must run the same compressor configuration and state, so that
@@ -45,6 +48,8 @@ class Compressor(ABC):
     without keeping anything from it. ``receive`` outside a round and ``result`` before the round finished
     raise RuntimeError; an averaged list of the wrong length or element counts raises ValueError.
     """
+
+    stateless = False
 
     @abstractmethod
     def begin(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -73,6 +78,8 @@ class Compressor(ABC):
 
 class Identity(Compressor):
     """No compression: one phase whose payload is the tensors themselves (as float32 copies)."""
+
+    stateless = True
 
     def __init__(self) -> None:
         self._shapes: list[torch.Size] | None = None

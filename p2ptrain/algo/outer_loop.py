@@ -225,9 +225,10 @@ class OuterLoop:
         frag, st = self.fragments[fragment], self._state[fragment]
         snap = params.snapshot(frag.names)
         delta = pseudo_gradient(st.theta, snap)
-        rnd = Round(fragment, st.seq, step, step + self.tau, snap, delta, float(weight), st.compressor, name=name,
+        comp = self.rules.compressor(frag.index, self.seed) if st.compressor.stateless else st.compressor
+        rnd = Round(fragment, st.seq, step, step + self.tau, snap, delta, float(weight), comp, name=name,
                     theta=st.theta)
-        rnd.payload = st.compressor.begin(delta)
+        rnd.payload = comp.begin(delta)
         rnd.state = RoundState.AVERAGING
         k = self.tau // self.cfg.H
         if self.rules.eager and st.seq < k:

@@ -219,7 +219,7 @@ class MemoryTransport(Transport):
         prints = {p: c[2] for p, c in present.items() if c[2] is not None}
         agree = majority_fingerprint(prints) if prints else set(present)
         use = sorted(p for p in present if p in agree)
-        ph.result = ([], 0.0, (), agree)
+        result: tuple[list[torch.Tensor], float, tuple[str, ...], set[str]] = ([], 0.0, (), agree)
         if use:
             guard = self.swarm.guard
             flats = {p: torch.cat([t.reshape(-1) for t in present[p][0]]) if present[p][0] else torch.zeros(0)
@@ -242,5 +242,6 @@ class MemoryTransport(Transport):
                     n = int(torch.Size(shape).numel())
                     pieces.append(out[offset : offset + n].view(shape))
                     offset += n
-                ph.result = (pieces, total, tuple(used), agree)
+                result = (pieces, total, tuple(used), agree)
+        ph.result = result  # once, complete: a member waiting for it must never see half of it
         ph.done.set()

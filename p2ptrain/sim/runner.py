@@ -160,21 +160,26 @@ class Simulator:
             regions = [Region("local", peers, regions[0].bandwidth)]
         return Network(regions, rtt=self.sim.rtt, intra_latency=self.sim.intra_latency)
 
-    def run(self, spec: RunSpec, on_step: Callable[[int], None] | None = None) -> RunResult:
+    def runner(self, spec: RunSpec, on_step: Callable[[int], None] | None = None) -> OuterRun | DDPRun:
+        """The run of ``spec``, built (peers, network, drivers) but not started: ``.run()`` it, then read its
+        ``result`` (and every peer's state: ``outers``, ``trainers``)."""
         peers = spec.peers or self.sim.num_peers
         trainers = [make_trainer(self.model_cfg, self.trainer_cfg, self.data_cfg, rank=i, world=peers,
                                  corpus=self.corpus) for i in range(peers)]
         res = RunResult(spec.label, spec.method.name if peers > 1 or not isinstance(spec.method, DDPConfig)
                         else "single", peers, spec.method.to_dict())
-        wall0 = time.perf_counter()
         if isinstance(spec.method, DDPConfig):
-            DDPRun(self.sim, spec.method, trainers, self._network(peers), res, on_step).run()
-        else:
-            frags = make_fragments(model_units(trainers[0].model), spec.method.fragments,
-                                   spec.method.fragment_mode)  # type: ignore[arg-type]
-            OuterRun(self.sim, spec.method, trainers, self._network(peers), res, on_step, frags).run()
-        res.wall_seconds = time.perf_counter() - wall0
-        return res
+            return DDPRun(self.sim, spec.method, trainers, self._network(peers), res, on_step)
+        frags = make_fragments(model_units(trainers[0].model), spec.method.fragments,
+                               spec.method.fragment_mode)  # type: ignore[arg-type]
+        return OuterRun(self.sim, spec.method, trainers, self._network(peers), res, on_step, frags)
+
+    def run(self, spec: RunSpec, on_step: Callable[[int], None] | None = None) -> RunResult:
+        wall0 = time.perf_counter()
+        r = self.runner(spec, on_step)
+        r.run()
+        r.res.wall_seconds = time.perf_counter() - wall0
+        return r.res
 
 
 class SimPeer(Protocol):

@@ -263,3 +263,22 @@ def test_dilocox_sends_far_fewer_bytes() -> None:
 def test_config_errors(name: str, knobs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         method_config(name, **knobs)
+
+
+@pytest.mark.parametrize("members", [1, 4])
+def test_eager_warm_up_moves_theta_by_the_peers_share(members: int) -> None:
+    """Eager's first round has no stale average to apply: θ moves by this peer's share Δ_i/M of it, with M the
+    peers the round is expected to have (a swarm passes its live count; once it was always 1)."""
+    cfg = EagerConfig(H=5, variant="eager", outer_lr=0.7, outer_momentum=0.9)
+    o = OuterLoop(cfg, make_fragments(UNITS, 1))
+    peer = FakePeer(0)
+    o.init(peer)
+    theta0 = {n: t.clone() for n, t in o.outer_params().items()}
+    for _ in range(5):
+        peer.step()
+    local = {n: t.clone() for n, t in peer.x.items()}
+    o.start(0, 5, peer, members=members)
+    for n, t in o.outer_params().items():
+        delta = (theta0[n] - local[n]) / members  # Δ_i/M; b = Δ_i/M; θ1 = θ0 − η·(Δ_i/M + μ·b)
+        assert torch.allclose(t, theta0[n] - 0.7 * (delta + 0.9 * delta), atol=1e-6)
+    assert close(peer.x, o.outer_params())  # eager restarts from θ^(i)

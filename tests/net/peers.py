@@ -64,8 +64,10 @@ def libp2p_transports(run_id: str, join_window: float = 0.5) -> Callable[[int, l
 def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
               transports: Callable[[int, list[str]], Callable[[], Any]], *, step_seconds: float = 0.03,
               join_window: float = 0.5, shared_loop: bool = False, timeout: float = 120.0,
-              keep_applied: bool = False, started: Callable[[SwarmRun], Any] | None = None) -> SwarmRun:
-    """Start the peers in order (the first creates the run), run them concurrently, collect summaries."""
+              keep_applied: bool = False, started: Callable[[SwarmRun], Any] | None = None,
+              **overrides: Any) -> SwarmRun:
+    """Start the peers in order (the first creates the run), run them concurrently, collect summaries.
+    ``overrides``: more PeerConfig fields (e.g. ``clock="steps"``)."""
     shared = NetLoop() if shared_loop else None
     n = len(specs)
     out = SwarmRun([None] * n, [])
@@ -82,8 +84,9 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
                 return st
 
             tr.step = slowed  # type: ignore[method-assign]
-        cfg = PeerConfig(run_id="t", steps=spec.steps, step_seconds=step_seconds, join_window=join_window,
-                         join_timeout=10, heartbeat=0.3, ttl=4.0, drain_timeout=15)
+        cfg = PeerConfig(**{"run_id": "t", "steps": spec.steps, "step_seconds": step_seconds,
+                            "join_window": join_window, "join_timeout": 10, "heartbeat": 0.3, "ttl": 4.0,
+                            "drain_timeout": 15, **overrides})
         peer = make_peer(cfg, method, tr, transports(i, list(initial)), net=shared)
         if keep_applied:
             peer.keep_applied = True  # type: ignore[attr-defined]
