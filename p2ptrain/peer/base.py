@@ -69,6 +69,7 @@ class PeerBase:
         self.last_lstep = -1
         self.compute = 0.0
         self.catchup_stall = 0.0
+        self.outer_seconds = 0.0  # compute-thread time in the outer loop (sends, applies), waits excluded
         self.last_loss = math.nan
         self.loss_log: list[tuple[float, int, float]] = []  # (unix time, inner step, train loss)
         # (unix time, inner step, val loss of θ, eval seconds so far) every ``eval_every`` steps
@@ -468,4 +469,4 @@ class PeerBase:
             bytes_sent=st.bytes_sent if st else 0, bytes_received=st.bytes_received if st else 0,
             final_train_loss=self.last_loss, outer_params=self.theta(), applied=self._applied_digests(),
             loop_seconds=self.loop_seconds, drain_seconds=self.drain_seconds, stuck_rounds=self.stuck,
-            eval_seconds=self.eval_seconds)
+            eval_seconds=self.eval_seconds, outer_seconds=self.outer_seconds)

@@ -204,8 +204,11 @@ class Peer(PeerBase):
             self._synced_after_warmup = True
             if self.cfg.sync_on_join:
                 self.sync_from_swarm(keep_progress=True)
+        assert self.collective is not None
+        t0, waited = time.perf_counter(), self.collective.stall
         for step in range(self.last_lstep + 1, lstep + 1) if lstep > self.last_lstep else [lstep]:
             self.driver.advance(step)
+        self.outer_seconds += time.perf_counter() - t0 - (self.collective.stall - waited)
         self.last_lstep = max(self.last_lstep, lstep)
         if self.checkpoints is not None:
             self.checkpoints.save_if_due(self)
