@@ -35,7 +35,7 @@ import torch
 
 from ..collective.butterfly import MIN_CHUNK, chunk_bounds, part_bounds
 from ..collective.codecs import Codec, get_codec
-from ..faults import corrupt_payload, maybe_die_in_allreduce
+from ..faults import FaultPlan, corrupt_payload
 from .auth import MAC_FIELD, SwarmKey
 from .bandwidth import LinkMeter
 from .guard import Guard, GuardConfig
@@ -81,7 +81,8 @@ class SwarmConfig:
         state_chunk: bytes per reply of a state transfer; max_state: the largest state accepted.
         guard: what this peer accepts from others and how it aggregates (net/guard.py).
         swarm_key: a private swarm's shared key: records and messages are tagged and checked (net/auth.py).
-        corrupt: fault injection (tests only): send broken updates of this kind (faults.CORRUPTIONS).
+        faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
+            by default what the environment asks for (nothing, unless a test set its variables).
     """
 
     run_id: str = "p2ptrain"
@@ -103,7 +104,7 @@ class SwarmConfig:
     max_state: int = MAX_STATE
     guard: GuardConfig = field(default_factory=GuardConfig)
     swarm_key: SwarmKey | None = None
-    corrupt: str | None = None
+    faults: FaultPlan = field(default_factory=FaultPlan.from_env)
 
     def __post_init__(self) -> None:
         if self.chunk_values < MIN_CHUNK:
@@ -720,17 +721,17 @@ class HivemindTransport(Transport):
             msg = {"key": group.key, "phase": phase, "part": j, "weight": float(weight), "fp": fp,
                    "codec": codec.name, "numel": hi - lo}
             call_timeout = max(0.1, t0 + timeout * 0.5 - time.monotonic())
-            if self.cfg.corrupt is None and hi - lo > chunk:  # streamed: encoding, transfer, decoding overlap
+            if self.cfg.faults.corrupt is None and hi - lo > chunk:  # streamed: encoding, transfer, decoding overlap
                 cb = chunk_bounds(hi - lo, chunk)
                 msg |= {"chunk": chunk, "chunks": len(cb)}
                 size = _chunked_size(codec, hi - lo, chunk)
                 reply, seconds = await self._call(members[j], "part", msg, timeout=call_timeout,
                                                   chunks=lambda: _encode_ahead(codec, mine, cb))
             else:
-                if self.cfg.corrupt is None:
+                if self.cfg.faults.corrupt is None:
                     data = await asyncio.to_thread(codec.encode, mine)
                 else:  # fault injection: what a broken or hostile peer would put on the wire
-                    data, mine = corrupt_payload(codec, mine, self.cfg.corrupt)
+                    data, mine = corrupt_payload(codec, mine, self.cfg.faults.corrupt)
                 msg |= {"numel": mine.numel(), "data": data}
                 size = len(data)
                 reply, seconds = await self._call(members[j], "part", msg, timeout=call_timeout)
@@ -745,7 +746,7 @@ class HivemindTransport(Transport):
 
         if sends:
             await asyncio.wait(sends, timeout=max(0.0, t0 + timeout * 0.5 - time.monotonic()))
-            maybe_die_in_allreduce()  # tests only: a peer dying mid all-reduce
+            self.cfg.faults.in_allreduce()  # tests only: a peer dying mid all-reduce
         # 2. collect the contributions to our own part (until everyone or half the timeout)
         gather_deadline = t0 + timeout * 0.5
         while (missing := set(members) - set(box.contribs)) and time.monotonic() < gather_deadline:
