@@ -38,14 +38,8 @@ from ..collective.codecs import Codec, get_codec
 from ..faults import FaultPlan, corrupt_payload
 from .auth import MAC_FIELD, SwarmKey
 from .bandwidth import LinkMeter
+from .groups import Forming, alone_check, leader_of, majority_fingerprint, membership_check
 from .guard import Guard, GuardConfig
-from .membership import (
-    alone_check,
-    close_group,
-    leader_of,
-    majority_fingerprint,
-    membership_check,
-)
 from .state_transfer import DEFAULT_CHUNK, MAX_STATE, StateServer, fetch_chunked
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 from .wire import MAX_FRAME, SCHEMA_ERRORS, FrameError, read_frame, write_frame
@@ -201,16 +195,6 @@ async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any]:
 
 
 @dataclass
-class _Forming:
-    requests: dict[str, JoinRequest] = field(default_factory=dict)
-    group: Group | None = None
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
-    first: float = 0.0
-    created: float = field(default_factory=time.monotonic)
-    decide: Decide | None = None
-
-
-@dataclass
 class _Mailbox:
     """Frames that arrived for one (round, phase): contributions to our part, and results of parts."""
 
@@ -240,7 +224,7 @@ class HivemindTransport(Transport):
     def __init__(self, cfg: SwarmConfig, p2p: Any, node: Any) -> None:
         self.cfg, self.p2p, self.node = cfg, p2p, node
         self.peer_id = str(p2p.peer_id)
-        self._forming: dict[str, _Forming] = {}
+        self._forming: dict[str, Forming] = {}
         self._mail: dict[tuple[str, int], _Mailbox] = {}
         self._live: list[PeerInfo] = []
         self._live_at = 0.0
@@ -563,32 +547,18 @@ class HivemindTransport(Transport):
         raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s")
 
     async def _lead(self, request: JoinRequest, decide: Decide | None, deadline: float) -> Group:
+        """As the round's leader, take ``request`` and return the group once it is closed (see groups.Forming).
+        RoundFailed if the group closed before this request came."""
         self._gc()
-        f = self._forming.setdefault(request.key, _Forming())
-        if f.group is not None:
-            raise RoundFailed(f"round {request.key}: the group closed before {request.peer_id[-8:]} joined")
-        if not f.requests:
-            f.first = time.monotonic()
-        f.requests[request.peer_id] = request
-        if decide is not None:
-            f.decide = decide
-        while f.group is None:
-            live = set(await self._live_ids())
-            if live <= set(f.requests):
-                live = set(await self._live_ids(max_age=0.2))  # closing early: on a fresh view only
-            if f.group is not None:
-                break  # closed by another member's join while we looked at who is live: never close twice
-            now = time.monotonic()
-            if live <= set(f.requests) or now >= f.first + self.cfg.join_window or now >= deadline:
-                f.group = close_group(request.key, f.requests, self.peer_id, f.decide)
-                f.closed.set()
-                break
-            try:
-                await asyncio.wait_for(f.closed.wait(), min(0.1, max(0.0, f.first + self.cfg.join_window - now)))
-            except TimeoutError:
-                pass
-        assert f.group is not None
-        return f.group
+        f = self._forming.get(request.key)
+        if f is None:
+            f = self._forming[request.key] = Forming(request.key, self.cfg.join_window)
+        f.join(request, decide)
+
+        async def live(fresh: bool) -> list[str]:
+            return await self._live_ids(max_age=0.2) if fresh else await self._live_ids()
+
+        return await f.until_closed(live, leader=self.peer_id, deadline=deadline, poll=0.1)
 
     async def _on_join(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         req = JoinRequest.from_wire(msg)
