@@ -27,99 +27,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..collective.butterfly import MIN_CHUNK, chunk_bounds, part_bounds
+from ..collective.butterfly import chunk_bounds, part_bounds
 from ..collective.codecs import Codec, get_codec
-from ..faults import FaultPlan, corrupt_payload
-from .auth import MAC_FIELD, SwarmKey
+from ..faults import corrupt_payload
+from .auth import MAC_FIELD
 from .bandwidth import LinkMeter
+from .chunks import Refused, chunked_size, decode_chunked, encode_ahead, receive_chunks
+from .daemon import SwarmConfig, SwarmError, start_p2p
 from .groups import Forming, alone_check, leader_of, majority_fingerprint, membership_check
-from .guard import Guard, GuardConfig
-from .state_transfer import DEFAULT_CHUNK, MAX_STATE, StateServer, fetch_chunked
+from .guard import Guard
+from .state_transfer import StateServer, fetch_chunked
+from .streams import ChunkSource, Streams
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
-from .wire import MAX_FRAME, SCHEMA_ERRORS, FrameError, read_frame, write_frame
+from .wire import SCHEMA_ERRORS
 
 __all__ = ["HivemindTransport", "SwarmConfig", "SwarmError", "start_p2p"]
 
 log = logging.getLogger(__name__)
-
-
-class SwarmError(RuntimeError):
-    """The swarm cannot be joined (the message says why and what to try)."""
-
-
-@dataclass(kw_only=True)
-class SwarmConfig:
-    """How a peer connects.
-
-    Attributes:
-        run_id: names the run's DHT keys and stream protocols.
-        initial_peers: multiaddrs of any live peers or bootstrap nodes (none: start a new swarm).
-        host_maddrs: where to listen (loopback by default; ``/ip4/0.0.0.0/tcp/PORT`` for other machines).
-        announce_maddrs: addresses others should dial (public IP, explicit port).
-        identity_path: a private key file; a stable identity gives a stable address.
-        client_mode: a peer behind NAT: dials out only, reached through relays.
-        use_relay, use_auto_relay: libp2p circuit relays (passed to the daemon).
-        join_window: seconds a leader waits for live peers to join a round.
-        ttl: seconds an announcement lives (the heartbeat refreshes it).
-        connect_attempts, connect_backoff: retries when initial peers are unreachable.
-        recontact_every: seconds between re-pings of known peers (heals splits).
-        max_message: the largest frame accepted from the network, bytes.
-        chunk_values: a part of the all-reduce larger than this many values is streamed in chunks of this
-            size, so that encoding, transfer and decoding overlap (at least 1024).
-        state_chunk: bytes per reply of a state transfer; max_state: the largest state accepted.
-        guard: what this peer accepts from others and how it aggregates (net/guard.py).
-        swarm_key: a private swarm's shared key: records and messages are tagged and checked (net/auth.py).
-        faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
-            by default what the environment asks for (nothing, unless a test set its variables).
-    """
-
-    run_id: str = "p2ptrain"
-    initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    announce_maddrs: list[str] = field(default_factory=list)
-    identity_path: str | None = None
-    client_mode: bool = False
-    use_relay: bool = True
-    use_auto_relay: bool = False
-    join_window: float = 2.0
-    ttl: float = 8.0
-    connect_attempts: int = 5
-    connect_backoff: float = 1.0
-    recontact_every: float = 10.0
-    max_message: int = MAX_FRAME
-    chunk_values: int = 1 << 18
-    state_chunk: int = DEFAULT_CHUNK
-    max_state: int = MAX_STATE
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    swarm_key: SwarmKey | None = None
-    faults: FaultPlan = field(default_factory=FaultPlan.from_env)
-
-    def __post_init__(self) -> None:
-        if self.chunk_values < MIN_CHUNK:
-            raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
-
-
-class _Refused(ValueError):
-    """A streamed payload that does not fit what its header announced (the sender gets a strike)."""
-
-
-async def _encode_ahead(codec: Codec, x: torch.Tensor, bounds: list[tuple[int, int]]) -> AsyncIterator[bytes]:
-    """The payloads of ``x``'s chunks, each encoded in a worker thread while the previous one is sent."""
-    if not bounds:
-        return
-    nxt = asyncio.ensure_future(asyncio.to_thread(codec.encode, x[bounds[0][0]:bounds[0][1]]))
-    for i in range(len(bounds)):
-        data = await nxt
-        if i + 1 < len(bounds):
-            a, b = bounds[i + 1]
-            nxt = asyncio.ensure_future(asyncio.to_thread(codec.encode, x[a:b]))
-        yield data
 
 
 def _payload_len(res: dict[str, Any]) -> int:
@@ -137,61 +67,6 @@ def _wire_result(res: dict[str, Any]) -> dict[str, Any]:
         out["data"] = b"".join(res["_pieces"])
     out.pop("chunks", None)
     return out
-
-
-def _chunked_size(codec: Codec, numel: int, chunk: Any) -> int:
-    """Payload bytes of ``numel`` values: one payload (``chunk`` None) or concatenated chunks' payloads."""
-    if chunk is None:
-        return codec.encoded_size(numel)
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < MIN_CHUNK:
-        raise _Refused(f"chunk of {chunk!r} values")
-    return sum(codec.encoded_size(b - a) for a, b in chunk_bounds(numel, chunk))
-
-
-def _decode_chunked(codec: Codec, data: bytes, numel: int, chunk: int | None) -> torch.Tensor:
-    """Decode a whole payload (ValueError on a bad one), chunk by chunk if it was encoded so."""
-    if chunk is None:
-        return codec.decode(data, numel)
-    out, pos = torch.empty(numel, dtype=torch.float32), 0
-    view = memoryview(data)
-    for a, b in chunk_bounds(numel, chunk):
-        n = codec.encoded_size(b - a)
-        out[a:b] = codec.decode(view[pos:pos + n], b - a)
-        pos += n
-    return out
-
-
-async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any]:
-    """Start the libp2p daemon and a DHT node on it, retrying with backoff; (P2P, DHTNode)."""
-    from hivemind.dht.node import DHTNode
-    from hivemind.p2p import P2P, P2PDaemonError
-
-    delay, last = cfg.connect_backoff, ""
-    for attempt in range(1, max(1, cfg.connect_attempts) + 1):
-        p2p = None
-        try:
-            p2p = await P2P.create(
-                initial_peers=cfg.initial_peers or None, host_maddrs=cfg.host_maddrs,
-                announce_maddrs=cfg.announce_maddrs or None, identity_path=cfg.identity_path,
-                dht_mode="client" if cfg.client_mode else "server", use_relay=cfg.use_relay,
-                use_auto_relay=cfg.use_auto_relay, startup_timeout=30)
-            node = await DHTNode.create(p2p=p2p, initial_peers=cfg.initial_peers or None,
-                                        client_mode=cfg.client_mode, ensure_bootstrap_success=bool(cfg.initial_peers),
-                                        wait_timeout=3, bootstrap_timeout=5)
-            return p2p, node
-        except (TimeoutError, P2PDaemonError, RuntimeError, OSError) as e:
-            last = str(e).splitlines()[0] if str(e) else type(e).__name__
-            if p2p is not None:
-                await p2p.shutdown()
-            if attempt < cfg.connect_attempts:
-                log.warning("event=connect_retry attempt=%d of=%d in=%.1fs reason=%s", attempt,
-                            cfg.connect_attempts, delay, last)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-    raise SwarmError(
-        f"could not join the swarm after {cfg.connect_attempts} attempts: {last}. Check that the initial peers "
-        f"({', '.join(cfg.initial_peers) or 'none'}) are running and reachable from here (firewall, address, port)."
-    )
 
 
 @dataclass
@@ -236,6 +111,7 @@ class HivemindTransport(Transport):
         self._left: set[str] = set()  # peers whose last announcement is a departure
         self._tasks: asyncio.TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
+        self.streams = Streams(cfg, p2p, self.guard, lambda peer: peer in self.blocked, self._addresses)
         self._stop = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -245,7 +121,7 @@ class HivemindTransport(Transport):
         self = cls(cfg, p2p, node)
         for kind, handler in (("join", self._on_join), ("part", self._on_part), ("result", self._on_result),
                               ("getpart", self._on_getpart), ("state", self._on_state)):
-            await p2p.add_binary_stream_handler(self._proto(kind), self._wrap(kind, handler))
+            await self.streams.serve(kind, handler)
         started = asyncio.Event()
         self._runner = asyncio.create_task(self._background(started))
         await started.wait()
@@ -276,9 +152,6 @@ class HivemindTransport(Transport):
 
     async def visible_maddrs(self) -> list[str]:
         return [str(a) for a in await self.p2p.get_visible_maddrs()]
-
-    def _proto(self, kind: str) -> str:
-        return f"/p2ptrain/{self.cfg.run_id}/{kind}/1"
 
     # ------------------------------------------------------------------ DHT records
     def _key(self, what: str) -> str:
@@ -383,137 +256,20 @@ class HivemindTransport(Transport):
                 except Exception as e:
                     log.debug("event=recontact_failed peer=%s reason=%s", peer, e)
 
+    async def _addresses(self, peer: str) -> list[str]:
+        """The multiaddrs ``peer`` announced (the DHT is read again if we know none)."""
+        if not self._maddrs.get(peer):
+            try:
+                await asyncio.wait_for(self.peers(), 5)
+            except TimeoutError:
+                return []
+        return list(self._maddrs.get(peer, []))
+
     # ------------------------------------------------------------------ streams
-    def _wrap(self, kind: str, handler: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]) -> Any:
-        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            sender = str(info.peer_id)
-            try:
-                if self.guard.is_banned(sender) or sender in self.blocked:
-                    return  # dropped unread
-                msg, _ = await read_frame(reader, timeout=30, max_size=self.cfg.max_message)
-                key = self.cfg.swarm_key
-                if key is not None:
-                    if not key.verify(msg, sender, kind, self.cfg.run_id):
-                        self.guard.strike(sender, f"{kind} message without a valid swarm-key tag")
-                        return
-                    msg = {k: v for k, v in msg.items() if k != MAC_FIELD}
-                msg = {k: v for k, v in msg.items() if not (isinstance(k, str) and k.startswith("_"))}
-                if kind in ("part", "result") and "chunks" in msg:
-                    msg["_frames"] = self._chunk_frames(reader, sender, kind, int(msg["chunks"]))
-                reply = await handler(sender, msg)
-                if key is not None:
-                    reply = key.seal(reply, self.peer_id, kind + "/reply", self.cfg.run_id)
-                await write_frame(writer, reply, timeout=30)
-            except (FrameError, TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
-                log.info("event=bad_message kind=%s peer=%s reason=%s", kind, sender, e)
-            except SCHEMA_ERRORS as e:  # a message that does not fit its schema
-                self.guard.strike(sender, f"malformed {kind} message ({type(e).__name__}: {e})")
-            finally:
-                writer.close()
-
-        return on_stream
-
-    async def _chunk_frames(self, reader: asyncio.StreamReader, sender: str, kind: str,
-                            count: int) -> AsyncIterator[bytes]:
-        """The payloads of the ``count`` chunk frames that follow a streamed message's header (each read is
-        bounded in size and time; each frame is checked against the swarm key)."""
-        key = self.cfg.swarm_key
-        for i in range(count):
-            frame, _ = await read_frame(reader, timeout=30, max_size=self.cfg.max_message)
-            if key is not None and not key.verify(frame, sender, kind + "/chunk", self.cfg.run_id, str(i)):
-                self.guard.strike(sender, f"{kind} chunk without a valid swarm-key tag")
-                raise FrameError("chunk without a valid swarm-key tag")
-            data = frame.get("data")
-            if not isinstance(data, bytes):
-                raise _Refused(f"chunk {i} carries no payload")
-            yield data
-
-    async def _receive_chunks(self, msg: dict[str, Any], codec: Codec, numel: int) -> tuple[torch.Tensor, list[bytes]]:
-        """Decode a streamed payload chunk by chunk as it arrives: (values, the chunks' payloads).
-        _Refused if the chunking or a chunk's size does not match the header, or a chunk does not decode."""
-        chunk, count, frames = msg["chunk"], msg["chunks"], msg.get("_frames")
-        _chunked_size(codec, numel, chunk)  # _Refused for a bad chunk size
-        bounds = chunk_bounds(numel, chunk)
-        if frames is None or count != len(bounds):
-            raise _Refused(f"{count!r} chunks announced for {numel} values in chunks of {chunk}")
-        out, pieces = torch.empty(numel, dtype=torch.float32), []
-        async for data in frames:
-            a, b = bounds[len(pieces)]
-            if len(data) != codec.encoded_size(b - a):
-                raise _Refused(f"chunk {len(pieces)} of {len(data)} bytes for {b - a} values")
-            try:
-                out[a:b] = await asyncio.to_thread(codec.decode, data, b - a)
-            except ValueError as e:
-                raise _Refused(f"undecodable chunk {len(pieces)} ({e})") from None
-            pieces.append(data)
-            if len(pieces) == len(bounds):
-                break
-        if len(pieces) != len(bounds):
-            raise _Refused(f"{len(pieces)} of {len(bounds)} chunks arrived")
-        return out, pieces
-
     async def _call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
-                    chunks: Callable[[], AsyncIterator[bytes]] | None = None) -> tuple[dict[str, Any], float]:
-        """One request/response on a fresh stream; returns (reply, seconds). With ``chunks``, the payloads it
-        yields follow the message as frames of their own (the message says how many in ``chunks``)."""
-        from hivemind.p2p import PeerID
-
-        if peer in self.blocked:
-            raise RoundFailed(f"{kind} to {peer[-8:]}: unreachable (partitioned)")
-        t0 = time.monotonic()
-
-        async def _go() -> dict[str, Any]:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(kind))
-            key = self.cfg.swarm_key
-            try:
-                await write_frame(writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
-                                  timeout=timeout)
-                if chunks is not None:
-                    i = 0
-                    async for data in chunks():
-                        frame = {"data": data}
-                        if key is not None:
-                            frame = key.seal(frame, self.peer_id, kind + "/chunk", self.cfg.run_id, str(i))
-                        await write_frame(writer, frame, timeout=timeout)
-                        i += 1
-                reply, _ = await read_frame(reader, timeout=timeout, max_size=self.cfg.max_message)
-                if key is not None:
-                    if not key.verify(reply, peer, kind + "/reply", self.cfg.run_id):
-                        raise FrameError("reply without a valid swarm-key tag")
-                    reply = {k: v for k, v in reply.items() if k != MAC_FIELD}
-                return reply
-            finally:
-                writer.close()
-
-        for attempt in (1, 2):
-            try:
-                reply = await asyncio.wait_for(_go(), max(0.05, timeout - (time.monotonic() - t0)))
-                return reply, time.monotonic() - t0
-            except (TimeoutError, FrameError, asyncio.IncompleteReadError) as e:
-                raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
-            except Exception as e:  # the daemon reports failed dials with its own error types
-                if attempt == 2 or not await self._redial(peer):
-                    raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
-        raise AssertionError("unreachable")
-
-    async def _redial(self, peer: str) -> bool:
-        """A dial failed: connect again with the addresses the peer announced (the daemon's peer store
-        may not have them yet, or its dial backoff is still on). True if that worked."""
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
-        addrs = self._maddrs.get(peer)
-        if not addrs:
-            await self.peers()
-            addrs = self._maddrs.get(peer)
-        if not addrs:
-            return False
-        try:
-            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in addrs]), 5)
-            return True
-        except Exception as e:  # still unreachable
-            log.debug("event=redial_failed peer=%s reason=%s", peer[-8:], e)
-            return False
+                    chunks: ChunkSource | None = None) -> tuple[dict[str, Any], float]:
+        """One request/response with ``peer`` (see streams.Streams.call); RoundFailed if it fails."""
+        return await self.streams.call(peer, kind, msg, timeout=timeout, chunks=chunks)
 
     # ------------------------------------------------------------------ groups
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
@@ -607,8 +363,8 @@ class HivemindTransport(Transport):
             return {"error": reason}
         if streamed:
             try:
-                x, _ = await self._receive_chunks(msg, codec, numel)
-            except _Refused as e:
+                x, _ = await receive_chunks(msg, codec, numel)
+            except Refused as e:
                 self.guard.strike(sender, f"streamed part: {e}")
                 return {"error": "streamed part does not match its header"}
         else:
@@ -633,8 +389,8 @@ class HivemindTransport(Transport):
             if not isinstance(numel, int) or not 0 <= numel <= self.cfg.max_message:
                 return {"error": "bad size"}
             try:
-                x, pieces = await self._receive_chunks(msg, get_codec(str(msg["codec"])), numel)
-            except _Refused as e:
+                x, pieces = await receive_chunks(msg, get_codec(str(msg["codec"])), numel)
+            except Refused as e:
                 self.guard.strike(sender, f"streamed result: {e}")
                 return {"error": "streamed result does not match its header"}
             res |= {"_tensor": x, "_pieces": pieces}
@@ -694,9 +450,9 @@ class HivemindTransport(Transport):
             if self.cfg.faults.corrupt is None and hi - lo > chunk:  # streamed: encoding, transfer, decoding overlap
                 cb = chunk_bounds(hi - lo, chunk)
                 msg |= {"chunk": chunk, "chunks": len(cb)}
-                size = _chunked_size(codec, hi - lo, chunk)
+                size = chunked_size(codec, hi - lo, chunk)
                 reply, seconds = await self._call(members[j], "part", msg, timeout=call_timeout,
-                                                  chunks=lambda: _encode_ahead(codec, mine, cb))
+                                                  chunks=lambda: encode_ahead(codec, mine, cb))
             else:
                 if self.cfg.faults.corrupt is None:
                     data = await asyncio.to_thread(codec.encode, mine)
@@ -757,7 +513,7 @@ class HivemindTransport(Transport):
                     # Every member, this one included, uses the decoded payload: lossy codecs agree everywhere.
                     own, pieces = torch.empty(hi - lo, dtype=torch.float32), []
                     try:
-                        async for data in _encode_ahead(codec, avg, cb):
+                        async for data in encode_ahead(codec, avg, cb):
                             encoded[len(pieces)].set_result(data)
                             a, b = cb[len(pieces)]
                             own[a:b] = await asyncio.to_thread(codec.decode, data, b - a)
@@ -783,7 +539,7 @@ class HivemindTransport(Transport):
             # 3. all-gather: our averaged part to every other member
             async def send_result(j: int) -> int:
                 assert own_result is not None
-                size = _chunked_size(codec, hi - lo, own_result.get("chunk"))
+                size = chunked_size(codec, hi - lo, own_result.get("chunk"))
                 reply, seconds = await self._call(members[j], "result", own_result,
                                                   timeout=max(0.1, t0 + timeout * 0.8 - time.monotonic()),
                                                   chunks=encoded_chunks if encoded else None)
@@ -847,8 +603,8 @@ class HivemindTransport(Transport):
                 partial = True  # an owner whose view of the round differs (see above): not used, no strike
                 continue
             try:
-                size = _chunked_size(codec, b - a, res.get("chunk"))
-            except _Refused:
+                size = chunked_size(codec, b - a, res.get("chunk"))
+            except Refused:
                 size = -1
             if ((decoded is None and (not isinstance(data, bytes) or len(data) != size))
                     or (decoded is not None and decoded.numel() != b - a)
@@ -861,7 +617,7 @@ class HivemindTransport(Transport):
             if decoded is not None:  # streamed: decoded chunk by chunk as it arrived
                 part = decoded
             else:
-                part = await asyncio.to_thread(_decode_chunked, codec, data, b - a, res.get("chunk"))
+                part = await asyncio.to_thread(decode_chunked, codec, data, b - a, res.get("chunk"))
             if (reason := self.guard.bad_values(part)) is not None:
                 self.guard.strike(members[j], f"averaged part {j}: {reason}")
                 partial = True
