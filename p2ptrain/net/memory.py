@@ -194,7 +194,7 @@ class MemoryTransport(Transport):
                      for p in use}
             numel = Counter(f.numel() for f in flats.values()).most_common(1)[0][0]
             # Other sizes are dropped without a strike: an honest member whose view of the round differs
-            # sends those too (see net/swarm.py).
+            # sends those too (see net/parts.py).
             sizes = [p for p in use if flats[p].numel() == numel]
             # The guard's checks (weights, finite values, norm bound) on whole contributions; then what a
             # butterfly of the accepted members computes, part by part (collective.butterfly).
