@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .faults import maybe_die_mid_write
+from .faults import FaultPlan
 
 __all__ = [
     "CheckpointDir",
@@ -105,8 +105,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
-    """Write ``state`` to ``path`` atomically (temp file, fsync, rename, fsync dir)."""
+def write_checkpoint(path: str | Path, state: dict[str, Any], faults: FaultPlan | None = None) -> Path:
+    """Write ``state`` to ``path`` atomically (temp file, fsync, rename, fsync dir). ``faults``: a plan whose
+    armed checkpoint kill fires half-way through this write (tests; none: no fault). On any error the
+    temporary file is removed and the old checkpoint, if any, is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = state_to_bytes(state)
@@ -116,7 +118,8 @@ def write_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
             view, half = memoryview(payload), len(payload) // 2
             f.write(view[:half])
             f.flush()
-            maybe_die_mid_write()  # fault injection (tests): off unless an environment variable asks
+            if faults is not None:
+                faults.mid_write()  # fault injection (tests): off unless the plan armed it
             f.write(view[half:])
             f.flush()
             os.fsync(f.fileno())
@@ -158,12 +161,14 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 class CheckpointDir:
-    """Numbered checkpoints ``ckpt-<step>.safetensors`` in a folder, keeping the last ``keep``."""
+    """Numbered checkpoints ``ckpt-<step>.safetensors`` in a folder, keeping the last ``keep``; ``faults``
+    (default: what the environment asks for, see :mod:`p2ptrain.faults`) can kill a write half-way."""
 
-    def __init__(self, root: str | Path, keep: int = 3) -> None:
+    def __init__(self, root: str | Path, keep: int = 3, faults: FaultPlan | None = None) -> None:
         if keep < 1:
             raise ValueError("checkpoint: keep must be at least 1")
         self.root, self.keep = Path(root), keep
+        self.faults = FaultPlan.from_env() if faults is None else faults
 
     def paths(self) -> list[tuple[int, Path]]:
         if not self.root.is_dir():
@@ -181,7 +186,7 @@ class CheckpointDir:
         return len(stale)
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        path = write_checkpoint(self.root / f"ckpt-{step:010d}.safetensors", state)
+        path = write_checkpoint(self.root / f"ckpt-{step:010d}.safetensors", state, self.faults)
         for _, old in self.paths()[: -self.keep]:
             old.unlink(missing_ok=True)
         return path

@@ -1,4 +1,8 @@
-"""Fault injection for tests of real peers, switched on by environment variables only.
+"""Fault injection for tests of real peers: a :class:`FaultPlan` says which faults one process injects.
+
+A plan is built from environment variables (:meth:`FaultPlan.from_env`), so that tests can switch faults
+on in peers they start as processes, and handed to what injects them (``SwarmConfig.faults``,
+``PeerCheckpoints``, ``CheckpointDir``):
 
 ``P2PTRAIN_FAULT_KILL_IN_ALLREDUCE=N``: the process SIGKILLs itself in its N-th
 all-reduce phase, right after its share has left for the part owners and before
@@ -6,50 +10,95 @@ it averages its own part (the worst moment for the others).
 
 ``P2PTRAIN_FAULT_KILL_IN_CHECKPOINT=N``: the process SIGKILLs itself in its N-th
 checkpoint write, after half of the temporary file is on disk and before the rename.
+
+``corrupt`` (set by tests only, no variable): the peer sends broken updates of that kind
+(:data:`CORRUPTIONS`, made by the pure functions :func:`corrupt_update` and :func:`corrupt_payload`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["CORRUPTIONS", "corrupt_payload", "corrupt_update", "maybe_die_in_allreduce", "maybe_die_in_checkpoint", "maybe_die_mid_write"]
+__all__ = ["CORRUPTIONS", "ENV_KILL_IN_ALLREDUCE", "ENV_KILL_IN_CHECKPOINT", "FaultPlan", "corrupt_payload",
+           "corrupt_update"]
 
-_calls = 0
-_checkpoints = 0
-_armed = False
-
-
-def maybe_die_in_allreduce() -> None:
-    global _calls
-    target = os.environ.get("P2PTRAIN_FAULT_KILL_IN_ALLREDUCE")
-    if not target:
-        return
-    _calls += 1
-    if _calls == int(target):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def maybe_die_in_checkpoint() -> None:
-    """Arm :func:`maybe_die_mid_write` for this checkpoint if it is the N-th."""
-    global _checkpoints, _armed
-    target = os.environ.get("P2PTRAIN_FAULT_KILL_IN_CHECKPOINT")
-    if not target:
-        return
-    _checkpoints += 1
-    _armed = _checkpoints == int(target)
-
-
-def maybe_die_mid_write() -> None:
-    """Called by the checkpoint writer with half the temporary file written."""
-    if _armed:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
+ENV_KILL_IN_ALLREDUCE = "P2PTRAIN_FAULT_KILL_IN_ALLREDUCE"
+ENV_KILL_IN_CHECKPOINT = "P2PTRAIN_FAULT_KILL_IN_CHECKPOINT"
 CORRUPTIONS = ("nan", "scale", "random", "shape", "truncate")
+
+
+def _sigkill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _nth(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name, "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected the number of the call to die in") from None
+
+
+@dataclass
+class FaultPlan:
+    """The faults one process injects, and how far it has got (the counters).
+
+    Attributes:
+        kill_in_allreduce: die in this all-reduce phase (1 is the first), or never.
+        kill_in_checkpoint: die half-way through this checkpoint write (1 is the first), or never.
+        corrupt: send broken updates of this kind (:data:`CORRUPTIONS`), or honest ones.
+        allreduces, checkpoints: all-reduce phases and checkpoint writes begun so far.
+        armed: the checkpoint write under way is the one to die in.
+        kill: what dying is (SIGKILL of this process; a test may record instead).
+    """
+
+    kill_in_allreduce: int | None = None
+    kill_in_checkpoint: int | None = None
+    corrupt: str | None = None
+    allreduces: int = 0
+    checkpoints: int = 0
+    armed: bool = False
+    kill: Callable[[], None] = field(default=_sigkill_self, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.corrupt is not None and self.corrupt not in CORRUPTIONS:
+            raise ValueError(f"unknown corruption {self.corrupt!r}: choose one of {', '.join(CORRUPTIONS)}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> FaultPlan:
+        """The plan the environment (``os.environ`` unless given) asks for; no faults if it asks for none.
+        ValueError if a variable is set to something other than a number."""
+        env = os.environ if env is None else env
+        return cls(kill_in_allreduce=_nth(env, ENV_KILL_IN_ALLREDUCE),
+                   kill_in_checkpoint=_nth(env, ENV_KILL_IN_CHECKPOINT))
+
+    def in_allreduce(self) -> None:
+        """Called once per all-reduce phase, with this peer's share sent: dies in the chosen one."""
+        if self.kill_in_allreduce is None:
+            return
+        self.allreduces += 1
+        if self.allreduces == self.kill_in_allreduce:
+            self.kill()
+
+    def checkpoint_begins(self) -> None:
+        """Called once per checkpoint write, before it: arms :meth:`mid_write` if it is the chosen one."""
+        if self.kill_in_checkpoint is None:
+            return
+        self.checkpoints += 1
+        self.armed = self.checkpoints == self.kill_in_checkpoint
+
+    def mid_write(self) -> None:
+        """Called by the checkpoint writer with half the temporary file written: dies if armed."""
+        if self.armed:
+            self.kill()
 
 
 def corrupt_update(flat: torch.Tensor, mode: str) -> torch.Tensor:

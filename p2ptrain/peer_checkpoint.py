@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .checkpoint import CheckpointDir, pack
-from .faults import maybe_die_in_checkpoint
+from .faults import FaultPlan
 
 if TYPE_CHECKING:
     from .peer.base import PeerBase
@@ -50,12 +50,14 @@ def resumable_digest(trainer: dict[str, Any], outer: dict[str, Any] | None) -> s
 
 
 class PeerCheckpoints:
-    """Checkpoints of one peer in ``root`` (``every`` rounds between them, the last ``keep`` kept)."""
+    """Checkpoints of one peer in ``root`` (``every`` rounds between them, the last ``keep`` kept); ``faults``
+    (default: what the environment asks for, see :mod:`p2ptrain.faults`) can kill a write half-way."""
 
-    def __init__(self, root: str | Path, every: int = 10, keep: int = 3) -> None:
+    def __init__(self, root: str | Path, every: int = 10, keep: int = 3, faults: FaultPlan | None = None) -> None:
         if every < 1:
             raise ValueError("checkpoint_every must be at least 1")
-        self.dir, self.every = CheckpointDir(root, keep), every
+        self.faults = FaultPlan.from_env() if faults is None else faults
+        self.dir, self.every = CheckpointDir(root, keep, self.faults), every
         self.dir.remove_temporaries()  # left by a write that was killed half-way
         self.last_saved: float | None = None
         self._since = 0
@@ -79,7 +81,7 @@ class PeerCheckpoints:
 
     def save(self, peer: PeerBase, why: str) -> Path:
         state = self.state(peer)
-        maybe_die_in_checkpoint()
+        self.faults.checkpoint_begins()
         path = self.dir.save(peer.trainer.step_count, state)
         self.last_saved, self._since = time.time(), 0
         log.info("event=checkpoint why=%s step=%d path=%s", why, peer.trainer.step_count, path)

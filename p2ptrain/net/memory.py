@@ -20,26 +20,11 @@ import torch
 from ..collective.butterfly import butterfly_mean, ring_factor
 from ..collective.codecs import Codec
 from ..faults import corrupt_update
+from .groups import Forming, alone_check, majority_fingerprint, membership_check
 from .guard import Guard, GuardConfig
-from .membership import (
-    alone_check,
-    close_group,
-    leader_of,
-    majority_fingerprint,
-    members_by_signature,
-    membership_check,
-)
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 
 __all__ = ["MemorySwarm", "MemoryTransport"]
-
-
-@dataclass
-class _Forming:
-    requests: dict[str, JoinRequest] = field(default_factory=dict)
-    group: Group | None = None
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
-    first: float = 0.0
 
 
 @dataclass
@@ -57,7 +42,7 @@ class MemorySwarm:
         self.guard = Guard(guard)  # one for the whole swarm: every reduction happens once, here
         self.corrupt: dict[str, str] = {}  # peer -> kind of broken update it sends (faults.CORRUPTIONS)
         self.infos: dict[str, PeerInfo] = {}
-        self.forming: dict[tuple[int, str], _Forming] = {}
+        self.forming: dict[tuple[int, str], Forming] = {}
         self.phases: dict[tuple[int, str, int], _Phase] = {}
         self.dead: set[str] = set()
         self.delay: dict[str, float] = {}
@@ -142,41 +127,24 @@ class MemoryTransport(Transport):
         async def _form() -> Group:
             await self._lag()
             sw, side = self.swarm, self._side
-            f = sw.forming.setdefault((side, request.key), _Forming())
-            if f.group is not None:
-                raise RoundFailed(f"round {request.key}: the group closed before this peer joined")
-            if not f.requests:
-                f.first = time.monotonic()
-            f.requests[self.peer_id] = request
-            while f.group is None:
-                live = set(sw.live(side)) | {self.peer_id}
-                if live <= set(f.requests):
-                    self._close(f, decide)
-                    break
-                left = f.first + sw.join_window - time.monotonic()
-                if left <= 0:
-                    self._close(f, decide)
-                    break
-                try:
-                    await asyncio.wait_for(f.closed.wait(), left)
-                except TimeoutError:
-                    pass
-            assert f.group is not None
-            membership_check(f.group, request)
-            alone_check(f.group, self.peer_id, sw.live(side))
-            return f.group
+            f = sw.forming.get((side, request.key))
+            if f is None:
+                f = sw.forming[(side, request.key)] = Forming(request.key, sw.join_window)
+            f.join(request, decide)
+
+            async def live(fresh: bool) -> set[str]:
+                return set(sw.live(side)) | {self.peer_id}
+
+            # A dead peer's request is void: the group closes without it, led by the smallest member left.
+            group = await f.until_closed(live, drop=sw.dead)
+            membership_check(group, request)
+            alone_check(group, self.peer_id, sw.live(side))
+            return group
 
         try:
             return await asyncio.wait_for(_form(), timeout)
         except TimeoutError:
             raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s") from None
-
-    def _close(self, f: _Forming, decide: Decide | None) -> None:
-        alive = {p: r for p, r in f.requests.items() if p not in self.swarm.dead}
-        members = members_by_signature(alive)
-        key = next(iter(f.requests.values())).key
-        f.group = close_group(key, alive, leader_of(members) if members else "", decide)
-        f.closed.set()
 
     async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
                         codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
@@ -226,7 +194,7 @@ class MemoryTransport(Transport):
                      for p in use}
             numel = Counter(f.numel() for f in flats.values()).most_common(1)[0][0]
             # Other sizes are dropped without a strike: an honest member whose view of the round differs
-            # sends those too (see net/swarm.py).
+            # sends those too (see net/parts.py).
             sizes = [p for p in use if flats[p].numel() == numel]
             # The guard's checks (weights, finite values, norm bound) on whole contributions; then what a
             # butterfly of the accepted members computes, part by part (collective.butterfly).

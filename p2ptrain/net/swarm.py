@@ -18,8 +18,12 @@
   part is fetched from any member that has it; if nobody has it, that slice of the
   pseudo-gradient is zero this round on every survivor alike.
 
+The pieces live in modules of their own: the daemon and the config (net/daemon.py),
+the stream protocols (net/streams.py), group forming (net/groups.py), the
+all-reduce (net/allreduce.py, with net/mailbox.py, net/chunks.py, net/parts.py).
 Every network wait has a timeout; background tasks belong to the transport's
-TaskGroup and end with :meth:`HivemindTransport.aclose`.
+TaskGroup and end with :meth:`HivemindTransport.aclose`; an all-reduce's tasks
+belong to its run and end with it.
 """
 
 from __future__ import annotations
@@ -27,210 +31,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ..collective.butterfly import MIN_CHUNK, chunk_bounds, part_bounds
-from ..collective.codecs import Codec, get_codec
-from ..faults import corrupt_payload, maybe_die_in_allreduce
-from .auth import MAC_FIELD, SwarmKey
+from ..collective.codecs import Codec
+from .allreduce import ButterflyRun
+from .auth import MAC_FIELD
 from .bandwidth import LinkMeter
-from .guard import Guard, GuardConfig
-from .membership import (
-    alone_check,
-    close_group,
-    leader_of,
-    majority_fingerprint,
-    membership_check,
-)
-from .state_transfer import DEFAULT_CHUNK, MAX_STATE, StateServer, fetch_chunked
+from .daemon import SwarmConfig, SwarmError, start_p2p
+from .groups import Forming, alone_check, leader_of, membership_check
+from .guard import Guard
+from .mailbox import Mailbox, Mailboxes
+from .state_transfer import StateServer, fetch_chunked
+from .streams import ChunkSource, Streams
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
-from .wire import MAX_FRAME, SCHEMA_ERRORS, FrameError, read_frame, write_frame
+from .wire import SCHEMA_ERRORS
 
 __all__ = ["HivemindTransport", "SwarmConfig", "SwarmError", "start_p2p"]
 
 log = logging.getLogger(__name__)
-
-
-class SwarmError(RuntimeError):
-    """The swarm cannot be joined (the message says why and what to try)."""
-
-
-@dataclass(kw_only=True)
-class SwarmConfig:
-    """How a peer connects.
-
-    Attributes:
-        run_id: names the run's DHT keys and stream protocols.
-        initial_peers: multiaddrs of any live peers or bootstrap nodes (none: start a new swarm).
-        host_maddrs: where to listen (loopback by default; ``/ip4/0.0.0.0/tcp/PORT`` for other machines).
-        announce_maddrs: addresses others should dial (public IP, explicit port).
-        identity_path: a private key file; a stable identity gives a stable address.
-        client_mode: a peer behind NAT: dials out only, reached through relays.
-        use_relay, use_auto_relay: libp2p circuit relays (passed to the daemon).
-        join_window: seconds a leader waits for live peers to join a round.
-        ttl: seconds an announcement lives (the heartbeat refreshes it).
-        connect_attempts, connect_backoff: retries when initial peers are unreachable.
-        recontact_every: seconds between re-pings of known peers (heals splits).
-        max_message: the largest frame accepted from the network, bytes.
-        chunk_values: a part of the all-reduce larger than this many values is streamed in chunks of this
-            size, so that encoding, transfer and decoding overlap (at least 1024).
-        state_chunk: bytes per reply of a state transfer; max_state: the largest state accepted.
-        guard: what this peer accepts from others and how it aggregates (net/guard.py).
-        swarm_key: a private swarm's shared key: records and messages are tagged and checked (net/auth.py).
-        corrupt: fault injection (tests only): send broken updates of this kind (faults.CORRUPTIONS).
-    """
-
-    run_id: str = "p2ptrain"
-    initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    announce_maddrs: list[str] = field(default_factory=list)
-    identity_path: str | None = None
-    client_mode: bool = False
-    use_relay: bool = True
-    use_auto_relay: bool = False
-    join_window: float = 2.0
-    ttl: float = 8.0
-    connect_attempts: int = 5
-    connect_backoff: float = 1.0
-    recontact_every: float = 10.0
-    max_message: int = MAX_FRAME
-    chunk_values: int = 1 << 18
-    state_chunk: int = DEFAULT_CHUNK
-    max_state: int = MAX_STATE
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    swarm_key: SwarmKey | None = None
-    corrupt: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.chunk_values < MIN_CHUNK:
-            raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
-
-
-class _Refused(ValueError):
-    """A streamed payload that does not fit what its header announced (the sender gets a strike)."""
-
-
-async def _encode_ahead(codec: Codec, x: torch.Tensor, bounds: list[tuple[int, int]]) -> AsyncIterator[bytes]:
-    """The payloads of ``x``'s chunks, each encoded in a worker thread while the previous one is sent."""
-    if not bounds:
-        return
-    nxt = asyncio.ensure_future(asyncio.to_thread(codec.encode, x[bounds[0][0]:bounds[0][1]]))
-    for i in range(len(bounds)):
-        data = await nxt
-        if i + 1 < len(bounds):
-            a, b = bounds[i + 1]
-            nxt = asyncio.ensure_future(asyncio.to_thread(codec.encode, x[a:b]))
-        yield data
-
-
-def _payload_len(res: dict[str, Any]) -> int:
-    pieces = res.get("_pieces")
-    if pieces is not None:
-        return sum(len(p) for p in pieces)
-    data = res.get("data")
-    return len(data) if isinstance(data, bytes) else 0
-
-
-def _wire_result(res: dict[str, Any]) -> dict[str, Any]:
-    """A stored result as one message (a streamed one with its chunks' payloads joined), for relaying."""
-    out = {k: v for k, v in res.items() if not k.startswith("_")}
-    if res.get("_pieces") is not None:
-        out["data"] = b"".join(res["_pieces"])
-    out.pop("chunks", None)
-    return out
-
-
-def _chunked_size(codec: Codec, numel: int, chunk: Any) -> int:
-    """Payload bytes of ``numel`` values: one payload (``chunk`` None) or concatenated chunks' payloads."""
-    if chunk is None:
-        return codec.encoded_size(numel)
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < MIN_CHUNK:
-        raise _Refused(f"chunk of {chunk!r} values")
-    return sum(codec.encoded_size(b - a) for a, b in chunk_bounds(numel, chunk))
-
-
-def _decode_chunked(codec: Codec, data: bytes, numel: int, chunk: int | None) -> torch.Tensor:
-    """Decode a whole payload (ValueError on a bad one), chunk by chunk if it was encoded so."""
-    if chunk is None:
-        return codec.decode(data, numel)
-    out, pos = torch.empty(numel, dtype=torch.float32), 0
-    view = memoryview(data)
-    for a, b in chunk_bounds(numel, chunk):
-        n = codec.encoded_size(b - a)
-        out[a:b] = codec.decode(view[pos:pos + n], b - a)
-        pos += n
-    return out
-
-
-async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any]:
-    """Start the libp2p daemon and a DHT node on it, retrying with backoff; (P2P, DHTNode)."""
-    from hivemind.dht.node import DHTNode
-    from hivemind.p2p import P2P, P2PDaemonError
-
-    delay, last = cfg.connect_backoff, ""
-    for attempt in range(1, max(1, cfg.connect_attempts) + 1):
-        p2p = None
-        try:
-            p2p = await P2P.create(
-                initial_peers=cfg.initial_peers or None, host_maddrs=cfg.host_maddrs,
-                announce_maddrs=cfg.announce_maddrs or None, identity_path=cfg.identity_path,
-                dht_mode="client" if cfg.client_mode else "server", use_relay=cfg.use_relay,
-                use_auto_relay=cfg.use_auto_relay, startup_timeout=30)
-            node = await DHTNode.create(p2p=p2p, initial_peers=cfg.initial_peers or None,
-                                        client_mode=cfg.client_mode, ensure_bootstrap_success=bool(cfg.initial_peers),
-                                        wait_timeout=3, bootstrap_timeout=5)
-            return p2p, node
-        except (TimeoutError, P2PDaemonError, RuntimeError, OSError) as e:
-            last = str(e).splitlines()[0] if str(e) else type(e).__name__
-            if p2p is not None:
-                await p2p.shutdown()
-            if attempt < cfg.connect_attempts:
-                log.warning("event=connect_retry attempt=%d of=%d in=%.1fs reason=%s", attempt,
-                            cfg.connect_attempts, delay, last)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-    raise SwarmError(
-        f"could not join the swarm after {cfg.connect_attempts} attempts: {last}. Check that the initial peers "
-        f"({', '.join(cfg.initial_peers) or 'none'}) are running and reachable from here (firewall, address, port)."
-    )
-
-
-@dataclass
-class _Forming:
-    requests: dict[str, JoinRequest] = field(default_factory=dict)
-    group: Group | None = None
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
-    first: float = 0.0
-    created: float = field(default_factory=time.monotonic)
-    decide: Decide | None = None
-
-
-@dataclass
-class _Mailbox:
-    """Frames that arrived for one (round, phase): contributions to our part, and results of parts."""
-
-    contribs: dict[str, tuple[int, torch.Tensor, float, list[float] | None]] = field(default_factory=dict)
-    unreachable: set[str] = field(default_factory=set)  # members our sends could not reach
-    results: dict[int, dict[str, Any]] = field(default_factory=dict)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    created: float = field(default_factory=time.monotonic)
-    finished: float | None = None  # when our all-reduce of this (round, phase) returned or failed
-
-    def poke(self) -> None:
-        self.changed.set()
-
-    async def wait(self, deadline: float) -> None:
-        self.changed.clear()
-        left = deadline - time.monotonic()
-        if left > 0:
-            try:
-                await asyncio.wait_for(self.changed.wait(), left)
-            except TimeoutError:
-                pass
 
 
 class HivemindTransport(Transport):
@@ -239,8 +60,7 @@ class HivemindTransport(Transport):
     def __init__(self, cfg: SwarmConfig, p2p: Any, node: Any) -> None:
         self.cfg, self.p2p, self.node = cfg, p2p, node
         self.peer_id = str(p2p.peer_id)
-        self._forming: dict[str, _Forming] = {}
-        self._mail: dict[tuple[str, int], _Mailbox] = {}
+        self._forming: dict[str, Forming] = {}
         self._live: list[PeerInfo] = []
         self._live_at = 0.0
         self._maddrs: dict[str, list[str]] = {}
@@ -249,6 +69,8 @@ class HivemindTransport(Transport):
         self.blocked: set[str] = set()  # fault injection: peers this one cannot reach (a partition)
         self.links = LinkMeter()
         self._left: set[str] = set()  # peers whose last announcement is a departure
+        self.mailboxes = Mailboxes(self.guard, cfg.max_message)
+        self.streams = Streams(cfg, p2p, self.guard, lambda peer: peer in self.blocked, self._addresses)
         self._tasks: asyncio.TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -256,11 +78,13 @@ class HivemindTransport(Transport):
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     async def create(cls, cfg: SwarmConfig) -> HivemindTransport:
+        """Start the daemon and the DHT node (SwarmError if the swarm cannot be joined), serve our protocols
+        and start the background tasks."""
         p2p, node = await start_p2p(cfg)
         self = cls(cfg, p2p, node)
         for kind, handler in (("join", self._on_join), ("part", self._on_part), ("result", self._on_result),
                               ("getpart", self._on_getpart), ("state", self._on_state)):
-            await p2p.add_binary_stream_handler(self._proto(kind), self._wrap(kind, handler))
+            await self.streams.serve(kind, handler)
         started = asyncio.Event()
         self._runner = asyncio.create_task(self._background(started))
         await started.wait()
@@ -291,9 +115,6 @@ class HivemindTransport(Transport):
 
     async def visible_maddrs(self) -> list[str]:
         return [str(a) for a in await self.p2p.get_visible_maddrs()]
-
-    def _proto(self, kind: str) -> str:
-        return f"/p2ptrain/{self.cfg.run_id}/{kind}/1"
 
     # ------------------------------------------------------------------ DHT records
     def _key(self, what: str) -> str:
@@ -398,137 +219,20 @@ class HivemindTransport(Transport):
                 except Exception as e:
                     log.debug("event=recontact_failed peer=%s reason=%s", peer, e)
 
+    async def _addresses(self, peer: str) -> list[str]:
+        """The multiaddrs ``peer`` announced (the DHT is read again if we know none)."""
+        if not self._maddrs.get(peer):
+            try:
+                await asyncio.wait_for(self.peers(), 5)
+            except TimeoutError:
+                return []
+        return list(self._maddrs.get(peer, []))
+
     # ------------------------------------------------------------------ streams
-    def _wrap(self, kind: str, handler: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]) -> Any:
-        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            sender = str(info.peer_id)
-            try:
-                if self.guard.is_banned(sender) or sender in self.blocked:
-                    return  # dropped unread
-                msg, _ = await read_frame(reader, timeout=30, max_size=self.cfg.max_message)
-                key = self.cfg.swarm_key
-                if key is not None:
-                    if not key.verify(msg, sender, kind, self.cfg.run_id):
-                        self.guard.strike(sender, f"{kind} message without a valid swarm-key tag")
-                        return
-                    msg = {k: v for k, v in msg.items() if k != MAC_FIELD}
-                msg = {k: v for k, v in msg.items() if not (isinstance(k, str) and k.startswith("_"))}
-                if kind in ("part", "result") and "chunks" in msg:
-                    msg["_frames"] = self._chunk_frames(reader, sender, kind, int(msg["chunks"]))
-                reply = await handler(sender, msg)
-                if key is not None:
-                    reply = key.seal(reply, self.peer_id, kind + "/reply", self.cfg.run_id)
-                await write_frame(writer, reply, timeout=30)
-            except (FrameError, TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
-                log.info("event=bad_message kind=%s peer=%s reason=%s", kind, sender, e)
-            except SCHEMA_ERRORS as e:  # a message that does not fit its schema
-                self.guard.strike(sender, f"malformed {kind} message ({type(e).__name__}: {e})")
-            finally:
-                writer.close()
-
-        return on_stream
-
-    async def _chunk_frames(self, reader: asyncio.StreamReader, sender: str, kind: str,
-                            count: int) -> AsyncIterator[bytes]:
-        """The payloads of the ``count`` chunk frames that follow a streamed message's header (each read is
-        bounded in size and time; each frame is checked against the swarm key)."""
-        key = self.cfg.swarm_key
-        for i in range(count):
-            frame, _ = await read_frame(reader, timeout=30, max_size=self.cfg.max_message)
-            if key is not None and not key.verify(frame, sender, kind + "/chunk", self.cfg.run_id, str(i)):
-                self.guard.strike(sender, f"{kind} chunk without a valid swarm-key tag")
-                raise FrameError("chunk without a valid swarm-key tag")
-            data = frame.get("data")
-            if not isinstance(data, bytes):
-                raise _Refused(f"chunk {i} carries no payload")
-            yield data
-
-    async def _receive_chunks(self, msg: dict[str, Any], codec: Codec, numel: int) -> tuple[torch.Tensor, list[bytes]]:
-        """Decode a streamed payload chunk by chunk as it arrives: (values, the chunks' payloads).
-        _Refused if the chunking or a chunk's size does not match the header, or a chunk does not decode."""
-        chunk, count, frames = msg["chunk"], msg["chunks"], msg.get("_frames")
-        _chunked_size(codec, numel, chunk)  # _Refused for a bad chunk size
-        bounds = chunk_bounds(numel, chunk)
-        if frames is None or count != len(bounds):
-            raise _Refused(f"{count!r} chunks announced for {numel} values in chunks of {chunk}")
-        out, pieces = torch.empty(numel, dtype=torch.float32), []
-        async for data in frames:
-            a, b = bounds[len(pieces)]
-            if len(data) != codec.encoded_size(b - a):
-                raise _Refused(f"chunk {len(pieces)} of {len(data)} bytes for {b - a} values")
-            try:
-                out[a:b] = await asyncio.to_thread(codec.decode, data, b - a)
-            except ValueError as e:
-                raise _Refused(f"undecodable chunk {len(pieces)} ({e})") from None
-            pieces.append(data)
-            if len(pieces) == len(bounds):
-                break
-        if len(pieces) != len(bounds):
-            raise _Refused(f"{len(pieces)} of {len(bounds)} chunks arrived")
-        return out, pieces
-
     async def _call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
-                    chunks: Callable[[], AsyncIterator[bytes]] | None = None) -> tuple[dict[str, Any], float]:
-        """One request/response on a fresh stream; returns (reply, seconds). With ``chunks``, the payloads it
-        yields follow the message as frames of their own (the message says how many in ``chunks``)."""
-        from hivemind.p2p import PeerID
-
-        if peer in self.blocked:
-            raise RoundFailed(f"{kind} to {peer[-8:]}: unreachable (partitioned)")
-        t0 = time.monotonic()
-
-        async def _go() -> dict[str, Any]:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self._proto(kind))
-            key = self.cfg.swarm_key
-            try:
-                await write_frame(writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
-                                  timeout=timeout)
-                if chunks is not None:
-                    i = 0
-                    async for data in chunks():
-                        frame = {"data": data}
-                        if key is not None:
-                            frame = key.seal(frame, self.peer_id, kind + "/chunk", self.cfg.run_id, str(i))
-                        await write_frame(writer, frame, timeout=timeout)
-                        i += 1
-                reply, _ = await read_frame(reader, timeout=timeout, max_size=self.cfg.max_message)
-                if key is not None:
-                    if not key.verify(reply, peer, kind + "/reply", self.cfg.run_id):
-                        raise FrameError("reply without a valid swarm-key tag")
-                    reply = {k: v for k, v in reply.items() if k != MAC_FIELD}
-                return reply
-            finally:
-                writer.close()
-
-        for attempt in (1, 2):
-            try:
-                reply = await asyncio.wait_for(_go(), max(0.05, timeout - (time.monotonic() - t0)))
-                return reply, time.monotonic() - t0
-            except (TimeoutError, FrameError, asyncio.IncompleteReadError) as e:
-                raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
-            except Exception as e:  # the daemon reports failed dials with its own error types
-                if attempt == 2 or not await self._redial(peer):
-                    raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
-        raise AssertionError("unreachable")
-
-    async def _redial(self, peer: str) -> bool:
-        """A dial failed: connect again with the addresses the peer announced (the daemon's peer store
-        may not have them yet, or its dial backoff is still on). True if that worked."""
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
-        addrs = self._maddrs.get(peer)
-        if not addrs:
-            await self.peers()
-            addrs = self._maddrs.get(peer)
-        if not addrs:
-            return False
-        try:
-            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in addrs]), 5)
-            return True
-        except Exception as e:  # still unreachable
-            log.debug("event=redial_failed peer=%s reason=%s", peer[-8:], e)
-            return False
+                    chunks: ChunkSource | None = None) -> tuple[dict[str, Any], float]:
+        """One request/response with ``peer`` (see streams.Streams.call); RoundFailed if it fails."""
+        return await self.streams.call(peer, kind, msg, timeout=timeout, chunks=chunks)
 
     # ------------------------------------------------------------------ groups
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
@@ -562,32 +266,18 @@ class HivemindTransport(Transport):
         raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s")
 
     async def _lead(self, request: JoinRequest, decide: Decide | None, deadline: float) -> Group:
+        """As the round's leader, take ``request`` and return the group once it is closed (see groups.Forming).
+        RoundFailed if the group closed before this request came."""
         self._gc()
-        f = self._forming.setdefault(request.key, _Forming())
-        if f.group is not None:
-            raise RoundFailed(f"round {request.key}: the group closed before {request.peer_id[-8:]} joined")
-        if not f.requests:
-            f.first = time.monotonic()
-        f.requests[request.peer_id] = request
-        if decide is not None:
-            f.decide = decide
-        while f.group is None:
-            live = set(await self._live_ids())
-            if live <= set(f.requests):
-                live = set(await self._live_ids(max_age=0.2))  # closing early: on a fresh view only
-            if f.group is not None:
-                break  # closed by another member's join while we looked at who is live: never close twice
-            now = time.monotonic()
-            if live <= set(f.requests) or now >= f.first + self.cfg.join_window or now >= deadline:
-                f.group = close_group(request.key, f.requests, self.peer_id, f.decide)
-                f.closed.set()
-                break
-            try:
-                await asyncio.wait_for(f.closed.wait(), min(0.1, max(0.0, f.first + self.cfg.join_window - now)))
-            except TimeoutError:
-                pass
-        assert f.group is not None
-        return f.group
+        f = self._forming.get(request.key)
+        if f is None:
+            f = self._forming[request.key] = Forming(request.key, self.cfg.join_window)
+        f.join(request, decide)
+
+        async def live(fresh: bool) -> list[str]:
+            return await self._live_ids(max_age=0.2) if fresh else await self._live_ids()
+
+        return await f.until_closed(live, leader=self.peer_id, deadline=deadline, poll=0.1)
 
     async def _on_join(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         req = JoinRequest.from_wire(msg)
@@ -600,320 +290,47 @@ class HivemindTransport(Transport):
         return {"group": group.to_wire()}
 
     def _gc(self, max_age: float = 600.0, after_finish: float = 60.0) -> None:
-        """Forget groups and mailboxes of old rounds: a mailbox ``after_finish`` seconds after our
-        all-reduce of it ended (until then our averaged part can still be fetched by a member that missed
-        it), any other after ``max_age`` (a round that never ran here, late frames)."""
+        """Forget groups of old rounds, and mailboxes ``after_finish`` seconds after our all-reduce of them
+        ended or ``max_age`` after they were made (see mailbox.Mailboxes.collect)."""
         now = time.monotonic()
         for k in [k for k, f in self._forming.items() if now - f.created > max_age]:
             del self._forming[k]
-        for k in [k for k, m in self._mail.items()
-                  if now - m.created > max_age or (m.finished is not None and now - m.finished > after_finish)]:
-            del self._mail[k]
+        self.mailboxes.collect(max_age, after_finish)
 
     # ------------------------------------------------------------------ all-reduce
+    @property
+    def _mail(self) -> dict[tuple[str, int], Mailbox]:
+        """The mailbox of every (round, phase) this peer holds."""
+        return self.mailboxes.boxes
+
     def _gone(self, key: str, phase: int) -> set[str]:
         """Members not worth waiting for: our sends to them failed, or they announced their departure.
         (A member merely missing from our DHT view is still waited for: views are eventually consistent.)"""
-        box = self._mail.get((key, phase))
-        return (box.unreachable if box else set()) | self._left
-
-    def _box(self, key: str, phase: int) -> _Mailbox:
-        return self._mail.setdefault((key, phase), _Mailbox())
+        return self.mailboxes.unreachable(key, phase) | self._left
 
     async def _on_part(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
-        codec = get_codec(str(msg["codec"]))
-        numel = int(msg["numel"])
-        if numel < 0 or numel > self.cfg.max_message:
-            return {"error": "bad size"}
-        streamed = "chunks" in msg
-        data = None if streamed else msg["data"]
-        if not streamed and (not isinstance(data, bytes) or len(data) != codec.encoded_size(numel)):
-            self.guard.strike(sender, f"part payload of {len(data) if isinstance(data, bytes) else '?'} bytes "
-                                      f"for {numel} values")
-            return {"error": "payload size does not match"}
-        if (reason := self.guard.bad_weight(msg["weight"])) is not None:
-            self.guard.strike(sender, reason)
-            return {"error": reason}
-        if streamed:
-            try:
-                x, _ = await self._receive_chunks(msg, codec, numel)
-            except _Refused as e:
-                self.guard.strike(sender, f"streamed part: {e}")
-                return {"error": "streamed part does not match its header"}
-        else:
-            assert isinstance(data, bytes)
-            try:
-                x = await asyncio.to_thread(codec.decode, data, numel)
-            except ValueError as e:
-                self.guard.strike(sender, f"undecodable part ({e})")
-                return {"error": "undecodable part"}
-        fp = msg.get("fp")
-        box = self._box(str(msg["key"]), int(msg["phase"]))
-        box.contribs[sender] = (int(msg["part"]), x, float(msg["weight"]), None if fp is None else [float(v) for v in fp])
-        box.poke()
-        return {"ok": True}
+        return await self.mailboxes.accept_part(sender, msg)
 
     async def _on_result(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
-        box = self._box(str(msg["key"]), int(msg["phase"]))
-        part = int(msg["part"])
-        res = {k: v for k, v in msg.items() if not (isinstance(k, str) and k.startswith("_"))}
-        if "chunks" in msg:  # streamed: decoded as it arrives; the metadata is checked when assembling
-            numel = msg["numel"]
-            if not isinstance(numel, int) or not 0 <= numel <= self.cfg.max_message:
-                return {"error": "bad size"}
-            try:
-                x, pieces = await self._receive_chunks(msg, get_codec(str(msg["codec"])), numel)
-            except _Refused as e:
-                self.guard.strike(sender, f"streamed result: {e}")
-                return {"error": "streamed result does not match its header"}
-            res |= {"_tensor": x, "_pieces": pieces}
-        box.results.setdefault(part, {**res, "_from": sender})
-        box.poke()
-        return {"ok": True}
+        return await self.mailboxes.accept_result(sender, msg)
 
     async def _on_getpart(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
-        box = self._mail.get((str(msg["key"]), int(msg["phase"])))
-        res = None if box is None else box.results.get(int(msg["part"]))
-        return {"result": _wire_result(res)} if res is not None else {"error": "no such part here"}
+        return await self.mailboxes.relay(sender, msg)
 
     async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
                         codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
+        box = self.mailboxes.box(group.key, phase)
+        run = ButterflyRun(group=group, phase=phase, me=self.peer_id, tensors=tensors, weight=weight, codec=codec,
+                           timeout=timeout, fingerprint=fingerprint, box=box, call=self._call,
+                           gone=lambda: self._gone(group.key, phase), guard=self.guard, links=self.links,
+                           chunk=self.cfg.chunk_values, faults=self.cfg.faults)
         try:
-            return await self._allreduce(group, phase, tensors, weight, codec, timeout=timeout,
-                                         fingerprint=fingerprint)
+            return await run.run()
         finally:
             # The contributions to our part are spent; the parts' results stay so that a member that
             # missed one can still fetch it from us (a relay), until the mailbox is collected (_gc).
-            box = self._mail.get((group.key, phase))
-            if box is not None:
-                box.finished = time.monotonic()
-                box.contribs.clear()
+            self.mailboxes.boxes.get((group.key, phase), box).close()
             self._gc()  # also on members that never lead a round (only leaders collected before)
-
-    async def _allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
-                         codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
-        t0 = time.monotonic()
-        members = list(group.members)
-        me = members.index(self.peer_id)
-        if len(tensors) == 1:  # no copy of a lone fp32 tensor: it is only read
-            flat = tensors[0].detach().reshape(-1).float().cpu()
-        else:
-            flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
-        bounds = part_bounds(flat.numel(), len(members))
-        box = self._box(group.key, phase)
-        fp = None if fingerprint is None else [float(v) for v in fingerprint]
-        sent = received = 0
-        chunk = self.cfg.chunk_values
-
-        # 1. reduce-scatter: our share of part j goes to its owner j
-        async def send_part(j: int) -> int:
-            try:
-                return await _send_part(j)
-            except RoundFailed:
-                box.unreachable.add(members[j])  # a dead owner: nobody averages its part this round
-                box.poke()
-                raise
-
-        async def _send_part(j: int) -> int:
-            lo, hi = bounds[j]
-            mine = flat[lo:hi]
-            msg = {"key": group.key, "phase": phase, "part": j, "weight": float(weight), "fp": fp,
-                   "codec": codec.name, "numel": hi - lo}
-            call_timeout = max(0.1, t0 + timeout * 0.5 - time.monotonic())
-            if self.cfg.corrupt is None and hi - lo > chunk:  # streamed: encoding, transfer, decoding overlap
-                cb = chunk_bounds(hi - lo, chunk)
-                msg |= {"chunk": chunk, "chunks": len(cb)}
-                size = _chunked_size(codec, hi - lo, chunk)
-                reply, seconds = await self._call(members[j], "part", msg, timeout=call_timeout,
-                                                  chunks=lambda: _encode_ahead(codec, mine, cb))
-            else:
-                if self.cfg.corrupt is None:
-                    data = await asyncio.to_thread(codec.encode, mine)
-                else:  # fault injection: what a broken or hostile peer would put on the wire
-                    data, mine = corrupt_payload(codec, mine, self.cfg.corrupt)
-                msg |= {"numel": mine.numel(), "data": data}
-                size = len(data)
-                reply, seconds = await self._call(members[j], "part", msg, timeout=call_timeout)
-            if "error" in reply:
-                raise RoundFailed(f"part {j}: {reply['error']}")
-            self.links.update(members[j], size, seconds)
-            return size
-
-        lo, hi = bounds[me]
-        box.contribs[self.peer_id] = (me, flat[lo:hi].clone(), float(weight), fp)
-        sends = [asyncio.create_task(send_part(j)) for j in range(len(members)) if j != me]
-
-        if sends:
-            await asyncio.wait(sends, timeout=max(0.0, t0 + timeout * 0.5 - time.monotonic()))
-            maybe_die_in_allreduce()  # tests only: a peer dying mid all-reduce
-        # 2. collect the contributions to our own part (until everyone or half the timeout)
-        gather_deadline = t0 + timeout * 0.5
-        while (missing := set(members) - set(box.contribs)) and time.monotonic() < gather_deadline:
-            if missing <= self._gone(group.key, phase):
-                break  # every missing member is unreachable or has left: do not wait for them
-            await box.wait(min(gather_deadline, time.monotonic() + 0.5))
-        # Only members' contributions to *our* part, of our part's size, count.
-        contribs = {p: c for p, c in box.contribs.items() if p in members and c[0] == me}
-        for p in [p for p, c in contribs.items() if c[1].numel() != hi - lo]:
-            # Not a strike: members whose views of the round differ (e.g. two leaders chose different
-            # fragments for one slot) send honest parts of other sizes. Dropped, never summed.
-            log.info("event=part_dropped key=%s peer=%s reason=%d values, expected %d", group.key, p,
-                     contribs[p][1].numel(), hi - lo)
-            del contribs[p]
-        prints = {p: c[3] for p, c in contribs.items() if c[3] is not None}
-        agree = majority_fingerprint(prints) if prints else set(contribs)
-        use = sorted(p for p in contribs if p in agree)
-        own_result: dict[str, Any] | None = None
-        if use:
-            try:
-                avg, total, use = self.guard.aggregate({p: (contribs[p][1], contribs[p][2]) for p in use},
-                                                       me=self.peer_id)
-            except ValueError:
-                use = []
-        produce: asyncio.Task[None] | None = None
-        encoded: list[asyncio.Future[bytes]] = []
-        if use:
-            own_result = {"key": group.key, "phase": phase, "part": me, "contributors": use, "total": total,
-                          "agree": sorted(agree), "numel": hi - lo, "codec": codec.name}
-            if hi - lo > chunk:  # streamed to every member while it is being encoded
-                cb = chunk_bounds(hi - lo, chunk)
-                own_result |= {"chunk": chunk, "chunks": len(cb)}
-                loop = asyncio.get_running_loop()
-                encoded = [loop.create_future() for _ in cb]
-                result = own_result
-
-                async def produce_chunks() -> None:
-                    # Every member, this one included, uses the decoded payload: lossy codecs agree everywhere.
-                    own, pieces = torch.empty(hi - lo, dtype=torch.float32), []
-                    try:
-                        async for data in _encode_ahead(codec, avg, cb):
-                            encoded[len(pieces)].set_result(data)
-                            a, b = cb[len(pieces)]
-                            own[a:b] = await asyncio.to_thread(codec.decode, data, b - a)
-                            pieces.append(data)
-                    except BaseException as e:
-                        for f in encoded:
-                            if not f.done():
-                                f.set_exception(RoundFailed(f"encoding our part failed: {e!r}"))
-                        raise
-                    box.results[me] = {**result, "_tensor": own, "_pieces": pieces}
-                    box.poke()
-
-                produce = asyncio.create_task(produce_chunks())
-            else:
-                own_result["data"] = await asyncio.to_thread(codec.encode, avg)
-                box.results[me] = own_result
-
-        try:
-            async def encoded_chunks() -> AsyncIterator[bytes]:
-                for f in encoded:
-                    yield await asyncio.shield(f)
-
-            # 3. all-gather: our averaged part to every other member
-            async def send_result(j: int) -> int:
-                assert own_result is not None
-                size = _chunked_size(codec, hi - lo, own_result.get("chunk"))
-                reply, seconds = await self._call(members[j], "result", own_result,
-                                                  timeout=max(0.1, t0 + timeout * 0.8 - time.monotonic()),
-                                                  chunks=encoded_chunks if encoded else None)
-                self.links.update(members[j], size, seconds)
-                return size if reply.get("ok") else 0
-
-            results_out = [asyncio.create_task(send_result(j)) for j in range(len(members)) if j != me and own_result]
-            for done in await asyncio.gather(*sends, return_exceptions=True):
-                if isinstance(done, int):
-                    sent += done
-                else:
-                    log.info("event=part_send_failed key=%s reason=%s", group.key, done)
-
-            # 4. wait for the other parts, then ask around for what is still missing
-            result_deadline = t0 + timeout * 0.8
-            while len(box.results) < len(members) and time.monotonic() < result_deadline:
-                owners = {members[j] for j in range(len(members)) if j not in box.results}
-                if owners <= self._gone(group.key, phase):
-                    break  # the owners still missing are unreachable or left; ask the others below
-                await box.wait(min(result_deadline, time.monotonic() + 0.5))
-            for j in range(len(members)):
-                if j in box.results:
-                    continue
-                for other in members:
-                    if other in (self.peer_id, members[j]) or time.monotonic() > t0 + timeout:
-                        continue
-                    try:
-                        reply, _ = await self._call(other, "getpart", {"key": group.key, "phase": phase, "part": j},
-                                                    timeout=max(0.1, t0 + timeout - time.monotonic()))
-                    except RoundFailed:
-                        continue
-                    if isinstance(reply.get("result"), dict):
-                        relayed = {k: v for k, v in reply["result"].items() if not (isinstance(k, str) and k.startswith("_"))}
-                        box.results[j] = {**relayed, "_from": other}  # relayed by a member
-                        break
-            for done in await asyncio.gather(*results_out, return_exceptions=True):
-                if isinstance(done, int):
-                    sent += done
-            if produce is not None:
-                await asyncio.gather(produce, return_exceptions=True)
-        finally:
-            if produce is not None and not produce.done():
-                produce.cancel()
-                await asyncio.gather(produce, return_exceptions=True)
-
-        # 5. assemble; a part nobody could average is zero on every survivor
-        out = torch.zeros(flat.numel(), dtype=torch.float32)
-        contributors: set[str] | None = None
-        partial, divergent, total_weight = False, False, 0.0
-        for j, (a, b) in enumerate(bounds):
-            res = box.results.get(j)
-            if res is None:
-                partial = True
-                continue
-            numel = res.get("numel")
-            data, decoded = res.get("data"), res.get("_tensor")
-            if res.get("_from", self.peer_id) not in members:
-                partial = True  # a result from outside the group is never used
-                continue
-            if numel != b - a or res.get("codec") != codec.name:
-                partial = True  # an owner whose view of the round differs (see above): not used, no strike
-                continue
-            try:
-                size = _chunked_size(codec, b - a, res.get("chunk"))
-            except _Refused:
-                size = -1
-            if ((decoded is None and (not isinstance(data, bytes) or len(data) != size))
-                    or (decoded is not None and decoded.numel() != b - a)
-                    or not isinstance(res.get("contributors"), list) or not isinstance(res.get("agree"), list)
-                    or self.guard.bad_weight(res.get("total")) is not None):
-                if members[j] != self.peer_id:
-                    self.guard.strike(members[j], f"averaged part {j} is malformed")
-                partial = True
-                continue
-            if decoded is not None:  # streamed: decoded chunk by chunk as it arrived
-                part = decoded
-            else:
-                part = await asyncio.to_thread(_decode_chunked, codec, data, b - a, res.get("chunk"))
-            if (reason := self.guard.bad_values(part)) is not None:
-                self.guard.strike(members[j], f"averaged part {j}: {reason}")
-                partial = True
-                continue
-            out[a:b] = part
-            if j != me:
-                received += _payload_len(res)
-            who = {str(p) for p in res["contributors"]}
-            contributors = who if contributors is None else contributors & who
-            partial |= len(who) < len(members)
-            if fingerprint is not None and self.peer_id not in {str(p) for p in res["agree"]}:
-                divergent = True
-            if j == me or total_weight == 0.0:
-                total_weight = float(res["total"])
-        if contributors is None or not contributors:
-            raise RoundFailed(f"round {group.key} phase {phase}: no part could be averaged")
-        pieces, offset = [], 0
-        for t in tensors:
-            pieces.append(out[offset : offset + t.numel()].view(t.shape).to(t.device))
-            offset += t.numel()
-        return ReduceResult(pieces, total_weight, group.members, tuple(sorted(contributors)), partial=partial,
-                            bytes_sent=sent, bytes_received=received, seconds=time.monotonic() - t0,
-                            divergent=divergent)
 
     # ------------------------------------------------------------------ state
     def serve_state(self, provider: StateProvider) -> None:

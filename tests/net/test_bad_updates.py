@@ -13,7 +13,7 @@ import torch
 
 from p2ptrain.collective.butterfly import part_bounds
 from p2ptrain.collective.codecs import get_codec
-from p2ptrain.faults import CORRUPTIONS
+from p2ptrain.faults import CORRUPTIONS, FaultPlan
 from p2ptrain.net.guard import GuardConfig
 from p2ptrain.net.memory import MemorySwarm
 from p2ptrain.net.transport import JoinRequest, PeerInfo
@@ -42,7 +42,7 @@ async def libp2p(corrupt: str, guard: GuardConfig) -> AsyncIterator[list[Any]]:
         for i in range(1, N):
             ts.append(await HivemindTransport.create(SwarmConfig(
                 run_id="bad", initial_peers=maddrs, join_window=1.0, ttl=30, guard=guard,
-                corrupt=corrupt if i == N - 1 else None)))
+                faults=FaultPlan(corrupt=corrupt if i == N - 1 else None))))
         for t in ts:
             await t.announce(PeerInfo(peer_id=t.peer_id))
         for t in ts:

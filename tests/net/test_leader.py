@@ -38,3 +38,41 @@ def test_a_group_is_closed_once_when_joins_interleave_with_the_live_view() -> No
         assert groups[0].members == ("a", "b", "me")
 
     asyncio.run(go())
+
+
+def test_forming_closes_once_when_everyone_joined_or_the_window_expired() -> None:
+    """The rules both transports use (groups.Forming): early close on a fresh view, close on the window's
+    end otherwise, one group for every caller, a late join refused."""
+    from p2ptrain.net.groups import Forming
+    from p2ptrain.net.transport import RoundFailed
+
+    async def go() -> None:
+        fresh: list[bool] = []
+
+        async def live(f: bool) -> list[str]:
+            fresh.append(f)
+            return ["a", "b"]
+
+        f = Forming("k", window=5.0)
+        f.join(JoinRequest(key="k", peer_id="a", weight=1.0, fragment=3))
+        waiting = asyncio.create_task(f.until_closed(live, leader="a", poll=0.05))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # b is live and has not joined: the window is still open
+        f.join(JoinRequest(key="k", peer_id="b", weight=1.0, fragment=3))
+        group = await asyncio.wait_for(waiting, 5)
+        assert group.members == ("a", "b") and group.fragment == 3 and True in fresh
+        assert await f.until_closed(live) is group and f.close("b") is group  # closed once
+        try:
+            f.join(JoinRequest(key="k", peer_id="c", weight=1.0))
+            raise AssertionError("a late join was accepted")
+        except RoundFailed:
+            pass
+
+        g = Forming("w", window=0.3)
+        g.join(JoinRequest(key="w", peer_id="a", weight=1.0))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        alone = await asyncio.wait_for(g.until_closed(live), 5)  # b never joins: closed when the window ends
+        assert alone.members == ("a",) and 0.25 <= loop.time() - t0 < 2
+
+    asyncio.run(go())

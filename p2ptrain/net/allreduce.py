@@ -1,0 +1,271 @@
+"""One member's butterfly all-reduce of one (round, phase) over the stream protocols: :class:`ButterflyRun`.
+
+1. reduce-scatter: the member sends part j of its flat vector to part j's owner (streamed in chunks
+   when large, net/chunks.py), and files its own share of its own part;
+2. it collects the contributions to its own part (until every member's came, or the members still
+   missing are unreachable or left, or half the timeout passed) and aggregates those that fit, through
+   the guard (net/guard.py, net/parts.py);
+3. all-gather: it sends its averaged part, encoded once, to every other member;
+4. it waits for the other parts' results (until 0.8 of the timeout), then asks the other members for
+   any still missing (a relay, ``getpart``, until the timeout);
+5. it assembles what it got (net/parts.py): a part nobody could average is zero and the result partial.
+
+A run owns every task it starts, in one TaskGroup: when the run ends, fails or its caller cancels it,
+they are all cancelled and awaited before it returns. A send that fails is logged and counted, never
+raised: only a run with nothing averaged at all fails (RoundFailed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from ..collective.butterfly import chunk_bounds, part_bounds
+from ..collective.codecs import Codec
+from ..faults import FaultPlan, corrupt_payload
+from .bandwidth import LinkMeter
+from .chunks import EncodedStream, chunked_size, decode_chunked, encode_ahead
+from .guard import Guard
+from .mailbox import Mailbox
+from .parts import Assembly, flatten, result_problem, select_contributions
+from .streams import ChunkSource
+from .transport import Group, ReduceResult, RoundFailed
+
+__all__ = ["ButterflyRun", "Call"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Fractions of the run's timeout: contributions are gathered until the first, results until the second,
+# relays of missing results until the whole.
+GATHER, RESULTS = 0.5, 0.8
+
+
+class Call(Protocol):
+    """One request/response with a peer (streams.Streams.call): (reply, seconds) or RoundFailed."""
+
+    def __call__(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
+                 chunks: ChunkSource | None = None) -> Awaitable[tuple[dict[str, Any], float]]: ...
+
+
+async def _settled(aw: Awaitable[T]) -> T | Exception:
+    """``aw``'s result, or the exception it raised (a failed send must not tear down its siblings)."""
+    try:
+        return await aw
+    except Exception as e:
+        return e
+
+
+class ButterflyRun:
+    """One member's all-reduce of ``tensors`` in ``group``'s phase ``phase`` (create one per call, then
+    :meth:`run` it once).
+
+    ``me`` is this member's peer id; ``box`` the mailbox of this (round, phase); ``call`` talks to a
+    member; ``gone()`` names the members not worth waiting for (unreachable, or announced their
+    departure); ``chunk`` the values per streamed chunk; ``faults`` what this peer breaks on purpose (tests).
+    """
+
+    def __init__(self, *, group: Group, phase: int, me: str, tensors: Sequence[torch.Tensor], weight: float,
+                 codec: Codec, timeout: float, fingerprint: Sequence[float] | None, box: Mailbox, call: Call,
+                 gone: Callable[[], set[str]], guard: Guard, links: LinkMeter, chunk: int, faults: FaultPlan) -> None:
+        self.t0 = time.monotonic()
+        self.group, self.phase, self.me_id = group, phase, me
+        self.members = list(group.members)
+        self.me = self.members.index(me)
+        self.tensors, self.weight, self.codec, self.timeout = tensors, float(weight), codec, timeout
+        self.fp = None if fingerprint is None else [float(v) for v in fingerprint]
+        self.box, self.call, self.gone, self.guard, self.links = box, call, gone, guard, links
+        self.chunk, self.faults = chunk, faults
+        self.flat = flatten(tensors)
+        self.bounds = part_bounds(self.flat.numel(), len(self.members))
+        self.own: dict[str, Any] | None = None  # our averaged part's result message, once aggregated
+        self.stream: EncodedStream | None = None  # our averaged part, streamed to every member
+
+    def _until(self, fraction: float) -> float:
+        return self.t0 + self.timeout * fraction
+
+    def _left(self, fraction: float) -> float:
+        return self._until(fraction) - time.monotonic()
+
+    def _others(self) -> list[int]:
+        return [j for j in range(len(self.members)) if j != self.me]
+
+    async def run(self) -> ReduceResult:
+        """The phase's outcome at this member (see the module docstring). RoundFailed if no part could be
+        averaged; cancelling it cancels and awaits every task it started."""
+        lo, hi = self.bounds[self.me]
+        self.box.contribs[self.me_id] = (self.me, self.flat[lo:hi].clone(), self.weight, self.fp)
+        try:
+            sent = await self._exchange()
+        except BaseExceptionGroup as eg:
+            # Only this run's own steps can fail (its tasks return their errors): raise that error as it is.
+            if len(eg.exceptions) == 1:
+                raise eg.exceptions[0] from None
+            raise
+        return await self._assemble(sent)
+
+    async def _exchange(self) -> int:
+        """Steps 1 to 4 in a TaskGroup that owns every task they start; the payload bytes sent."""
+        sent = 0
+        async with asyncio.TaskGroup() as tg:
+            sends = [tg.create_task(_settled(self._send_part(j))) for j in self._others()]
+            if sends:
+                await asyncio.wait(sends, timeout=max(0.0, self._left(GATHER)))
+                self.faults.in_allreduce()  # tests only: a peer dying mid all-reduce
+            await self._gather()
+            await self._aggregate(tg)
+            results_out = [tg.create_task(_settled(self._send_result(j))) for j in self._others() if self.own]
+            for done in [await t for t in sends]:
+                if isinstance(done, int):
+                    sent += done
+                else:
+                    log.info("event=part_send_failed key=%s reason=%s", self.group.key, done)
+            await self._await_results()
+            await self._fetch_missing()
+            sent += sum(done for done in [await t for t in results_out] if isinstance(done, int))
+        return sent
+
+    # 1. reduce-scatter
+    async def _send_part(self, j: int) -> int:
+        """Send our share of part j to its owner; the payload bytes. RoundFailed marks the owner unreachable
+        (nobody averages its part this round, and it is not waited for)."""
+        try:
+            return await self._send_part_to(j)
+        except RoundFailed:
+            self.box.unreachable.add(self.members[j])
+            self.box.poke()
+            raise
+
+    async def _send_part_to(self, j: int) -> int:
+        lo, hi = self.bounds[j]
+        mine = self.flat[lo:hi]
+        codec, corrupt = self.codec, self.faults.corrupt
+        msg = {"key": self.group.key, "phase": self.phase, "part": j, "weight": self.weight, "fp": self.fp,
+               "codec": codec.name, "numel": hi - lo}
+        call_timeout = max(0.1, self._left(GATHER))
+        if corrupt is None and hi - lo > self.chunk:  # streamed: encoding, transfer, decoding overlap
+            cb = chunk_bounds(hi - lo, self.chunk)
+            msg |= {"chunk": self.chunk, "chunks": len(cb)}
+            size = chunked_size(codec, hi - lo, self.chunk)
+            reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout,
+                                             chunks=lambda: encode_ahead(codec, mine, cb))
+        else:
+            if corrupt is None:
+                data = await asyncio.to_thread(codec.encode, mine)
+            else:  # fault injection: what a broken or hostile peer would put on the wire
+                data, mine = corrupt_payload(codec, mine, corrupt)
+            msg |= {"numel": mine.numel(), "data": data}
+            size = len(data)
+            reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout)
+        if "error" in reply:
+            raise RoundFailed(f"part {j}: {reply['error']}")
+        self.links.update(self.members[j], size, seconds)
+        return size
+
+    # 2. the contributions to our own part
+    async def _gather(self) -> None:
+        deadline = self._until(GATHER)
+        while (missing := set(self.members) - set(self.box.contribs)) and time.monotonic() < deadline:
+            if missing <= self.gone():
+                break  # every missing member is unreachable or has left: do not wait for them
+            await self.box.wait(min(deadline, time.monotonic() + 0.5))
+
+    async def _aggregate(self, tg: asyncio.TaskGroup) -> None:
+        """Aggregate the contributions to our part that fit, into :attr:`own` (None if none was accepted);
+        a large part starts being encoded for every member at once (a task of ``tg``)."""
+        lo, hi = self.bounds[self.me]
+        sel = select_contributions(self.box.contribs, self.members, self.me, hi - lo)
+        for p, n in sel.dropped.items():
+            log.info("event=part_dropped key=%s peer=%s reason=%d values, expected %d", self.group.key, p, n, hi - lo)
+        if not sel.use:
+            return
+        try:
+            avg, total, use = self.guard.aggregate(sel.use, me=self.me_id)
+        except ValueError:
+            return
+        own = {"key": self.group.key, "phase": self.phase, "part": self.me, "contributors": use, "total": total,
+               "agree": sorted(sel.agree), "numel": hi - lo, "codec": self.codec.name}
+        self.own = own
+        if hi - lo > self.chunk:  # streamed to every member while it is being encoded
+            stream = self.stream = EncodedStream(self.codec, avg, self.chunk)
+            own |= {"chunk": self.chunk, "chunks": len(stream.bounds)}
+
+            async def produce() -> None:
+                await stream.produce()
+                # Every member, this one included, uses the decoded payload: lossy codecs agree everywhere.
+                self.box.results[self.me] = {**own, "_tensor": stream.decoded, "_pieces": stream.payloads}
+                self.box.poke()
+
+            tg.create_task(_settled(produce()))
+        else:
+            own["data"] = await asyncio.to_thread(self.codec.encode, avg)
+            self.box.results[self.me] = own
+
+    # 3. all-gather
+    async def _send_result(self, j: int) -> int:
+        """Send our averaged part to member j; the payload bytes if it took them, else 0."""
+        assert self.own is not None
+        lo, hi = self.bounds[self.me]
+        size = chunked_size(self.codec, hi - lo, self.own.get("chunk"))
+        reply, seconds = await self.call(self.members[j], "result", self.own, timeout=max(0.1, self._left(RESULTS)),
+                                         chunks=self.stream.chunks if self.stream is not None else None)
+        self.links.update(self.members[j], size, seconds)
+        return size if reply.get("ok") else 0
+
+    # 4. the other parts' results, relayed by any member if their owner's never came
+    async def _await_results(self) -> None:
+        deadline = self._until(RESULTS)
+        while len(self.box.results) < len(self.members) and time.monotonic() < deadline:
+            owners = {self.members[j] for j in range(len(self.members)) if j not in self.box.results}
+            if owners <= self.gone():
+                break  # the owners still missing are unreachable or left; ask the others below
+            await self.box.wait(min(deadline, time.monotonic() + 0.5))
+
+    async def _fetch_missing(self) -> None:
+        for j in range(len(self.members)):
+            if j in self.box.results:
+                continue
+            for other in self.members:
+                if other in (self.me_id, self.members[j]) or self._left(1.0) < 0:
+                    continue
+                try:
+                    reply, _ = await self.call(other, "getpart", {"key": self.group.key, "phase": self.phase, "part": j},
+                                               timeout=max(0.1, self._left(1.0)))
+                except RoundFailed:
+                    continue
+                if isinstance(reply.get("result"), dict):
+                    relayed = {k: v for k, v in reply["result"].items()
+                               if not (isinstance(k, str) and k.startswith("_"))}
+                    self.box.results[j] = {**relayed, "_from": other}  # relayed by a member
+                    break
+
+    # 5. assembly
+    async def _assemble(self, sent: int) -> ReduceResult:
+        out = Assembly(self.flat.numel(), self.members, self.me, check_agree=self.fp is not None)
+        for j, (a, b) in enumerate(self.bounds):
+            res = self.box.results.get(j)
+            if res is None:
+                out.skip()
+                continue
+            problem = result_problem(res, j, b - a, self.codec, self.members, self.me_id)
+            if problem is not None:
+                reason, strike = problem
+                if strike and self.members[j] != self.me_id:
+                    self.guard.strike(self.members[j], reason)
+                out.skip()
+                continue
+            part = res.get("_tensor")  # streamed: decoded chunk by chunk as it arrived
+            if part is None:
+                part = await asyncio.to_thread(decode_chunked, self.codec, res["data"], b - a, res.get("chunk"))
+            if (reason := self.guard.bad_values(part)) is not None:
+                self.guard.strike(self.members[j], f"averaged part {j}: {reason}")
+                out.skip()
+                continue
+            out.add(j, a, b, part, res)
+        return out.result(self.group, self.phase, self.tensors, sent=sent, seconds=time.monotonic() - self.t0)

@@ -1,0 +1,162 @@
+"""Streaming a part of the all-reduce in chunks: encode ahead while sending, decode while receiving.
+
+A part larger than ``chunk`` values travels as one message header followed by one frame per chunk
+(:func:`p2ptrain.collective.butterfly.chunk_bounds`), each chunk encoded on its own; its payload is the
+concatenation of the chunks' payloads. The sender encodes the next chunk in a worker thread while the
+previous one is on the wire (:func:`encode_ahead`); an owner sending its averaged part to every member
+encodes it once for all of them (:class:`EncodedStream`); a receiver decodes each chunk as it arrives
+(:func:`receive_chunks`) and refuses a stream that does not match its header (:class:`Refused`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+import torch
+
+from ..collective.butterfly import MIN_CHUNK, chunk_bounds
+from ..collective.codecs import Codec
+from .transport import RoundFailed
+
+__all__ = ["EncodedStream", "Refused", "chunked_size", "decode_chunked", "encode_ahead", "receive_chunks"]
+
+
+class Refused(ValueError):
+    """A streamed payload that does not fit what its header announced (the sender gets a strike)."""
+
+
+def chunked_size(codec: Codec, numel: int, chunk: Any) -> int:
+    """Payload bytes of ``numel`` values: one payload (``chunk`` None) or concatenated chunks' payloads.
+    Refused if ``chunk`` is not a whole number of at least MIN_CHUNK values."""
+    if chunk is None:
+        return codec.encoded_size(numel)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < MIN_CHUNK:
+        raise Refused(f"chunk of {chunk!r} values")
+    return sum(codec.encoded_size(b - a) for a, b in chunk_bounds(numel, chunk))
+
+
+def decode_chunked(codec: Codec, data: bytes, numel: int, chunk: int | None) -> torch.Tensor:
+    """Decode a whole payload (ValueError on a bad one), chunk by chunk if it was encoded so."""
+    if chunk is None:
+        return codec.decode(data, numel)
+    out, pos = torch.empty(numel, dtype=torch.float32), 0
+    view = memoryview(data)
+    for a, b in chunk_bounds(numel, chunk):
+        n = codec.encoded_size(b - a)
+        out[a:b] = codec.decode(view[pos:pos + n], b - a)
+        pos += n
+    return out
+
+
+async def encode_ahead(codec: Codec, x: torch.Tensor, bounds: list[tuple[int, int]]) -> AsyncGenerator[bytes, None]:
+    """The payloads of ``x``'s chunks in order, each encoded in a worker thread while the previous one is sent.
+
+    Close it (``contextlib.aclosing``) when stopping early: the encoding ahead is then abandoned, and
+    nothing in the event loop waits for it (its thread finishes one chunk on its own). Errors of the
+    codec (ValueError for values it cannot encode) are raised to the reader.
+    """
+    if not bounds:
+        return
+    loop = asyncio.get_running_loop()
+
+    def start(i: int) -> asyncio.Future[bytes]:
+        a, b = bounds[i]
+        # A plain executor future, not a task: closing this generator cancels it, and nothing is left.
+        return loop.run_in_executor(None, codec.encode, x[a:b])
+
+    nxt = start(0)
+    try:
+        for i in range(len(bounds)):
+            data = await nxt
+            if i + 1 < len(bounds):
+                nxt = start(i + 1)
+            yield data
+    finally:
+        nxt.cancel()
+
+
+class EncodedStream:
+    """One tensor encoded chunk by chunk, once, for several readers: each reader (:meth:`chunks`) gets the
+    payloads in order as soon as they are encoded, while :meth:`produce` goes on.
+
+    The producer also decodes every payload into :attr:`decoded`: every member, the owner included, uses
+    the decoded values, so that lossy codecs agree everywhere.
+    """
+
+    def __init__(self, codec: Codec, x: torch.Tensor, chunk: int) -> None:
+        self.codec, self.x = codec, x
+        self.bounds = chunk_bounds(x.numel(), chunk)
+        self.payloads: list[bytes] = []
+        self.decoded = torch.empty(x.numel(), dtype=torch.float32)
+        self.failed: BaseException | None = None
+        self._stopped = False  # the producer returned, failed or was cancelled
+        self._tick = asyncio.Event()
+
+    def _wake(self) -> None:
+        # Every reader waits on the event of its time; a new one for the next wait, so none misses a wake.
+        self._tick.set()
+        self._tick = asyncio.Event()
+
+    async def produce(self) -> None:
+        """Encode and decode every chunk, waking the readers at each. If it fails or is cancelled, the
+        readers get RoundFailed and the error (or the cancellation) is raised here."""
+        try:
+            async with aclosing(encode_ahead(self.codec, self.x, self.bounds)) as chunks:
+                async for data in chunks:
+                    a, b = self.bounds[len(self.payloads)]
+                    self.payloads.append(data)
+                    self._wake()
+                    self.decoded[a:b] = await asyncio.to_thread(self.codec.decode, data, b - a)
+        except BaseException as e:
+            self.failed = e
+            raise
+        finally:
+            self._stopped = True
+            self._wake()
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The payloads in order, each as soon as it is encoded. RoundFailed if the producer stopped first.
+        Not bounded in time by itself: the reader's own call timeout bounds it."""
+        i = 0
+        while i < len(self.bounds):
+            if i < len(self.payloads):
+                yield self.payloads[i]
+                i += 1
+            elif self._stopped:
+                raise RoundFailed(f"encoding our part failed: {self.failed!r}")
+            else:
+                await self._tick.wait()
+
+
+async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int) -> tuple[torch.Tensor, list[bytes]]:
+    """Decode a streamed payload chunk by chunk as it arrives: (values, the chunks' payloads).
+
+    ``msg`` is the header (``chunk``, ``chunks``) with an async generator of the chunk frames' payloads in
+    ``_frames`` (each read bounded in size and time by the stream layer). Refused if the chunking or a chunk's size does
+    not match the header, or a chunk does not decode; the frames are closed either way.
+    """
+    chunk, count, frames = msg["chunk"], msg["chunks"], msg.get("_frames")
+    chunked_size(codec, numel, chunk)  # Refused for a bad chunk size
+    bounds = chunk_bounds(numel, chunk)
+    if frames is None or count != len(bounds):
+        raise Refused(f"{count!r} chunks announced for {numel} values in chunks of {chunk}")
+    out, pieces = torch.empty(numel, dtype=torch.float32), []
+    async with aclosing(frames) as it:
+        async for data in it:
+            a, b = bounds[len(pieces)]
+            if len(data) != codec.encoded_size(b - a):
+                raise Refused(f"chunk {len(pieces)} of {len(data)} bytes for {b - a} values")
+            try:
+                out[a:b] = await asyncio.to_thread(codec.decode, data, b - a)
+            except ValueError as e:
+                raise Refused(f"undecodable chunk {len(pieces)} ({e})") from None
+            pieces.append(data)
+            if len(pieces) == len(bounds):
+                break
+    if len(pieces) != len(bounds):
+        raise Refused(f"{len(pieces)} of {len(bounds)} chunks arrived")
+    return out, pieces
+

@@ -1,0 +1,113 @@
+"""Starting a peer on hivemind's libp2p daemon and Kademlia DHT, and how it connects (:class:`SwarmConfig`).
+
+The daemon is started with retries and a growing backoff: unreachable initial peers make the daemon
+refuse to start, and a peer that cannot join at all gets a message saying what to check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..collective.butterfly import MIN_CHUNK
+from ..faults import FaultPlan
+from .auth import SwarmKey
+from .guard import GuardConfig
+from .state_transfer import DEFAULT_CHUNK, MAX_STATE
+from .wire import MAX_FRAME
+
+__all__ = ["SwarmConfig", "SwarmError", "start_p2p"]
+
+log = logging.getLogger(__name__)
+
+
+class SwarmError(RuntimeError):
+    """The swarm cannot be joined (the message says why and what to try)."""
+
+
+@dataclass(kw_only=True)
+class SwarmConfig:
+    """How a peer connects.
+
+    Attributes:
+        run_id: names the run's DHT keys and stream protocols.
+        initial_peers: multiaddrs of any live peers or bootstrap nodes (none: start a new swarm).
+        host_maddrs: where to listen (loopback by default; ``/ip4/0.0.0.0/tcp/PORT`` for other machines).
+        announce_maddrs: addresses others should dial (public IP, explicit port).
+        identity_path: a private key file; a stable identity gives a stable address.
+        client_mode: a peer behind NAT: dials out only, reached through relays.
+        use_relay, use_auto_relay: libp2p circuit relays (passed to the daemon).
+        join_window: seconds a leader waits for live peers to join a round.
+        ttl: seconds an announcement lives (the heartbeat refreshes it).
+        connect_attempts, connect_backoff: retries when initial peers are unreachable.
+        recontact_every: seconds between re-pings of known peers (heals splits).
+        max_message: the largest frame accepted from the network, bytes.
+        chunk_values: a part of the all-reduce larger than this many values is streamed in chunks of this
+            size, so that encoding, transfer and decoding overlap (at least 1024).
+        state_chunk: bytes per reply of a state transfer; max_state: the largest state accepted.
+        guard: what this peer accepts from others and how it aggregates (net/guard.py).
+        swarm_key: a private swarm's shared key: records and messages are tagged and checked (net/auth.py).
+        faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
+            by default what the environment asks for (nothing, unless a test set its variables).
+    """
+
+    run_id: str = "p2ptrain"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: str | None = None
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    join_window: float = 2.0
+    ttl: float = 8.0
+    connect_attempts: int = 5
+    connect_backoff: float = 1.0
+    recontact_every: float = 10.0
+    max_message: int = MAX_FRAME
+    chunk_values: int = 1 << 18
+    state_chunk: int = DEFAULT_CHUNK
+    max_state: int = MAX_STATE
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    swarm_key: SwarmKey | None = None
+    faults: FaultPlan = field(default_factory=FaultPlan.from_env)
+
+    def __post_init__(self) -> None:
+        if self.chunk_values < MIN_CHUNK:
+            raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
+
+
+async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any]:
+    """Start the libp2p daemon and a DHT node on it, retrying with backoff; (P2P, DHTNode). SwarmError if
+    every attempt failed (the daemon of a failed attempt is shut down)."""
+    from hivemind.dht.node import DHTNode
+    from hivemind.p2p import P2P, P2PDaemonError
+
+    delay, last = cfg.connect_backoff, ""
+    for attempt in range(1, max(1, cfg.connect_attempts) + 1):
+        p2p = None
+        try:
+            p2p = await P2P.create(
+                initial_peers=cfg.initial_peers or None, host_maddrs=cfg.host_maddrs,
+                announce_maddrs=cfg.announce_maddrs or None, identity_path=cfg.identity_path,
+                dht_mode="client" if cfg.client_mode else "server", use_relay=cfg.use_relay,
+                use_auto_relay=cfg.use_auto_relay, startup_timeout=30)
+            node = await DHTNode.create(p2p=p2p, initial_peers=cfg.initial_peers or None,
+                                        client_mode=cfg.client_mode, ensure_bootstrap_success=bool(cfg.initial_peers),
+                                        wait_timeout=3, bootstrap_timeout=5)
+            return p2p, node
+        except (TimeoutError, P2PDaemonError, RuntimeError, OSError) as e:
+            last = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if p2p is not None:
+                await p2p.shutdown()
+            if attempt < cfg.connect_attempts:
+                log.warning("event=connect_retry attempt=%d of=%d in=%.1fs reason=%s", attempt,
+                            cfg.connect_attempts, delay, last)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+    raise SwarmError(
+        f"could not join the swarm after {cfg.connect_attempts} attempts: {last}. Check that the initial peers "
+        f"({', '.join(cfg.initial_peers) or 'none'}) are running and reachable from here (firewall, address, port)."
+    )

@@ -1,0 +1,171 @@
+"""Group forming, shared by every transport: the rules (pure functions) and one round's forming (:class:`Forming`).
+
+A round's group is formed by its leader, the smallest live peer id: it collects the members' join
+requests and closes the group once every live peer joined (checked again on a fresh view of who is
+live) or the join window, counted from the first join, expired, whichever comes first. A group is
+closed once: a join that arrives later is refused, and a join that was still looking at who is live
+when another one closed the group takes that group instead of closing it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+
+from .transport import Decide, Decision, Group, JoinRequest, RoundFailed, StateMismatch
+
+__all__ = ["Forming", "LiveView", "agreed_fragment", "alone_check", "close_group", "fingerprints_match", "leader_of",
+           "majority_fingerprint", "members_by_signature", "membership_check"]
+
+#: Who is live now (this peer included); ``fresh=True`` asks for a view read just now, not a cached one.
+LiveView = Callable[[bool], Awaitable[Collection[str]]]
+
+
+class Forming:
+    """One round's group while its leader forms it: the requests, the first join's time, the decisions
+    offered, the closed event and the group once closed.
+
+    ``window`` is the join window in seconds; ``clock`` the monotonic clock the deadlines are on.
+    """
+
+    def __init__(self, key: str, window: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.key, self.window, self.clock = key, window, clock
+        self.requests: dict[str, JoinRequest] = {}
+        self.decides: dict[str, Decide] = {}  # by joiner: the closing leader's own is used
+        self.first = 0.0
+        self.created = clock()
+        self.closed = asyncio.Event()
+        self.group: Group | None = None
+
+    def join(self, request: JoinRequest, decide: Decide | None = None) -> None:
+        """Record a join request (and the decision rule its peer offers, used if that peer closes as
+        the leader). RoundFailed if the group is already closed: a late joiner is not a member."""
+        if self.group is not None:
+            raise RoundFailed(f"round {self.key}: the group closed before {request.peer_id[-8:]} joined")
+        if not self.requests:
+            self.first = self.clock()
+        self.requests[request.peer_id] = request
+        if decide is not None:
+            self.decides[request.peer_id] = decide
+
+    def everyone_joined(self, live: Collection[str]) -> bool:
+        return set(live) <= set(self.requests)
+
+    def window_left(self) -> float:
+        """Seconds until the join window (from the first join) expires; 0 once it has."""
+        return max(0.0, self.first + self.window - self.clock())
+
+    def close(self, leader: str | None = None, *, drop: Collection[str] = ()) -> Group:
+        """Close the group once (every later call returns the same group): the members of the most common
+        signature among the requests not in ``drop``, led by ``leader`` (by default the smallest of them),
+        with the fragment they proposed or the one ``leader``'s decision rule picks."""
+        if self.group is None:
+            alive = {p: r for p, r in self.requests.items() if p not in drop}
+            if leader is None:
+                members = members_by_signature(alive)
+                leader = leader_of(members) if members else ""
+            self.group = close_group(self.key, alive, leader, self.decides.get(leader))
+            self.closed.set()
+        return self.group
+
+    async def until_closed(self, live: LiveView, *, leader: str | None = None, drop: Collection[str] = (),
+                           deadline: float = math.inf, poll: float = math.inf) -> Group:
+        """Wait for the group to close, closing it (see :meth:`close`) as soon as it is due: every live peer
+        joined, the join window expired, or ``deadline`` (on ``clock``) passed. Who is live is looked at
+        again at least every ``poll`` seconds. Never waits past the window or the deadline."""
+        while self.group is None:
+            now_live = await live(False)
+            if self.everyone_joined(now_live):
+                now_live = await live(True)  # closing early: on a fresh view only
+            if self.group is not None:
+                break  # closed by another join while we looked at who is live: never close twice
+            if self.everyone_joined(now_live) or self.window_left() <= 0 or self.clock() >= deadline:
+                return self.close(leader, drop=drop)
+            try:
+                await asyncio.wait_for(self.closed.wait(), min(poll, self.window_left(),
+                                                               max(0.0, deadline - self.clock())))
+            except TimeoutError:
+                pass
+        return self.group
+
+
+def leader_of(live: Sequence[str]) -> str:
+    """The round leader: the smallest live peer id (every peer computes the same from the same view)."""
+    if not live:
+        raise ValueError("no live peers")
+    return min(live)
+
+
+def agreed_fragment(requests: Sequence[JoinRequest]) -> int | None:
+    """The fragment a fixed schedule sends: what the members proposed (the most common, ties to the
+    smallest), or None if none proposed one."""
+    proposed = [r.fragment for r in requests if r.fragment is not None]
+    if not proposed:
+        return None
+    counts = Counter(proposed)
+    best = max(counts.values())
+    return min(f for f, c in counts.items() if c == best)
+
+
+def close_group(key: str, requests: Mapping[str, JoinRequest], leader: str, decide: Decide | None) -> Group:
+    """The group a leader closes from the requests it holds: the members of the most common signature,
+    the fragment they proposed, else the one ``decide`` picks (with the schedule it may set)."""
+    members = tuple(members_by_signature(requests))
+    reqs = [requests[m] for m in members]
+    decision = Decision(agreed_fragment(reqs))
+    if decision.fragment is None and decide is not None and reqs:
+        d = decide(reqs)
+        decision = d if isinstance(d, Decision) else Decision(d)
+    return Group(key, members, leader, decision.fragment, reqs[0].signature if reqs else "", decision.schedule)
+
+
+def fingerprints_match(a: Sequence[float], b: Sequence[float], rtol: float = 1e-5) -> bool:
+    """Chunk sums of two copies of θ agree within ``rtol`` of their magnitude (robust to last-bit
+    differences between devices, not to real divergence)."""
+    if len(a) != len(b):
+        return False
+    return all(abs(x - y) <= rtol * (abs(x) + abs(y) + 1e-12) + 1e-9 for x, y in zip(a, b, strict=True))
+
+
+def majority_fingerprint(prints: Mapping[str, Sequence[float]]) -> set[str]:
+    """The peers whose fingerprint agrees with the largest agreeing set (ties: the set holding the
+    smallest peer id). Peers outside it hold a divergent θ and must not contribute."""
+    peers = sorted(prints)
+    best: set[str] = set()
+    for p in peers:
+        same = {q for q in peers if fingerprints_match(prints[p], prints[q])}
+        if len(same) > len(best):
+            best = same
+    return best
+
+
+def alone_check(group: Group, me: str, live: Sequence[str]) -> None:
+    """A group of one while other peers are alive means the others met elsewhere (or we could not
+    reach them): averaging with ourselves would move our θ away from theirs. Raise RoundFailed; the
+    progress stays in θ − θ_i and goes into the next round."""
+    if group.members == (me,) and set(live) - {me}:
+        raise RoundFailed(f"round {group.key}: alone in the group while {len(set(live) - {me})} other peers are live")
+
+
+def members_by_signature(requests: Mapping[str, JoinRequest]) -> list[str]:
+    """The joined (non-abstaining) peers whose signature is the most common one (ties: the signature
+    of the smallest peer id). Peers with another signature would send payloads of other shapes."""
+    live = {p: r for p, r in requests.items() if not r.abstain}
+    if not live:
+        return []
+    counts = Counter(r.signature for r in live.values())
+    best = max(counts.values())
+    sig = next(live[p].signature for p in sorted(live) if counts[live[p].signature] == best)
+    return sorted(p for p, r in live.items() if r.signature == sig)
+
+
+def membership_check(group: Group, request: JoinRequest) -> None:
+    """RoundFailed for a joiner left out of the group; StateMismatch if it was left out for its signature."""
+    if request.peer_id in group.members or request.abstain:
+        return
+    if group.signature and request.signature != group.signature:
+        raise StateMismatch(f"round {group.key}: our round state differs from the group's; resync")
+    raise RoundFailed(f"round {group.key}: not a member of the group")

@@ -1,0 +1,149 @@
+"""Splitting a member's tensors into the butterfly's parts and assembling the averaged parts again (pure).
+
+The flat vector of every member's tensors is cut into one contiguous part per member
+(:func:`p2ptrain.collective.butterfly.part_bounds`). An owner averages the contributions to its part
+that fit (:func:`select_contributions`); every member then assembles the averaged parts it received
+(:class:`Assembly`), after checking each (:func:`result_problem`). A part nobody could average is zero
+on every survivor alike, and the result says it is partial.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..collective.codecs import Codec
+from .chunks import Refused, chunked_size
+from .groups import majority_fingerprint
+from .guard import Guard
+from .transport import Group, ReduceResult, RoundFailed
+
+__all__ = ["Assembly", "Selection", "flatten", "payload_len", "result_problem", "select_contributions", "unflatten",
+           "wire_result"]
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' values as one flat fp32 CPU vector (a lone fp32 CPU tensor is not copied: it is only read)."""
+    if len(tensors) == 1:
+        return tensors[0].detach().reshape(-1).float().cpu()
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut back into tensors of the shapes and devices of ``like``."""
+    pieces, offset = [], 0
+    for t in like:
+        pieces.append(flat[offset : offset + t.numel()].view(t.shape).to(t.device))
+        offset += t.numel()
+    return pieces
+
+
+@dataclass
+class Selection:
+    """The contributions to one part that an owner aggregates.
+
+    ``use``: peer -> (values, weight) of the members whose fingerprint agrees with the majority;
+    ``agree``: the members of that majority; ``dropped``: peer -> size of a contribution of another size.
+    """
+
+    use: dict[str, tuple[torch.Tensor, float]]
+    agree: set[str]
+    dropped: dict[str, int] = field(default_factory=dict)
+
+
+def select_contributions(contribs: Mapping[str, tuple[int, torch.Tensor, float, Sequence[float] | None]],
+                         members: Sequence[str], part: int, numel: int) -> Selection:
+    """Only members' contributions to ``part``, of ``numel`` values, count; of those, the ones whose
+    fingerprint of θ agrees with the majority's (all of them if nobody sent one)."""
+    mine = {p: c for p, c in contribs.items() if p in members and c[0] == part}
+    # Not a strike: members whose views of the round differ (e.g. two leaders chose different fragments
+    # for one slot) send honest parts of other sizes. Dropped, never summed.
+    dropped = {p: c[1].numel() for p, c in mine.items() if c[1].numel() != numel}
+    fits = {p: c for p, c in mine.items() if p not in dropped}
+    prints = {p: c[3] for p, c in fits.items() if c[3] is not None}
+    agree = majority_fingerprint(prints) if prints else set(fits)
+    use = {p: (fits[p][1], fits[p][2]) for p in sorted(fits) if p in agree}
+    return Selection(use, agree, dropped)
+
+
+def payload_len(res: Mapping[str, Any]) -> int:
+    """Bytes of a stored result's payload (its chunks' payloads if it was streamed)."""
+    pieces = res.get("_pieces")
+    if pieces is not None:
+        return sum(len(p) for p in pieces)
+    data = res.get("data")
+    return len(data) if isinstance(data, bytes) else 0
+
+
+def wire_result(res: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored result as one message (a streamed one with its chunks' payloads joined), for relaying."""
+    out = {k: v for k, v in res.items() if not k.startswith("_")}
+    if res.get("_pieces") is not None:
+        out["data"] = b"".join(res["_pieces"])
+    out.pop("chunks", None)
+    return out
+
+
+def result_problem(res: Mapping[str, Any], part: int, numel: int, codec: Codec, members: Sequence[str],
+                   me: str) -> tuple[str, bool] | None:
+    """Why the stored result of ``part`` (``numel`` values) cannot be used, and whether that is its owner's
+    fault (a strike); None if it can be decoded and used."""
+    if res.get("_from", me) not in members:
+        return "a result from outside the group is never used", False
+    if res.get("numel") != numel or res.get("codec") != codec.name:
+        return "an owner whose view of the round differs", False  # honest (see select_contributions)
+    data, decoded = res.get("data"), res.get("_tensor")
+    try:
+        size = chunked_size(codec, numel, res.get("chunk"))
+    except Refused:
+        size = -1
+    if ((decoded is None and (not isinstance(data, bytes) or len(data) != size))
+            or (decoded is not None and decoded.numel() != numel)
+            or not isinstance(res.get("contributors"), list) or not isinstance(res.get("agree"), list)
+            or Guard.bad_weight(res.get("total")) is not None):
+        return f"averaged part {part} is malformed", True
+    return None
+
+
+class Assembly:
+    """One member's average, assembled part by part from the owners' results.
+
+    ``me`` is this member's index in ``members``; ``check_agree``: this member sent a fingerprint, so a
+    result whose majority does not include it says this member's θ diverged.
+    """
+
+    def __init__(self, numel: int, members: Sequence[str], me: int, *, check_agree: bool) -> None:
+        self.members, self.me, self.check_agree = tuple(members), me, check_agree
+        self.out = torch.zeros(numel, dtype=torch.float32)
+        self.contributors: set[str] | None = None  # whose share is in every part used so far
+        self.partial, self.divergent = False, False
+        self.total_weight, self.received = 0.0, 0
+
+    def skip(self) -> None:
+        """A part is missing or unusable: it stays zero and the result is partial."""
+        self.partial = True
+
+    def add(self, part: int, lo: int, hi: int, values: torch.Tensor, res: Mapping[str, Any]) -> None:
+        """Use the decoded, checked result ``res`` of ``part`` (``values`` at ``[lo, hi)``)."""
+        self.out[lo:hi] = values
+        if part != self.me:
+            self.received += payload_len(res)
+        who = {str(p) for p in res["contributors"]}
+        self.contributors = who if self.contributors is None else self.contributors & who
+        self.partial |= len(who) < len(self.members)
+        if self.check_agree and self.members[self.me] not in {str(p) for p in res["agree"]}:
+            self.divergent = True
+        if part == self.me or self.total_weight == 0.0:
+            self.total_weight = float(res["total"])
+
+    def result(self, group: Group, phase: int, like: Sequence[torch.Tensor], *, sent: int,
+               seconds: float) -> ReduceResult:
+        """The phase's outcome, in tensors shaped like ``like``. RoundFailed if no part could be averaged."""
+        if not self.contributors:
+            raise RoundFailed(f"round {group.key} phase {phase}: no part could be averaged")
+        return ReduceResult(unflatten(self.out, like), self.total_weight, group.members,
+                            tuple(sorted(self.contributors)), partial=self.partial, bytes_sent=sent,
+                            bytes_received=self.received, seconds=seconds, divergent=self.divergent)

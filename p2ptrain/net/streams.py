@@ -1,0 +1,172 @@
+"""Our request/response protocols on the libp2p daemon's streams.
+
+Every call opens a fresh stream to one peer under ``/p2ptrain/<run>/<kind>/1``, writes one message
+(a msgpack frame, net/wire.py), optionally followed by chunk frames (a streamed part, net/chunks.py),
+and reads one reply. In a private swarm every frame, chunks and replies included, carries a tag of the
+swarm key bound to its sender, protocol and run (net/auth.py); an untagged one is refused with a
+strike. Every read and write is bounded in size and time; a failed call raises RoundFailed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+from .auth import MAC_FIELD
+from .chunks import Refused
+from .guard import Guard
+from .transport import RoundFailed
+from .wire import SCHEMA_ERRORS, FrameError, read_frame, write_frame
+
+if TYPE_CHECKING:
+    from .daemon import SwarmConfig
+
+__all__ = ["ChunkSource", "Handler", "Streams"]
+
+log = logging.getLogger(__name__)
+
+#: Answers one message from a peer: handler(sender, message) -> reply.
+Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+#: Makes the payloads that follow a message as chunk frames (called again if the call is retried).
+ChunkSource = Callable[[], AsyncGenerator[bytes, None]]
+
+_READ_TIMEOUT = 30.0  # seconds a handler waits for each frame of a message
+
+
+class Streams:
+    """The stream protocols of one peer.
+
+    ``blocked(peer)``: fault injection, a peer this one cannot reach (its messages are dropped unread);
+    ``addresses(peer)``: the multiaddrs a peer announced, to dial it again when a dial failed.
+    """
+
+    def __init__(self, cfg: SwarmConfig, p2p: Any, guard: Guard, blocked: Callable[[str], bool],
+                 addresses: Callable[[str], Awaitable[list[str]]]) -> None:
+        self.cfg, self.p2p, self.guard = cfg, p2p, guard
+        self.peer_id = str(p2p.peer_id)
+        self.blocked, self.addresses = blocked, addresses
+
+    def proto(self, kind: str) -> str:
+        return f"/p2ptrain/{self.cfg.run_id}/{kind}/1"
+
+    async def serve(self, kind: str, handler: Handler) -> None:
+        """Answer every ``kind`` message with ``handler``."""
+        await self.p2p.add_binary_stream_handler(self.proto(kind), self.on_stream(kind, handler))
+
+    def on_stream(self, kind: str, handler: Handler) -> Any:
+        """The daemon's callback for one incoming stream of ``kind``: read, check, answer, close. A message
+        from a banned or blocked peer is dropped unread; a malformed one is a strike against its sender."""
+
+        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sender = str(info.peer_id)
+            frames: AsyncGenerator[bytes, None] | None = None
+            try:
+                if self.guard.is_banned(sender) or self.blocked(sender):
+                    return  # dropped unread
+                msg, _ = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=self.cfg.max_message)
+                key = self.cfg.swarm_key
+                if key is not None:
+                    if not key.verify(msg, sender, kind, self.cfg.run_id):
+                        self.guard.strike(sender, f"{kind} message without a valid swarm-key tag")
+                        return
+                    msg = {k: v for k, v in msg.items() if k != MAC_FIELD}
+                msg = {k: v for k, v in msg.items() if not (isinstance(k, str) and k.startswith("_"))}
+                if kind in ("part", "result") and "chunks" in msg:
+                    frames = msg["_frames"] = self.chunk_frames(reader, sender, kind, int(msg["chunks"]))
+                reply = await handler(sender, msg)
+                if key is not None:
+                    reply = key.seal(reply, self.peer_id, kind + "/reply", self.cfg.run_id)
+                await write_frame(writer, reply, timeout=_READ_TIMEOUT)
+            except (FrameError, TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
+                log.info("event=bad_message kind=%s peer=%s reason=%s", kind, sender, e)
+            except SCHEMA_ERRORS as e:  # a message that does not fit its schema
+                self.guard.strike(sender, f"malformed {kind} message ({type(e).__name__}: {e})")
+            finally:
+                if frames is not None:
+                    await frames.aclose()
+                writer.close()
+
+        return on_stream
+
+    async def chunk_frames(self, reader: asyncio.StreamReader, sender: str, kind: str,
+                           count: int) -> AsyncGenerator[bytes, None]:
+        """The payloads of the ``count`` chunk frames that follow a streamed message's header (each read is
+        bounded in size and time; each frame is checked against the swarm key). Refused for a frame without
+        a payload, FrameError for one without a valid tag."""
+        key = self.cfg.swarm_key
+        for i in range(count):
+            frame, _ = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=self.cfg.max_message)
+            if key is not None and not key.verify(frame, sender, kind + "/chunk", self.cfg.run_id, str(i)):
+                self.guard.strike(sender, f"{kind} chunk without a valid swarm-key tag")
+                raise FrameError("chunk without a valid swarm-key tag")
+            data = frame.get("data")
+            if not isinstance(data, bytes):
+                raise Refused(f"chunk {i} carries no payload")
+            yield data
+
+    async def call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
+                   chunks: ChunkSource | None = None) -> tuple[dict[str, Any], float]:
+        """One request/response on a fresh stream, within ``timeout`` seconds; returns (reply, seconds).
+        With ``chunks``, the payloads it yields follow the message as frames of their own (the message says
+        how many in ``chunks``). A failed dial is retried once after dialing the peer's announced addresses;
+        RoundFailed if the call fails, times out or the reply is not tagged with the swarm key."""
+        from hivemind.p2p import PeerID
+
+        if self.blocked(peer):
+            raise RoundFailed(f"{kind} to {peer[-8:]}: unreachable (partitioned)")
+        t0 = time.monotonic()
+
+        async def _go() -> dict[str, Any]:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.proto(kind))
+            key = self.cfg.swarm_key
+            try:
+                await write_frame(writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
+                                  timeout=timeout)
+                if chunks is not None:
+                    async with aclosing(chunks()) as payloads:
+                        i = 0
+                        async for data in payloads:
+                            frame = {"data": data}
+                            if key is not None:
+                                frame = key.seal(frame, self.peer_id, kind + "/chunk", self.cfg.run_id, str(i))
+                            await write_frame(writer, frame, timeout=timeout)
+                            i += 1
+                reply, _ = await read_frame(reader, timeout=timeout, max_size=self.cfg.max_message)
+                if key is not None:
+                    if not key.verify(reply, peer, kind + "/reply", self.cfg.run_id):
+                        raise FrameError("reply without a valid swarm-key tag")
+                    reply = {k: v for k, v in reply.items() if k != MAC_FIELD}
+                return reply
+            finally:
+                writer.close()
+
+        for attempt in (1, 2):
+            try:
+                reply = await asyncio.wait_for(_go(), max(0.05, timeout - (time.monotonic() - t0)))
+                return reply, time.monotonic() - t0
+            except (TimeoutError, FrameError, asyncio.IncompleteReadError) as e:
+                raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
+            except Exception as e:  # the daemon reports failed dials with its own error types
+                if attempt == 2 or not await self.redial(peer):
+                    raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
+        raise AssertionError("unreachable")
+
+    async def redial(self, peer: str) -> bool:
+        """A dial failed: connect again with the addresses the peer announced (the daemon's peer store
+        may not have them yet, or its dial backoff is still on). True if that worked."""
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        addrs = await self.addresses(peer)
+        if not addrs:
+            return False
+        try:
+            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in addrs]), 5)
+            return True
+        except Exception as e:  # still unreachable
+            log.debug("event=redial_failed peer=%s reason=%s", peer[-8:], e)
+            return False

@@ -1,0 +1,68 @@
+"""The pure pieces of the butterfly (net/parts.py): what an owner aggregates, which results a member uses,
+and how it assembles them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2ptrain.collective.codecs import get_codec
+from p2ptrain.net.parts import Assembly, flatten, result_problem, select_contributions, unflatten, wire_result
+from p2ptrain.net.transport import Group, RoundFailed
+
+MEMBERS = ("a", "b", "c")
+
+
+def test_flatten_and_unflatten_round_trip() -> None:
+    ts = [torch.arange(6.0).view(2, 3), torch.ones(4)]
+    flat = flatten(ts)
+    assert flat.tolist() == [0, 1, 2, 3, 4, 5, 1, 1, 1, 1]
+    back = unflatten(flat, ts)
+    assert [t.shape for t in back] == [(2, 3), (4,)] and all(torch.equal(x, y) for x, y in zip(back, ts, strict=True))
+    lone = torch.ones(3)
+    assert flatten([lone]).data_ptr() == lone.data_ptr()  # a lone fp32 tensor is only read, not copied
+
+
+def test_an_owner_aggregates_members_contributions_to_its_part_of_its_size_from_the_majority() -> None:
+    x = torch.ones(4)
+    contribs = {
+        "a": (1, x, 1.0, [1.0]),
+        "b": (1, x, 2.0, [1.0]),
+        "c": (1, x, 1.0, [9.0]),  # diverged
+        "d": (1, x, 1.0, [1.0]),  # not a member
+        "e": (0, x, 1.0, [1.0]),  # not a member either
+    }
+    sel = select_contributions(contribs, MEMBERS, 1, 4)
+    assert sorted(sel.use) == ["a", "b"] and sel.agree == {"a", "b"} and not sel.dropped
+    other = select_contributions({**contribs, "b": (1, torch.ones(5), 1.0, [1.0])}, MEMBERS, 1, 4)
+    assert other.dropped == {"b": 5} and sorted(other.use) == ["a"]  # another size: dropped, not summed
+    assert sorted(select_contributions({"a": (1, x, 1.0, None), "b": (1, x, 1.0, None)}, MEMBERS, 1, 4).use) \
+        == ["a", "b"]  # nobody sent a fingerprint: everyone agrees
+
+
+def test_results_are_used_skipped_or_held_against_their_owner() -> None:
+    codec = get_codec("fp32")
+    good = {"numel": 4, "codec": "fp32", "data": codec.encode(torch.ones(4)), "contributors": ["a", "b"],
+            "agree": ["a", "b"], "total": 2.0, "_from": "b"}
+    assert result_problem(good, 1, 4, codec, MEMBERS, "a") is None
+    assert result_problem({**good, "_from": "z"}, 1, 4, codec, MEMBERS, "a") == (
+        "a result from outside the group is never used", False)
+    assert result_problem({**good, "numel": 5}, 1, 4, codec, MEMBERS, "a")[1] is False  # type: ignore[index]
+    assert result_problem({**good, "data": b"xx"}, 1, 4, codec, MEMBERS, "a")[1] is True  # type: ignore[index]
+    assert result_problem({**good, "total": -1.0}, 1, 4, codec, MEMBERS, "a")[1] is True  # type: ignore[index]
+    relay = wire_result({**good, "chunks": 1, "_pieces": [b"ab", b"cd"]})
+    assert relay["data"] == b"abcd" and "chunks" not in relay and "_from" not in relay
+
+
+def test_assembly_zeroes_what_is_missing_and_says_so() -> None:
+    group = Group("k", MEMBERS, "a", 0)
+    asm = Assembly(6, MEMBERS, 0, check_agree=True)
+    asm.add(0, 0, 2, torch.full((2,), 3.0), {"contributors": ["a", "b", "c"], "agree": ["a", "b", "c"], "total": 3.0})
+    asm.add(1, 2, 4, torch.full((2,), 5.0), {"contributors": ["a", "b"], "agree": ["b"], "total": 2.0, "data": b"x" * 8})
+    asm.skip()
+    res = asm.result(group, 0, [torch.zeros(6)], sent=10, seconds=0.5)
+    assert res.tensors[0].tolist() == [3, 3, 5, 5, 0, 0]
+    assert res.contributors == ("a", "b") and res.partial and res.divergent and res.total_weight == 3.0
+    assert (res.bytes_sent, res.bytes_received) == (10, 8)
+    with pytest.raises(RoundFailed):
+        Assembly(6, MEMBERS, 0, check_agree=False).result(group, 0, [torch.zeros(6)], sent=0, seconds=0.0)
