@@ -23,6 +23,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from .corpus import FILE_SEPARATOR, Corpus, DataError
+
 __all__ = [
     "ByteTokenizer",
     "Corpus",
@@ -34,11 +36,6 @@ __all__ = [
 ]
 
 BIN_SUFFIX = ".bin"
-FILE_SEPARATOR = b"\n\n"
-
-
-class DataError(ValueError):
-    """A data source cannot be used; the message says why and what to do."""
 
 
 class ByteTokenizer:
@@ -113,25 +110,6 @@ def _read_texts(files: list[Path]) -> list[bytes]:
 
 def _join(chunks: list[bytes]) -> np.ndarray:
     return np.frombuffer(FILE_SEPARATOR.join(chunks), dtype=np.uint8)
-
-
-@dataclass
-class Corpus:
-    """Training and validation tokens, plus the training set's file boundaries.
-
-    ``train`` and ``val`` are 1-D integer arrays (uint8 for bytes, uint16 memmaps
-    for ``.bin``). ``train_bounds`` holds the start offset of each training file so
-    a non-i.i.d. split can hand each peer its own files.
-    """
-
-    name: str
-    train: np.ndarray
-    val: np.ndarray
-    vocab_size: int
-    train_bounds: np.ndarray
-
-    def describe(self) -> str:
-        return f"{self.name}: {len(self.train):,} train / {len(self.val):,} val tokens, vocab {self.vocab_size}"
 
 
 def _text_corpus(name: str, root: Path, files: list[Path], val_percent: float) -> Corpus:

@@ -9,6 +9,7 @@ registry, so several peers can live in one process (tests, the simulator).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
@@ -58,6 +59,29 @@ class PeerMetrics:
         self.build = Info("p2ptrain_build", "Version, method and region of this peer.", registry=r)
         self.build.info({"version": __version__, "method": method, "region": region or "-"})
         self._started = time.time()
+
+    def round_done(self, label: str, outcome: str, stats: Any, codec: str, seen: tuple[int, int]) -> tuple[int, int]:
+        """A round of ``label`` ended with ``outcome``; ``stats`` the runner's totals (``RoundStats``), ``seen``
+        the byte totals already counted. Returns the byte totals counted now."""
+        self.rounds.labels(fragment=label, outcome=outcome).inc()
+        if outcome != "failed" and stats.seconds:
+            self.round_duration.observe(stats.seconds[-1])
+        self.bandwidth.set(stats.bandwidth)
+        self.rounds_in_flight.set(stats.in_flight)
+        self.bytes_sent.labels(codec=codec).inc(max(0, stats.bytes_sent - seen[0]))
+        self.bytes_received.labels(codec=codec).inc(max(0, stats.bytes_received - seen[1]))
+        return stats.bytes_sent, stats.bytes_received
+
+    def step_done(self, tokens: int, loss: float, tokens_seen: int, compute: float, elapsed: float | None) -> None:
+        """An inner step of ``tokens`` at ``loss``; throughput from the totals, utilization from the loop's
+        ``elapsed`` wall time (None before the loop)."""
+        self.inner_steps.inc()
+        self.tokens.inc(tokens)
+        self.train_loss.set(loss)
+        if compute > 0:
+            self.tokens_per_second.set(tokens_seen / compute)
+        if elapsed is not None:
+            self.utilization.set(compute / max(1e-9, elapsed))
 
     def _checkpoint_age(self) -> float:
         last = self.checkpoint_time._value.get()

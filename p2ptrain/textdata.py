@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import FILE_SEPARATOR, Corpus, DataError
+from .corpus import FILE_SEPARATOR, Corpus, DataError
 
 __all__ = ["RECORD_SUFFIXES", "Tokenizer", "cache_root", "load_tokenizer", "tokenized_corpus"]
 

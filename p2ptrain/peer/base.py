@@ -17,7 +17,6 @@ inner steps instead: see :class:`~p2ptrain.peer.config.PeerConfig`.)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import threading
@@ -36,6 +35,7 @@ from ..peer_checkpoint import PeerCheckpoints, resumable_digest
 from ..sync import NetLoop, RoundRunner
 from ..trainer import Trainer
 from .config import PeerConfig, PeerState, PeerSummary
+from .link import SwarmLink
 
 __all__ = ["PeerBase"]
 
@@ -55,17 +55,15 @@ class PeerBase:
                  on_status: Callable[[dict[str, Any]], None] | None = None, seed: int = 0,
                  metrics: PeerMetrics | None = None) -> None:
         self.cfg, self.method, self.trainer = cfg, method, trainer
-        self.transport_factory, self._own_net = transport, net is None
+        self._own_net = net is None
         self.net = net or NetLoop()
         self.on_status, self.metrics, self.seed = on_status, metrics, seed
         device = getattr(trainer, "device", None)
         # On a GPU the codec quantises there (only the packed payload comes back to the host).
         self.codec = get_codec(method.codec, device if device is not None and device.type == "cuda" else None)
         self.state = PeerState.NEW
-        self.transport: Transport | None = None
-        self.runner: RoundRunner | None = None
+        self.link = SwarmLink(cfg, self.net, self.codec, method.timeout, transport)
         self.lock = threading.Lock()  # guards parameters and outer state against the state service (loop thread)
-        self.step_seconds = cfg.step_seconds
         self.last_lstep = -1
         self.compute = 0.0
         self.catchup_stall = 0.0
@@ -82,8 +80,6 @@ class PeerBase:
         self._stop = threading.Event()
         self._bytes_seen = (0, 0)
         self._warm_until = 0.0
-        self._service: Any = None
-        self._stopping: asyncio.Event | None = None
         self.checkpoints = (PeerCheckpoints(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
                             if cfg.checkpoint_dir else None)
         self.resume_state: dict[str, Any] | None = None  # set by PeerCheckpoints.restore before start()
@@ -142,6 +138,30 @@ class PeerBase:
 
     # ------------------------------------------------------------------ identity & clock
     @property
+    def transport(self) -> Transport | None:
+        return self.link.transport
+
+    @property
+    def runner(self) -> RoundRunner | None:
+        return self.link.runner
+
+    @property
+    def transport_factory(self) -> Callable[[], Awaitable[Transport]]:
+        return self.link.factory
+
+    @transport_factory.setter
+    def transport_factory(self, factory: Callable[[], Awaitable[Transport]]) -> None:
+        self.link.factory = factory
+
+    @property
+    def step_seconds(self) -> float | None:
+        return self.link.step_seconds
+
+    @step_seconds.setter
+    def step_seconds(self, value: float | None) -> None:
+        self.link.step_seconds = value
+
+    @property
     def peer_id(self) -> str:
         assert self.transport is not None
         return self.transport.peer_id
@@ -171,12 +191,7 @@ class PeerBase:
         """Connect (retrying is the transport's job) and start the background services (idempotent)."""
         if self.transport is not None:
             return
-        self.transport = self.net.call(self.transport_factory(), timeout=self.cfg.join_timeout + 60)
-        self.transport.serve_state(self._provide)
-        self.runner = RoundRunner(self.transport, self.codec, join_timeout=self.cfg.join_timeout,
-                                  round_timeout=self.method.timeout, on_result=self._on_round)
-        self._service = self.net.submit(self._serve())
-        self.runner.wait_ready(10)
+        self.link.connect(provide=self._provide, on_round=self._on_round, info=self._info, on_live=self._live_view)
         self.state = PeerState.CONNECTED
         self._connected()
 
@@ -185,16 +200,14 @@ class PeerBase:
 
     def published_step_seconds(self) -> float | None:
         """The pacing this namespace published (the smallest peer id's), or None (after :meth:`connect`)."""
-        assert self.transport is not None
-        metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
-        published = [metas[p]["step_seconds"] for p in sorted(metas) if "step_seconds" in metas[p]]
-        return float(published[0]) if published else None
+        return self.link.published_step_seconds()
 
     def start(self) -> None:
         """Connect, start the background services, agree on the pacing, and take the swarm's state if it
         has one."""
         self.connect()
-        self._agree_pacing()
+        self.link.agree_pacing(fixed=self.fixed_pacing, measure=self._measure_pacing)
+        self.last_lstep = self.logical_step()
         self.compute = 0.0  # steps taken to measure the pacing are start-up, not the loop's compute
         resumed = self.resume_state
         self._init_state(resumed)
@@ -208,7 +221,7 @@ class PeerBase:
         if self.cfg.sync_on_join:
             # A resumed peer keeps its local progress and own state where the swarm's θ still fits it.
             self.sync_from_swarm(keep_progress=resumed is not None)
-        self._announce_now()
+        self.link.announce_now(self._info())
         self._warm_until = time.monotonic() + float(self.cfg.warmup or 0.0)
         self.state = PeerState.STARTED
         self._on_started()
@@ -216,54 +229,28 @@ class PeerBase:
     def _on_started(self) -> None:
         """Hook: the peer is paced and synced."""
 
-    async def _serve(self) -> None:
-        assert self.runner is not None
-        self._stopping = asyncio.Event()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self.runner.serve())
-            hb = tg.create_task(self._heartbeat())
-            await self._stopping.wait()
-            hb.cancel()
-            await self.runner.stop()
-
-    async def _heartbeat(self) -> None:
-        assert self.transport is not None
-        while True:
-            try:
-                await asyncio.wait_for(self.transport.announce(self._info()), self.cfg.heartbeat * 2)
-                live = await asyncio.wait_for(self.transport.peers(), self.cfg.heartbeat * 2)
-                self._live_view(len(live))
-                if self.metrics is not None:
-                    self.metrics.live_peers.set(len(live))
-                if self.step_seconds is not None:
-                    await asyncio.wait_for(self.transport.publish_meta({"step_seconds": self.step_seconds}),
-                                           self.cfg.heartbeat * 2)
-            except (TimeoutError, OSError, RoundFailed) as e:
-                log.info("event=heartbeat_failed reason=%s", e)
-            await asyncio.sleep(self.cfg.heartbeat)
+    def _measure_pacing(self) -> float:
+        """Nobody paces the run yet: three real inner steps (kept: they are training) give the step time."""
+        t0 = time.perf_counter()
+        for _ in range(3):
+            self._inner_step()
+        return round(max(0.01, (time.perf_counter() - t0) / 3), 3)
 
     def _live_view(self, live: int) -> None:
-        """Hook: the heartbeat saw ``live`` peers of the run (this one included)."""
+        """The heartbeat saw ``live`` peers of the run, this one included (called on the loop thread)."""
+        if self.metrics is not None:
+            self.metrics.live_peers.set(live)
 
     def _round_label(self, rnd: Any) -> str:
         return str(rnd.fragment)
 
     def _on_round(self, rnd: Any, last: Any) -> None:
         """A round arrived or failed (called on the loop thread)."""
-        m = self.metrics
-        if m is None:
+        if self.metrics is None or self.runner is None:
             return
         outcome = "failed" if not rnd.arrived else ("partial" if last is not None and last.partial else "complete")
-        m.rounds.labels(fragment=self._round_label(rnd), outcome=outcome).inc()
-        st = self.runner.stats if self.runner else None
-        if st is not None:
-            if rnd.arrived and st.seconds:
-                m.round_duration.observe(st.seconds[-1])
-            m.bandwidth.set(st.bandwidth)
-            m.rounds_in_flight.set(st.in_flight)
-            m.bytes_sent.labels(codec=self.codec.name).inc(max(0, st.bytes_sent - self._bytes_seen[0]))
-            m.bytes_received.labels(codec=self.codec.name).inc(max(0, st.bytes_received - self._bytes_seen[1]))
-            self._bytes_seen = (st.bytes_sent, st.bytes_received)
+        self._bytes_seen = self.metrics.round_done(self._round_label(rnd), outcome, self.runner.stats,
+                                                   self.codec.name, self._bytes_seen)
 
     def _info(self) -> PeerInfo:
         st = self.runner.stats if self.runner else None
@@ -274,54 +261,15 @@ class PeerBase:
                         extra={"rounds": st.complete + st.partial if st else 0, "in_flight": st.in_flight if st else 0,
                                **self.announce_extra})
 
-    def _announce_now(self) -> None:
-        assert self.transport is not None
-        try:
-            self.net.call(self.transport.announce(self._info()), timeout=self.cfg.join_timeout)
-        except (TimeoutError, OSError, RoundFailed) as e:
-            log.warning("event=announce_failed reason=%s", e)
-
-    def _agree_pacing(self) -> None:
-        """All peers must share ``step_seconds``: take the published value of the smallest peer id."""
-        assert self.transport is not None
-        if self.fixed_pacing and self.step_seconds is not None:
-            published = []
-        else:
-            metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
-            published = [metas[p]["step_seconds"] for p in sorted(metas) if "step_seconds" in metas[p]]
-        if published:
-            if self.step_seconds is not None and abs(published[0] - self.step_seconds) > 1e-9:
-                log.warning("event=pacing_override mine=%s swarm=%s", self.step_seconds, published[0])
-            self.step_seconds = float(published[0])
-        elif self.step_seconds is None:
-            t0 = time.perf_counter()
-            for _ in range(3):  # measure, and keep the steps: they are real training
-                self._inner_step()
-            self.step_seconds = round(max(0.01, (time.perf_counter() - t0) / 3), 3)
-        self.net.call(self.transport.publish_meta({"step_seconds": self.step_seconds}), timeout=self.cfg.join_timeout)
-        self.last_lstep = self.logical_step()
-
     def sync_from_swarm(self, keep_progress: bool = False) -> None:
         """Take the swarm's state, downloaded chunked and hash-verified from the first live peer that
         delivers it whole (most advanced first). ``keep_progress``: keep local progress and own state where
         the swarm's still fits (see :meth:`_take_state`)."""
-        assert self.transport is not None
-        others = [p for p in self.net.call(self.transport.peers(), self.cfg.join_timeout) if p.peer_id != self.peer_id]
-        # Most advanced first (it holds the newest θ), then by id so that joiners agree.
-        sources = [i.peer_id for i in sorted(others, key=lambda i: (-i.step, i.peer_id))]
-        last = [0.0]
-
-        def progress(done: int, total: int) -> None:
-            if time.monotonic() - last[0] > 2.0 or done == total:
-                last[0] = time.monotonic()
-                log.info("event=state_download bytes=%d total=%d", done, total)
-
+        sources = self.link.sources()
         while sources:
             try:
-                source, raw = self.net.call(self.transport.download_state(
-                    sources, "outer", timeout=self.cfg.join_timeout, progress=progress), None)
-                state = state_from_bytes(raw, f"state from {source}")
-                self._take_state(state, source, keep_progress)
+                source, raw = self.link.download(sources, "outer")
+                self._take_state(state_from_bytes(raw, f"state from {source}"), source, keep_progress)
             except (RoundFailed, TimeoutError) as e:
                 log.warning("event=sync_failed reason=%s", e)
                 return
@@ -335,31 +283,13 @@ class PeerBase:
 
     def fetch(self, peer: str, name: str) -> bytes:
         """Download state ``name`` from ``peer`` (RoundFailed/TimeoutError when it has none or is gone)."""
-        assert self.transport is not None
-        return self.net.call(self.transport.fetch_state(peer, name, timeout=self.cfg.join_timeout),
-                             self.cfg.join_timeout + 5)
+        return self.link.fetch(peer, name)
 
     def close(self) -> None:
         """Leave the swarm and stop the network (idempotent)."""
         if self.state is PeerState.CLOSED:
             return
-        if self.transport is not None:
-            try:
-                self.net.call(self.transport.leave(), timeout=5)
-            except (TimeoutError, OSError, RoundFailed, RuntimeError):
-                pass
-        if self._stopping is not None:
-            self.net.loop.call_soon_threadsafe(self._stopping.set)
-            try:
-                self._service.result(timeout=15)
-            except Exception as e:
-                log.warning("event=service_stop reason=%s", e)
-            self._stopping = None
-        if self.transport is not None and hasattr(self.transport, "aclose"):
-            try:
-                self.net.call(self.transport.aclose(), timeout=15)  # type: ignore[attr-defined]
-            except (TimeoutError, RuntimeError) as e:
-                log.warning("event=transport_close reason=%s", e)
+        self.link.close()
         self._closed()
         if self._own_net:
             self.net.close()
@@ -437,16 +367,9 @@ class PeerBase:
         self.compute += seconds
         self.last_loss = loss
         self.loss_log.append((time.time(), self.trainer.step_count, loss))
-        m = self.metrics
-        if m is None:
-            return
-        m.inner_steps.inc()
-        m.tokens.inc(tokens)
-        m.train_loss.set(loss)
-        if self.compute > 0:
-            m.tokens_per_second.set(self.trainer.tokens_seen / self.compute)
-        if self._t_start is not None:
-            m.utilization.set(self.compute / max(1e-9, time.perf_counter() - self._t_start))
+        if self.metrics is not None:
+            elapsed = time.perf_counter() - self._t_start if self._t_start is not None else None
+            self.metrics.step_done(tokens, loss, self.trainer.tokens_seen, self.compute, elapsed)
 
     def _status(self) -> None:
         if self.on_status is None or self.runner is None:

@@ -108,6 +108,7 @@ class Peer(PeerBase):
             self.start_digests = self.replica.theta_digests()
 
     def _live_view(self, live: int) -> None:
+        super()._live_view(live)
         if self.collective is not None:
             self.collective.members = live
 

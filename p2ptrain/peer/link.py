@@ -1,0 +1,149 @@
+"""A peer's link to its swarm: the transport, the round runner, the services on the network loop (heartbeat,
+state service), the shared pacing, and state downloads.
+
+The compute thread calls it; every call crosses the thread seam through :class:`~p2ptrain.sync.NetLoop` with a
+bounded wait. It knows nothing of the model: what to announce, serve and do with a finished round are the
+peer's callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ..collective.codecs import Codec
+from ..net.transport import PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
+from ..sync import NetLoop, RoundRunner
+from .config import PeerConfig
+
+__all__ = ["SwarmLink"]
+
+log = logging.getLogger(__name__)
+
+
+class SwarmLink:
+    """The network side of one peer (see the module docstring). ``step_seconds`` is the swarm's pacing once
+    agreed (:meth:`agree_pacing`); the heartbeat republishes it."""
+
+    def __init__(self, cfg: PeerConfig, net: NetLoop, codec: Codec, round_timeout: float,
+                 factory: Callable[[], Awaitable[Transport]]) -> None:
+        self.cfg, self.net, self.codec, self.round_timeout, self.factory = cfg, net, codec, round_timeout, factory
+        self.transport: Transport | None = None
+        self.runner: RoundRunner | None = None
+        self.step_seconds = cfg.step_seconds
+        self._service: Any = None
+        self._stopping: asyncio.Event | None = None
+
+    def connect(self, *, provide: StateProvider, on_round: Callable[[Any, ReduceResult | None], None],
+                info: Callable[[], PeerInfo], on_live: Callable[[int], None]) -> None:
+        """Make the transport (retrying is its job), serve state with ``provide``, start the round runner
+        (``on_round`` after each round) and the heartbeat (announces ``info()``, reports the live count)."""
+        self.transport = self.net.call(self.factory(), timeout=self.cfg.join_timeout + 60)
+        self.transport.serve_state(provide)
+        self.runner = RoundRunner(self.transport, self.codec, join_timeout=self.cfg.join_timeout,
+                                  round_timeout=self.round_timeout, on_result=on_round)
+        self._service = self.net.submit(self._serve(info, on_live))
+        self.runner.wait_ready(10)
+
+    async def _serve(self, info: Callable[[], PeerInfo], on_live: Callable[[int], None]) -> None:
+        assert self.runner is not None
+        self._stopping = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.runner.serve())
+            hb = tg.create_task(self._heartbeat(info, on_live))
+            await self._stopping.wait()
+            hb.cancel()
+            await self.runner.stop()
+
+    async def _heartbeat(self, info: Callable[[], PeerInfo], on_live: Callable[[int], None]) -> None:
+        assert self.transport is not None
+        limit = self.cfg.heartbeat * 2
+        while True:
+            try:
+                await asyncio.wait_for(self.transport.announce(info()), limit)
+                on_live(len(await asyncio.wait_for(self.transport.peers(), limit)))
+                if self.step_seconds is not None:
+                    await asyncio.wait_for(self.transport.publish_meta({"step_seconds": self.step_seconds}), limit)
+            except (TimeoutError, OSError, RoundFailed) as e:
+                log.info("event=heartbeat_failed reason=%s", e)
+            await asyncio.sleep(self.cfg.heartbeat)
+
+    def announce_now(self, info: PeerInfo) -> None:
+        assert self.transport is not None
+        try:
+            self.net.call(self.transport.announce(info), timeout=self.cfg.join_timeout)
+        except (TimeoutError, OSError, RoundFailed) as e:
+            log.warning("event=announce_failed reason=%s", e)
+
+    # ------------------------------------------------------------------ pacing
+    def published_step_seconds(self) -> float | None:
+        """The pacing this namespace published (the smallest peer id's), or None."""
+        assert self.transport is not None
+        metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
+        published = [metas[p]["step_seconds"] for p in sorted(metas) if "step_seconds" in metas[p]]
+        return float(published[0]) if published else None
+
+    def agree_pacing(self, *, fixed: bool, measure: Callable[[], float]) -> float:
+        """All peers must share ``step_seconds``: the published value of the smallest peer id, else ours
+        (``fixed``: ours as given, unasked), else ``measure()``d; then published."""
+        assert self.transport is not None
+        published = None if fixed and self.step_seconds is not None else self.published_step_seconds()
+        if published is not None:
+            if self.step_seconds is not None and abs(published - self.step_seconds) > 1e-9:
+                log.warning("event=pacing_override mine=%s swarm=%s", self.step_seconds, published)
+            self.step_seconds = published
+        elif self.step_seconds is None:
+            self.step_seconds = measure()
+        self.net.call(self.transport.publish_meta({"step_seconds": self.step_seconds}), timeout=self.cfg.join_timeout)
+        return self.step_seconds
+
+    # ------------------------------------------------------------------ state from others
+    def sources(self) -> list[str]:
+        """The other live peers, most advanced first (they hold the newest θ), then by id so joiners agree."""
+        assert self.transport is not None
+        me = self.transport.peer_id
+        others = [p for p in self.net.call(self.transport.peers(), self.cfg.join_timeout) if p.peer_id != me]
+        return [i.peer_id for i in sorted(others, key=lambda i: (-i.step, i.peer_id))]
+
+    def download(self, sources: list[str], name: str) -> tuple[str, bytes]:
+        """State ``name`` from the first of ``sources`` that delivers it whole (chunked, hash-verified);
+        RoundFailed when none does. Progress is logged every 2 s."""
+        assert self.transport is not None
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            if time.monotonic() - last[0] > 2.0 or done == total:
+                last[0] = time.monotonic()
+                log.info("event=state_download bytes=%d total=%d", done, total)
+
+        return self.net.call(self.transport.download_state(sources, name, timeout=self.cfg.join_timeout,
+                                                           progress=progress), None)
+
+    def fetch(self, peer: str, name: str) -> bytes:
+        """State ``name`` from ``peer`` (RoundFailed/TimeoutError when it has none or is gone)."""
+        assert self.transport is not None
+        return self.net.call(self.transport.fetch_state(peer, name, timeout=self.cfg.join_timeout),
+                             self.cfg.join_timeout + 5)
+
+    def close(self) -> None:
+        """Leave the swarm (a departure record), stop the services and close the transport (idempotent)."""
+        if self.transport is not None:
+            try:
+                self.net.call(self.transport.leave(), timeout=5)
+            except (TimeoutError, OSError, RoundFailed, RuntimeError):
+                pass
+        if self._stopping is not None:
+            self.net.loop.call_soon_threadsafe(self._stopping.set)
+            try:
+                self._service.result(timeout=15)
+            except Exception as e:
+                log.warning("event=service_stop reason=%s", e)
+            self._stopping = None
+        if self.transport is not None and hasattr(self.transport, "aclose"):
+            try:
+                self.net.call(self.transport.aclose(), timeout=15)  # type: ignore[attr-defined]
+            except (TimeoutError, RuntimeError) as e:
+                log.warning("event=transport_close reason=%s", e)
