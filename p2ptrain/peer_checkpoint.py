@@ -14,22 +14,38 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .checkpoint import CheckpointDir, pack
 from .faults import FaultPlan
 
-if TYPE_CHECKING:
-    from .peer.base import PeerBase
-
-__all__ = ["PeerCheckpoints", "resumable_digest", "state_digest"]
+__all__ = ["Checkpointable", "PeerCheckpoints", "resumable_digest", "state_digest"]
 
 log = logging.getLogger(__name__)
 
 KIND = "p2ptrain-peer"
 COUNTERS = ("complete", "partial", "failed", "divergent", "bytes_sent", "bytes_received")
+
+
+class Checkpointable(Protocol):
+    """What a checkpoint takes from a peer and gives back (``p2ptrain.peer.PeerBase`` has it)."""
+
+    cfg: Any
+    method: Any
+    trainer: Any
+    lock: Any
+    metrics: Any
+    runner: Any
+    has_outer_loop: bool
+
+    @property
+    def repairs(self) -> int: ...
+
+    def checkpoint_state(self) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any]) -> None: ...
 
 
 def state_digest(state: Any) -> str:
@@ -63,7 +79,7 @@ class PeerCheckpoints:
         self._since = 0
 
     @staticmethod
-    def state(peer: PeerBase) -> dict[str, Any]:
+    def state(peer: Checkpointable) -> dict[str, Any]:
         stats = peer.runner.stats if peer.runner is not None else None
         with peer.lock:
             own = peer.checkpoint_state()
@@ -79,7 +95,7 @@ class PeerCheckpoints:
                 "saved_at": time.time(),
             }
 
-    def save(self, peer: PeerBase, why: str) -> Path:
+    def save(self, peer: Checkpointable, why: str) -> Path:
         state = self.state(peer)
         self.faults.checkpoint_begins()
         path = self.dir.save(peer.trainer.step_count, state)
@@ -93,7 +109,7 @@ class PeerCheckpoints:
         """Count an applied round (or a data-parallel step)."""
         self._since += 1
 
-    def save_if_due(self, peer: PeerBase) -> None:
+    def save_if_due(self, peer: Checkpointable) -> None:
         """Save when ``every`` rounds were counted since the last checkpoint."""
         if self._since >= self.every:
             self.save(peer, "rounds")
@@ -103,7 +119,7 @@ class PeerCheckpoints:
         return self.dir.latest()
 
     @staticmethod
-    def restore(peer: PeerBase, state: dict[str, Any]) -> None:
+    def restore(peer: Checkpointable, state: dict[str, Any]) -> None:
         """Put a checkpoint's state into a peer that has not started yet (the outer state is taken
         when the peer starts, after which the swarm's newer θ may replace the shared part)."""
         if state.get("kind") != KIND:

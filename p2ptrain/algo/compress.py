@@ -4,6 +4,10 @@ A compressor (:class:`Compressor`, :class:`Identity`, :class:`LowRank`) turns on
 one or more all-reduce *phases*. Each phase's payload is a list of float32 tensors that the caller averages
 across peers (through a wire codec, :mod:`p2ptrain.collective.codecs`) and hands back; the compressor then
 produces the next phase or the final estimate of the peers' average pseudo-gradient.
+
+Why it is long: :class:`LowRank` is one algorithm (a power-iteration step per round, error feedback, rank
+adaptation, its checkpointed state) whose pieces share one round's scratch state; split up, each part would
+need the others' internals.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ codec      layout                                                           byte
 =========  ===============================================================  ==============================
 
 All block headers come first, then the packed values, so both sides vectorise without per-block loops.
+
+Why it is long: six formats, each a short class, sharing the layout table above and the byte helpers; one
+module keeps the wire format in one place.
 Bytes are read and written through ``torch.frombuffer`` (no host array library): the layouts above are
 little-endian, so a big-endian host byte-swaps (see :func:`_le`).
 """

@@ -84,6 +84,9 @@ Where we differ: the paper says "a fragment is synchronized every 11, 5, and 2 s
 synced every ``H`` steps. The paper's figures are points of a logarithmic bandwidth sweep
 (they fall on 50 points from 0.1 to 1000 Gbit/s, 20.7% apart — our reading, not stated), so
 they are coarse to about ±20%.
+
+Why it is long: the model is derived here, step by step, next to the code that computes it (most of the
+length is that derivation), so that a reader can check one against the other.
 """
 
 from __future__ import annotations
