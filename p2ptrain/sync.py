@@ -36,9 +36,11 @@ T = TypeVar("T")
 
 
 class NetLoop:
-    """An event loop in a daemon thread (uvloop when installed)."""
+    """An event loop in a daemon thread (uvloop when installed). ``closed`` once :meth:`close` ran (a context
+    manager: leaving the ``with`` block closes it); a closed loop refuses new work."""
 
     def __init__(self, name: str = "p2ptrain-net") -> None:
+        self.closed = False
         try:
             import uvloop
 
@@ -52,8 +54,17 @@ class NetLoop:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
+    def __enter__(self) -> NetLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop; returns a thread-safe future."""
+        """Schedule ``coro`` on the loop; returns a thread-safe future (RuntimeError once closed)."""
+        if self.closed:
+            coro.close()
+            raise RuntimeError("the network loop is closed")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
@@ -70,8 +81,10 @@ class NetLoop:
             raise TimeoutError(f"network call did not finish within {timeout} s") from None
 
     def close(self, timeout: float = 10.0) -> None:
-        """Cancel what is left on the loop, stop it and join the thread."""
-        if not self.loop.is_running():
+        """Cancel what is left on the loop (awaiting the cancellations), stop it and join the thread
+        (idempotent)."""
+        if self.closed or not self.loop.is_running():
+            self.closed = True
             return
 
         async def _cancel_all() -> None:
@@ -84,6 +97,7 @@ class NetLoop:
             self.call(_cancel_all(), timeout)
         except (TimeoutError, RuntimeError):
             log.warning("event=netloop_close status=timeout")
+        self.closed = True
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         if not self._thread.is_alive():

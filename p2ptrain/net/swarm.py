@@ -46,7 +46,17 @@ from .guard import Guard
 from .mailbox import Mailbox, Mailboxes
 from .state_transfer import StateServer, fetch_chunked
 from .streams import ChunkSource, Streams
-from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
+from .transport import (
+    Decide,
+    Group,
+    JoinRequest,
+    PeerInfo,
+    ReduceResult,
+    RoundFailed,
+    StateProvider,
+    Transport,
+    TransportState,
+)
 from .wire import SCHEMA_ERRORS
 
 __all__ = ["HivemindTransport", "SwarmConfig", "SwarmError", "start_p2p"]
@@ -99,7 +109,10 @@ class HivemindTransport(Transport):
             raise asyncio.CancelledError  # leave the TaskGroup: cancels and awaits its tasks
 
     async def aclose(self) -> None:
-        """Stop background tasks, the DHT node and the daemon."""
+        """Stop background tasks, the DHT node and the daemon (idempotent)."""
+        if self.state is TransportState.CLOSED:
+            return
+        self.state = TransportState.CLOSED
         self._stop.set()
         if self._runner is not None:
             self._runner.cancel()

@@ -17,6 +17,7 @@ the result says so (``partial``). Every network wait has a timeout.
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = [
     "StateMismatch",
     "StateProvider",
     "Transport",
+    "TransportState",
 ]
 
 
@@ -175,10 +177,29 @@ class PeerInfo:
                    extra=dict(m.get("extra", {})))
 
 
+class TransportState(enum.Enum):
+    """A transport is OPEN from its creation (connected, serving) until :meth:`Transport.aclose`: CLOSED."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+
+
 class Transport(abc.ABC):
-    """One peer's view of the swarm (see the module docstring)."""
+    """One peer's view of the swarm (see the module docstring). An async context manager: ``async with``
+    closes it (:meth:`aclose`, idempotent)."""
 
     peer_id: str
+    state: TransportState = TransportState.OPEN
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop everything the transport runs (background tasks, connections); then it is CLOSED."""
+        self.state = TransportState.CLOSED
 
     @abc.abstractmethod
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:

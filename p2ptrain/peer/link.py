@@ -142,8 +142,8 @@ class SwarmLink:
             except Exception as e:
                 log.warning("event=service_stop reason=%s", e)
             self._stopping = None
-        if self.transport is not None and hasattr(self.transport, "aclose"):
+        if self.transport is not None:
             try:
-                self.net.call(self.transport.aclose(), timeout=15)  # type: ignore[attr-defined]
+                self.net.call(self.transport.aclose(), timeout=15)
             except (TimeoutError, RuntimeError) as e:
                 log.warning("event=transport_close reason=%s", e)
