@@ -27,13 +27,13 @@ from typing import Any, ClassVar
 import torch
 
 from ..algo.configs import MethodConfig
-from ..checkpoint import state_from_bytes
 from ..collective.codecs import get_codec
 from ..metrics import PeerMetrics
-from ..net.transport import PeerInfo, RoundFailed, Transport
+from ..net.transport import PeerInfo, Transport
 from ..peer_checkpoint import PeerCheckpoints, resumable_digest
 from ..sync import NetLoop, RoundRunner
 from ..trainer import Trainer
+from .collective import SwarmCollective
 from .config import PeerConfig, PeerState, PeerSummary
 from .link import SwarmLink
 
@@ -63,6 +63,7 @@ class PeerBase:
         self.codec = get_codec(method.codec, device if device is not None and device.type == "cuda" else None)
         self.state = PeerState.NEW
         self.link = SwarmLink(cfg, self.net, self.codec, method.timeout, transport)
+        self.collective: SwarmCollective | None = None  # the rounds' side of the thread seam, once connected
         self.lock = threading.Lock()  # guards parameters and outer state against the state service (loop thread)
         self.last_lstep = -1
         self.compute = 0.0
@@ -130,11 +131,17 @@ class PeerBase:
 
     @property
     def stuck(self) -> int:
-        return 0
+        """Rounds the compute thread aborted: their own timeouts never fired."""
+        return self.collective.stuck if self.collective is not None else 0
 
     @property
     def stall(self) -> float:
-        return self.catchup_stall
+        """Seconds the compute thread waited: for rounds, slot decisions, and catching up."""
+        return self.catchup_stall + (self.collective.stall if self.collective is not None else 0.0)
+
+    def _wait_limit(self) -> float:
+        """Seconds the compute thread waits for one round before aborting it as stuck."""
+        return self.cfg.join_timeout + self.method.timeout * 3
 
     # ------------------------------------------------------------------ identity & clock
     @property
@@ -192,6 +199,10 @@ class PeerBase:
         if self.transport is not None:
             return
         self.link.connect(provide=self._provide, on_round=self._on_round, info=self._info, on_live=self._live_view)
+        assert self.runner is not None and self.transport is not None
+        self.collective = SwarmCollective(
+            self.net, self.runner, peer_id=self.transport.peer_id, codec=self.codec,
+            join_timeout=self.cfg.join_timeout, wait_limit=self._wait_limit(), step_seconds=lambda: self.step_seconds)
         self.state = PeerState.CONNECTED
         self._connected()
 
@@ -238,6 +249,8 @@ class PeerBase:
 
     def _live_view(self, live: int) -> None:
         """The heartbeat saw ``live`` peers of the run, this one included (called on the loop thread)."""
+        if self.collective is not None:
+            self.collective.members = live
         if self.metrics is not None:
             self.metrics.live_peers.set(live)
 
@@ -265,21 +278,9 @@ class PeerBase:
         """Take the swarm's state, downloaded chunked and hash-verified from the first live peer that
         delivers it whole (most advanced first). ``keep_progress``: keep local progress and own state where
         the swarm's still fits (see :meth:`_take_state`)."""
-        sources = self.link.sources()
-        while sources:
-            try:
-                source, raw = self.link.download(sources, "outer")
-                self._take_state(state_from_bytes(raw, f"state from {source}"), source, keep_progress)
-            except (RoundFailed, TimeoutError) as e:
-                log.warning("event=sync_failed reason=%s", e)
-                return
-            except (ValueError, KeyError) as e:  # a verified download that does not fit: try the others
-                log.warning("event=sync_rejected peer=%s reason=%s", source, e)
-                sources = sources[sources.index(source) + 1:]
-                continue
+        source = self.link.take_state("outer", lambda state, src: self._take_state(state, src, keep_progress))
+        if source is not None:
             self.synced_from = source
-            log.info("event=synced_from peer=%s", source)
-            return
 
     def fetch(self, peer: str, name: str) -> bytes:
         """Download state ``name`` from ``peer`` (RoundFailed/TimeoutError when it has none or is gone)."""

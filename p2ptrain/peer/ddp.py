@@ -17,7 +17,6 @@ from ..checkpoint import state_from_bytes, state_to_bytes
 from ..driver import DDPDriver, DriverHooks, param_sums
 from ..net.transport import RoundFailed
 from .base import PeerBase
-from .collective import SwarmCollective
 
 __all__ = ["DDPPeer"]
 
@@ -31,16 +30,14 @@ class DDPPeer(PeerBase, DriverHooks):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.collective: SwarmCollective | None = None
         self.driver: DDPDriver | None = None
         self._repairs = 0
 
+    def _wait_limit(self) -> float:
+        return self.cfg.join_timeout + self.method.timeout + 5  # one blocking round per step
+
     def _connected(self) -> None:
-        assert self.runner is not None and self.transport is not None
-        self.collective = SwarmCollective(
-            self.net, self.runner, peer_id=self.transport.peer_id, codec=self.codec,
-            join_timeout=self.cfg.join_timeout, wait_limit=self.cfg.join_timeout + self.method.timeout + 5,
-            step_seconds=lambda: self.step_seconds)
+        assert self.collective is not None
         self.driver = DDPDriver(self.trainer, self.collective, hooks=self, lock=self.lock,
                                 fingerprint=lambda: param_sums(self.trainer.params))
 
@@ -50,14 +47,6 @@ class DDPPeer(PeerBase, DriverHooks):
     @property
     def repairs(self) -> int:
         return self._repairs
-
-    @property
-    def stuck(self) -> int:
-        return self.collective.stuck if self.collective is not None else 0
-
-    @property
-    def stall(self) -> float:
-        return self.catchup_stall + (self.collective.stall if self.collective is not None else 0.0)
 
     def restore(self, state: dict[str, Any]) -> None:
         super().restore(state)

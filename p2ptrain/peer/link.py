@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..checkpoint import state_from_bytes
 from ..collective.codecs import Codec
 from ..net.transport import PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 from ..sync import NetLoop, RoundRunner
@@ -121,6 +122,26 @@ class SwarmLink:
 
         return self.net.call(self.transport.download_state(sources, name, timeout=self.cfg.join_timeout,
                                                            progress=progress), None)
+
+    def take_state(self, name: str, take: Callable[[dict[str, Any], str], None]) -> str | None:
+        """Download state ``name`` from the other live peers, most advanced first, and hand it to
+        ``take(state, source)``; a verified download that ``take`` refuses (ValueError/KeyError) moves on to
+        the next source. The source taken from, or None (nobody else, or nobody delivered)."""
+        sources = self.sources()
+        while sources:
+            try:
+                source, raw = self.download(sources, name)
+                take(state_from_bytes(raw, f"state from {source}"), source)
+            except (RoundFailed, TimeoutError) as e:
+                log.warning("event=sync_failed reason=%s", e)
+                return None
+            except (ValueError, KeyError) as e:  # a verified download that does not fit: try the others
+                log.warning("event=sync_rejected peer=%s reason=%s", source, e)
+                sources = sources[sources.index(source) + 1:]
+                continue
+            log.info("event=synced_from peer=%s", source)
+            return source
+        return None
 
     def fetch(self, peer: str, name: str) -> bytes:
         """State ``name`` from ``peer`` (RoundFailed/TimeoutError when it has none or is gone)."""

@@ -21,7 +21,6 @@ from ..algo.outer_loop import OuterLoop
 from ..algo.rounds import ApplyReport, Round
 from ..driver import DriverHooks, OuterDriver
 from .base import PeerBase
-from .collective import SwarmCollective
 from .replica import ReplicaState
 
 __all__ = ["Peer"]
@@ -64,7 +63,6 @@ class Peer(PeerBase):
                                     self.method.fragment_mode)  # type: ignore[arg-type]
         self.outer = OuterLoop(self.method, self.frags, seed=self.seed)
         self.replica = ReplicaState(self.outer, self.trainer, self.frags, self.lock, self._rounds_in_flight)
-        self.collective: SwarmCollective | None = None
         self.driver: OuterDriver | None = None
         self.start_digests: list[str] = []  # digest of θ per fragment when start() returned
         self._synced_after_warmup = False
@@ -83,13 +81,6 @@ class Peer(PeerBase):
         return list(self.driver.in_flight) if self.driver is not None else []
 
     # ------------------------------------------------------------------ what this kind adds to the lifecycle
-    def _connected(self) -> None:
-        assert self.runner is not None and self.transport is not None
-        self.collective = SwarmCollective(
-            self.net, self.runner, peer_id=self.transport.peer_id, codec=self.codec,
-            join_timeout=self.cfg.join_timeout, wait_limit=self.cfg.join_timeout + self.method.timeout * 3,
-            step_seconds=lambda: self.step_seconds)
-
     def _init_state(self, resumed: dict[str, Any] | None) -> None:
         assert self.collective is not None and self.step_seconds is not None
         with self.lock:
@@ -106,11 +97,6 @@ class Peer(PeerBase):
     def _on_started(self) -> None:
         with self.lock:
             self.start_digests = self.replica.theta_digests()
-
-    def _live_view(self, live: int) -> None:
-        super()._live_view(live)
-        if self.collective is not None:
-            self.collective.members = live
 
     def _provide(self, name: str) -> bytes | None:
         return self.replica.provide(name)
@@ -143,14 +129,6 @@ class Peer(PeerBase):
     @property
     def repairs(self) -> int:
         return self.replica.repairs
-
-    @property
-    def stuck(self) -> int:
-        return self.collective.stuck if self.collective is not None else 0
-
-    @property
-    def stall(self) -> float:
-        return self.catchup_stall + (self.collective.stall if self.collective is not None else 0.0)
 
     @property
     def in_flight(self) -> list[Round]:
