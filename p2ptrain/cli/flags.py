@@ -15,11 +15,20 @@ import typer
 
 from .options import (
     AnnounceMaddrs,
+    BatchSizeOpt,
+    CodecOpt,
+    DataOpt,
+    DeviceOpt,
+    HOpt,
     HostMaddrs,
     InitFromOpt,
     InitialPeers,
+    JsonOpt,
+    LrOpt,
     MetricsPortOpt,
+    POpt,
     PresetOpt,
+    QuietOpt,
     SeqLenOpt,
     SwarmKeyOpt,
     TokenizerOpt,
@@ -34,19 +43,19 @@ class TrainFlags:
 
     preset_name: PresetOpt = None
     steps: Annotated[int | None, typer.Option("--steps", "-n", help="Total inner steps.")] = None
-    data: Annotated[str | None, typer.Option("--data", help="Text file, folder, .jsonl/.parquet, or uint16 .bin tokens (default: built-in corpus).")] = None
+    data: DataOpt = None
     tokenizer: TokenizerOpt = None
     init_from: InitFromOpt = None
     seq_len: SeqLenOpt = None
     checkpoint_dir: Annotated[str | None, typer.Option("--checkpoint-dir", help="Where to write checkpoints.")] = None
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --checkpoint-dir.")] = False
-    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Sequences per micro-batch.")] = None
-    lr: Annotated[float | None, typer.Option("--lr", help="Peak inner learning rate.")] = None
+    batch_size: BatchSizeOpt = None
+    lr: LrOpt = None
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of model init and data stream.")] = None
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="Inner steps between validation evaluations.")] = None
-    device: Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = None
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the summary as JSON here.")] = None
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False
+    device: DeviceOpt = None
+    json_out: JsonOpt = None
+    quiet: QuietOpt = False
 
 
 @dataclass(kw_only=True)
@@ -57,25 +66,25 @@ class SimulateFlags:
     peers: Annotated[int | None, typer.Option("--peers", "-M", help="Virtual peers (unless --regions).")] = None
     steps: Annotated[int | None, typer.Option("--steps", "-n", help="Inner steps per peer.")] = None
     preset_name: PresetOpt = None
-    data: Annotated[str | None, typer.Option("--data", help="Corpus (default: built-in).")] = None
+    data: DataOpt = None
     step_time: Annotated[str | None, typer.Option("--step-time", help="Virtual seconds per inner step, or 'measured'.")] = None
     regions: Annotated[str | None, typer.Option("--regions", help="NAME:PEERS:BANDWIDTH,... e.g. us:2:1gbit,eu:2:100mbit")] = None
     bandwidth: Annotated[str | None, typer.Option("--bandwidth", help="Per-peer bandwidth without --regions (e.g. 1gbit).")] = None
     rtt: Annotated[str | None, typer.Option("--rtt", help="Round-trip time between regions, e.g. 120ms.")] = None
-    H: Annotated[int | None, typer.Option("--H", help="Inner steps per round.")] = None
-    P: Annotated[int | None, typer.Option("--P", help="Fragments (streaming, cocodc).")] = None
+    H: HOpt = None
+    P: POpt = None
     tau: Annotated[int | None, typer.Option("--tau", help="Overlap τ in inner steps (streaming, cocodc).")] = None
-    codec: Annotated[str | None, typer.Option("--codec", help="Wire codec for every method: fp32, fp16, bf16, uint8, fp8, e3m0.")] = None
+    codec: CodecOpt = None
     outer_lr: Annotated[float | None, typer.Option("--outer-lr", help="Outer learning rate η for every method.")] = None
-    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Sequences per inner step.")] = None
-    lr: Annotated[float | None, typer.Option("--lr", help="Inner peak learning rate.")] = None
+    batch_size: BatchSizeOpt = None
+    lr: LrOpt = None
     seed: Annotated[int | None, typer.Option("--seed")] = None
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="Inner steps between evaluations of θ.")] = None
     target_loss: Annotated[float | None, typer.Option("--target-loss", help="Report steps/time to reach this validation loss.")] = None
     json_out: Annotated[Path | None, typer.Option("--json", help="Write all results as JSON here.")] = None
     plot_dir: Annotated[Path | None, typer.Option("--plot-dir", help="Write PNG plots here.")] = None
     utilization_table: Annotated[bool, typer.Option("--utilization-table", help="Only print the bandwidth each method needs for 50–99% compute utilization (paper setting), no training.")] = False
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False
+    quiet: QuietOpt = False
 
 
 @dataclass(kw_only=True)
@@ -89,19 +98,19 @@ class JoinFlags:
     preset_name: PresetOpt = None
     steps: Annotated[int | None, typer.Option("--steps", "-n", help="Leave cleanly after this many inner steps.")] = None
     step_seconds: Annotated[float | None, typer.Option("--step-seconds", help="Round pacing: seconds per logical step (default: the swarm's, or measured).")] = None
-    H: Annotated[int | None, typer.Option("--H", help="Inner steps per round.")] = None
-    P: Annotated[int | None, typer.Option("--P", help="Fragments.")] = None
+    H: HOpt = None
+    P: POpt = None
     tau: Annotated[int | None, typer.Option("--tau", help="Overlap τ in logical steps.")] = None
-    codec: Annotated[str | None, typer.Option("--codec", help="Wire codec.")] = None
+    codec: CodecOpt = None
     timeout: Annotated[float | None, typer.Option("--round-timeout", help="Seconds a round may take.")] = None
-    data: Annotated[str | None, typer.Option("--data", help="Corpus (default: built-in).")] = None
+    data: DataOpt = None
     tokenizer: TokenizerOpt = None
     init_from: InitFromOpt = None
     seq_len: SeqLenOpt = None
-    batch_size: Annotated[int | None, typer.Option("--batch-size")] = None
-    lr: Annotated[float | None, typer.Option("--lr")] = None
+    batch_size: BatchSizeOpt = None
+    lr: LrOpt = None
     seed: Annotated[int | None, typer.Option("--seed", help="Model-init seed (identical on every peer).")] = None
-    device: Annotated[str | None, typer.Option("--device")] = None
+    device: DeviceOpt = None
     host_maddrs: HostMaddrs = None
     announce_maddrs: AnnounceMaddrs = None
     identity: Annotated[Path | None, typer.Option("--identity", help="Private key file: a stable peer id and address.")] = None
@@ -120,9 +129,9 @@ class JoinFlags:
     checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write checkpoints here (every --checkpoint-every rounds and on leave).")] = None
     checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every", help="Applied rounds between checkpoints.")] = None
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue from the newest checkpoint in this folder (and keep writing there).")] = None
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the peer's summary as JSON here.")] = None
+    json_out: JsonOpt = None
     maddrs_file: Annotated[Path | None, typer.Option("--maddrs-file", help="Write this peer's multiaddrs here once listening.")] = None
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live status line.")] = False
+    quiet: QuietOpt = False
     run_stages: Annotated[int | None, typer.Option("--run-stages", help="S_run: the run's stage groups of the model, each synced in its own namespace (every peer of the run gives the same; default: --pipeline-stages).")] = None
     pipeline_stages: Annotated[int, typer.Option("--pipeline-stages", help="S: pipeline processes of this peer (one GPU each); S must divide S_run.")] = 1
     microbatches: Annotated[int, typer.Option("--micro-batches", help="M: micro-batches per batch in the pipeline (default S).")] = 0

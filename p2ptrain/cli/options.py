@@ -15,8 +15,9 @@ import typer
 from ..metrics import DEFAULT_METRICS_PORT
 from ..model import PRESETS
 
-__all__ = ["AnnounceMaddrs", "ConfigOpt", "HostMaddrs", "InitFromOpt", "InitialPeers", "LogOpt", "MetricsPortOpt",
-           "PresetOpt", "SeqLenOpt", "SwarmKeyOpt", "TokenizerOpt", "fail", "failing", "flags_command"]
+__all__ = ["AnnounceMaddrs", "BatchSizeOpt", "CodecOpt", "ConfigOpt", "DataOpt", "DeviceOpt", "HOpt", "HostMaddrs", "InitFromOpt",
+           "InitialPeers", "JsonOpt", "LogOpt", "LrOpt", "MetricsPortOpt", "POpt", "PresetOpt", "QuietOpt", "SeqLenOpt",
+           "SwarmKeyOpt", "TokenizerOpt", "fail", "failing", "flags_command"]
 
 F = TypeVar("F")
 
@@ -30,6 +31,15 @@ InitialPeers = Annotated[list[str] | None, typer.Option("--initial-peers", "-i",
 HostMaddrs = Annotated[list[str] | None, typer.Option("--host-maddrs", help="Listen address(es), e.g. /ip4/0.0.0.0/tcp/31337.")]
 AnnounceMaddrs = Annotated[list[str] | None, typer.Option("--announce-maddrs", help="Address(es) others should dial (public IP, explicit port).")]
 SwarmKeyOpt = Annotated[Path | None, typer.Option("--swarm-key", help="A private swarm's shared key file (see `p2ptrain keygen`): only peers holding it are accepted.")]
+DataOpt = Annotated[str | None, typer.Option("--data", help="Text file, folder, .jsonl/.parquet, or uint16 .bin tokens (default: built-in corpus).")]
+BatchSizeOpt = Annotated[int | None, typer.Option("--batch-size", help="Sequences per micro-batch.")]
+LrOpt = Annotated[float | None, typer.Option("--lr", help="Peak inner learning rate.")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")]
+HOpt = Annotated[int | None, typer.Option("--H", help="Inner steps per round.")]
+POpt = Annotated[int | None, typer.Option("--P", help="Fragments (streaming, cocodc).")]
+CodecOpt = Annotated[str | None, typer.Option("--codec", help="Wire codec: fp32, fp16, bf16, uint8, fp8, e3m0.")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the summary as JSON here.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or live status line.")]
 MetricsPortOpt = Annotated[int | None, typer.Option("--metrics-port", help=f"Serve Prometheus metrics here (0: any free port, -1: off; default {DEFAULT_METRICS_PORT}, or the next free one when several peers share a machine).")]
 
 
