@@ -117,7 +117,8 @@ class RunSession:
 
 
 def visible_maddrs(peers: Sequence[Peer], path: Path | None) -> list[str]:
-    """The multiaddrs others dial to reach ``peers`` (started), written one a line to ``path`` if given."""
+    """The multiaddrs others dial to reach ``peers`` (started), written one a line to ``path`` if given;
+    TimeoutError when a peer's transport does not tell them within 10 s."""
     maddrs = [a for p in peers for a in p.net.call(p.transport.visible_maddrs(), 10)]  # type: ignore[union-attr]
     if path is not None:
         path.write_text("\n".join(maddrs) + "\n")
