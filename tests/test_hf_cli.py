@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from p2ptrain.checkpoint import CheckpointDir
 from p2ptrain.cli import app
-from p2ptrain.hf import read_params
+from p2ptrain.hf_run import read_params
 
 from .test_hf import write_checkpoint
 from .test_textdata import documents, make_tokenizer, write_jsonl

@@ -94,7 +94,10 @@ class MemoryTransport(Transport):
         self.swarm.infos[self.peer_id] = info
 
     async def peers(self) -> list[PeerInfo]:
-        return [self.swarm.infos[p] for p in self.swarm.live(self._side)]
+        now, infos = time.monotonic(), [self.swarm.infos[p] for p in self.swarm.live(self._side)]
+        for i in infos:
+            i.last_seen = max(0.0, now - (i.expires - self.swarm.ttl))
+        return infos
 
     async def leave(self) -> None:
         self.swarm.infos.pop(self.peer_id, None)

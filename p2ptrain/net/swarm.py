@@ -174,7 +174,9 @@ class HivemindTransport(Transport):
         return out
 
     async def peers(self) -> list[PeerInfo]:
-        infos = []
+        from hivemind.utils import get_dht_time
+
+        infos, now = [], get_dht_time()
         for sub, (value, exp) in (await self._records("peers")).items():
             if value.get("left"):
                 self._left.add(sub)
@@ -186,6 +188,7 @@ class HivemindTransport(Transport):
                 info = PeerInfo.from_wire(value, expires=exp)
             except (KeyError, TypeError, ValueError):
                 continue
+            info.last_seen = max(0.0, now - (exp - self.cfg.ttl))
             infos.append(info)
             self._maddrs[info.peer_id] = info.maddrs
         self._live, self._live_at = infos, time.monotonic()

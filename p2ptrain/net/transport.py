@@ -162,6 +162,7 @@ class PeerInfo:
     expires: float = 0.0
     method: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    last_seen: float = 0.0  # seconds since this announcement was made (set by the transport that read it)
 
     def to_wire(self) -> dict[str, Any]:
         return {"peer": self.peer_id, "region": self.region, "step": self.step, "lstep": self.logical_step,

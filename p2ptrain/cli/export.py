@@ -1,34 +1,17 @@
-"""``p2ptrain export`` and the ``--init-from`` plumbing shared by ``train`` and ``join``."""
+"""``p2ptrain export``: a checkpoint's trained θ as a Llama checkpoint folder."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from .cli import LogOpt, app, fail
-from .hf import DTYPES, HFCheckpoint, open_hf
-from .settings import ConfigError
+from ..hf import DTYPES
+from .app import app
+from .options import LogOpt, fail
 
-__all__ = ["open_init_from"]
-
-
-def open_init_from(file: dict[str, Any], preset_name: str | None, init_from: str | None,
-                   seq_len: int | None) -> HFCheckpoint | None:
-    """The checkpoint named by ``--init-from`` (or ``init_from`` in the config file), its context capped
-    by ``--seq-len`` (or ``[model] seq_len``); None without one. The checkpoint sets the architecture, so
-    a preset or other ``[model]`` keys alongside it are a ConfigError."""
-    path = init_from or file.get("init_from")
-    if not path:
-        return None
-    if preset_name or file.get("preset"):
-        raise ConfigError("--init-from sets the architecture from the checkpoint's config.json: drop --preset")
-    model = dict(file.get("model") or {})
-    cap = seq_len or model.pop("seq_len", None)
-    if model:
-        raise ConfigError(f"[model]: {', '.join(sorted(model))} cannot be set with --init-from (only seq_len)")
-    return open_hf(str(path), seq_len=cap)
+__all__ = ["export"]
 
 
 @app.command()
@@ -40,9 +23,10 @@ def export(
     log_level: LogOpt = None,
 ) -> None:
     """Write a checkpoint's trained θ as a Llama checkpoint folder (config.json + model.safetensors)."""
-    from .checkpoint import CheckpointDir, CheckpointError, read_checkpoint
-    from .hf import HFError, export_hf, read_params
-    from .ui import console, setup_logging
+    from ..checkpoint import CheckpointDir, CheckpointError, read_checkpoint
+    from ..hf import HFError, export_hf
+    from ..hf_run import read_params
+    from ..ui import console, setup_logging
 
     setup_logging(log_level)
     try:

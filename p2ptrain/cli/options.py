@@ -1,0 +1,97 @@
+"""What the commands share: ``Annotated`` options, clean failures, and commands made from a flags dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from ..metrics import DEFAULT_METRICS_PORT
+from ..model import PRESETS
+
+__all__ = ["AnnounceMaddrs", "BatchSizeOpt", "CodecOpt", "ConfigOpt", "DataOpt", "DeviceOpt", "HOpt", "HostMaddrs", "InitFromOpt",
+           "InitialPeers", "JsonOpt", "LogOpt", "LrOpt", "MetricsPortOpt", "POpt", "PresetOpt", "QuietOpt", "SeqLenOpt",
+           "SwarmKeyOpt", "TokenizerOpt", "fail", "failing", "flags_command"]
+
+F = TypeVar("F")
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file; flags override it.")]
+LogOpt = Annotated[str | None, typer.Option("--log-level", help="DEBUG/INFO/WARNING/ERROR (env P2PTRAIN_LOG_LEVEL).")]
+PresetOpt = Annotated[str | None, typer.Option("--preset", "-p", help=f"Model preset: {', '.join(PRESETS)}.")]
+TokenizerOpt = Annotated[str | None, typer.Option("--tokenizer", help="A local tokenizer.json (or its folder) for text/.jsonl/.parquet data; default: bytes, or the --init-from folder's.")]
+InitFromOpt = Annotated[str | None, typer.Option("--init-from", help="Start from a local Llama checkpoint folder (config.json + safetensors); sets the architecture.")]
+SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", help="Context length in tokens (caps an --init-from checkpoint's max_position_embeddings).")]
+InitialPeers = Annotated[list[str] | None, typer.Option("--initial-peers", "-i", help="Multiaddr of a live peer or bootstrap node (repeatable).")]
+HostMaddrs = Annotated[list[str] | None, typer.Option("--host-maddrs", help="Listen address(es), e.g. /ip4/0.0.0.0/tcp/31337.")]
+AnnounceMaddrs = Annotated[list[str] | None, typer.Option("--announce-maddrs", help="Address(es) others should dial (public IP, explicit port).")]
+SwarmKeyOpt = Annotated[Path | None, typer.Option("--swarm-key", help="A private swarm's shared key file (see `p2ptrain keygen`): only peers holding it are accepted.")]
+DataOpt = Annotated[str | None, typer.Option("--data", help="Text file, folder, .jsonl/.parquet, or uint16 .bin tokens (default: built-in corpus).")]
+BatchSizeOpt = Annotated[int | None, typer.Option("--batch-size", help="Sequences per micro-batch.")]
+LrOpt = Annotated[float | None, typer.Option("--lr", help="Peak inner learning rate.")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")]
+HOpt = Annotated[int | None, typer.Option("--H", help="Inner steps per round.")]
+POpt = Annotated[int | None, typer.Option("--P", help="Fragments (streaming, cocodc).")]
+CodecOpt = Annotated[str | None, typer.Option("--codec", help="Wire codec: fp32, fp16, bf16, uint8, fp8, e3m0.")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the summary as JSON here.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or live status line.")]
+MetricsPortOpt = Annotated[int | None, typer.Option("--metrics-port", help=f"Serve Prometheus metrics here (0: any free port, -1: off; default {DEFAULT_METRICS_PORT}, or the next free one when several peers share a machine).")]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``error: message`` (as text: ``[model]`` is not markup) and return the Exit to raise."""
+    from rich.markup import escape
+
+    from ..ui import console
+
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    return typer.Exit(code)
+
+
+@contextmanager
+def failing(*errors: type[Exception], code: int = 2, prefix: str = "") -> Iterator[None]:
+    """Turn an error of one of ``errors`` (default ValueError, which ConfigError, DataError and HFError are)
+    raised inside the block into ``error: prefix + message`` and exit ``code``; anything else passes."""
+    caught = errors or (ValueError,)
+    try:
+        yield
+    except caught as e:
+        raise fail(f"{prefix}{e}", code) from None
+
+
+def flags_command(app: typer.Typer,
+                  flags: type[F]) -> Callable[[Callable[[dict[str, Any], F], None]], Callable[..., None]]:
+    """Register ``body(file, flags)`` on ``app`` as a command named after it, whose options are the fields
+    of the dataclass ``flags`` (each ``Annotated`` with its typer option), then ``--config`` and
+    ``--log-level``. The command sets up logging, reads the config file (``{}`` without one) and calls the
+    body with both; a bad log level or config file fails with exit code 2 before the body runs."""
+    hints = typing.get_type_hints(flags, include_extras=True)
+    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+              for f in dataclasses.fields(flags)]  # type: ignore[arg-type]
+    params += [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOpt),
+               inspect.Parameter("log_level", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=LogOpt)]
+
+    def register(body: Callable[[dict[str, Any], F], None]) -> Callable[..., None]:
+        def command(**values: Any) -> None:
+            from ..settings import load_file
+            from ..ui import setup_logging
+
+            config, log_level = values.pop("config"), values.pop("log_level")
+            with failing():
+                setup_logging(log_level)
+                file = load_file(config)
+            body(file, flags(**values))
+
+        command.__name__, command.__qualname__, command.__doc__ = body.__name__, body.__qualname__, body.__doc__
+        command.__module__ = body.__module__
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params} | {"return": None}
+        app.command()(command)
+        return command
+
+    return register

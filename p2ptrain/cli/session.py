@@ -1,0 +1,135 @@
+"""The frame around a run, the same for a plain and a staged ``join``: the Prometheus endpoint, leaving on
+SIGTERM/SIGINT, starting, the addresses others dial, the live status line, and the summary table and JSON
+file at the end (``train`` writes its summary with :func:`report` too)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from ..metrics import DEFAULT_METRICS_PORT, PeerMetrics
+from .options import fail
+
+if TYPE_CHECKING:
+    from ..peer import PeerBase
+
+__all__ = ["METRICS_PORTS", "RunSession", "SessionPeer", "report", "visible_maddrs"]
+
+#: How many ports from DEFAULT_METRICS_PORT (plus a stage's rank) are tried when none is given.
+METRICS_PORTS = 16
+
+R = TypeVar("R")
+
+
+class SessionPeer(Protocol[R]):
+    """What a session drives: a Peer, or a StagedPeer (``run`` returns its summary, or one per stage group)."""
+
+    on_status: Callable[[dict[str, Any]], None] | None
+
+    def start(self) -> None: ...
+
+    def run(self) -> R: ...
+
+    def request_stop(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RunSession:
+    """One peer process's metrics (``self.metrics``, for the peer to fill) and the steps around its run."""
+
+    def __init__(self, method: str, region: str) -> None:
+        self.metrics = PeerMetrics(method=method, region=region)
+
+    def serve_metrics(self, requested: int | None, host: str, offset: int = 0) -> int | None:
+        """Serve ``/metrics`` on ``host`` and print where; the port, or None when ``requested`` is negative
+        (off). ``requested`` None: the first free of ``METRICS_PORTS`` ports from DEFAULT_METRICS_PORT +
+        ``offset`` (a pipeline stage's rank); 0: any free port; N: port N + ``offset``. Fails (exit code 2,
+        naming the flag to change) when that port, or every one tried, is taken."""
+        if requested is not None and requested < 0:
+            return None
+        if requested is None:
+            first, port = DEFAULT_METRICS_PORT + offset, None
+            for candidate in range(first, first + METRICS_PORTS):
+                if (port := self._try_serve(candidate, host)) is not None:
+                    break
+            if port is None:
+                raise fail(f"ports {first}-{first + METRICS_PORTS - 1} are all taken; "
+                           "pick one with --metrics-port, or -1 to turn metrics off")
+        else:
+            wanted = requested + offset if requested else 0
+            try:
+                port = self.metrics.serve(wanted, host)
+            except OSError as e:
+                raise fail(f"cannot serve metrics on {host}:{wanted} ({e.strerror}); "
+                           "pick another --metrics-port, or -1 to turn them off") from None
+        from ..ui import console
+
+        console.print(f"metrics: http://{host}:{port}/metrics", highlight=False)
+        return port
+
+    def _try_serve(self, port: int, host: str) -> int | None:
+        """The port if ``/metrics`` could be served there, None when it is taken."""
+        try:
+            return self.metrics.serve(port, host)
+        except OSError:
+            return None
+
+    @staticmethod
+    def stop_on_signals(peer: SessionPeer[Any]) -> None:
+        """On SIGTERM or SIGINT (Ctrl-C), say so and let ``peer`` leave cleanly after its current step."""
+        from ..ui import console
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            console.print(f"signal {signal.Signals(signum).name}: leaving after this step", highlight=False)
+            peer.request_stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    @staticmethod
+    def start(peer: SessionPeer[Any]) -> None:
+        """Start ``peer`` (join the swarm); when it cannot, close it and fail with exit code 1 and the reason."""
+        from ..net.swarm import SwarmError
+
+        try:
+            peer.start()
+        except SwarmError as e:
+            peer.close()
+            raise fail(str(e), 1) from None
+
+    def run(self, peer: SessionPeer[R], quiet: bool, evaluate: Callable[[R], float]) -> tuple[R, float]:
+        """Run ``peer`` to the end with a live status line (none when ``quiet``), then the validation loss
+        of θ by ``evaluate(result)``; the result and that loss. The metrics endpoint closes either way."""
+        from ..ui import status_printer
+
+        peer.on_status = status_printer(quiet)
+        try:
+            result = peer.run()
+            val = evaluate(result)
+            self.metrics.val_loss.set(val)
+        finally:
+            self.metrics.close()
+        return result, val
+
+
+def visible_maddrs(peers: Sequence[PeerBase], path: Path | None) -> list[str]:
+    """The multiaddrs others dial to reach ``peers`` (started), written one a line to ``path`` if given;
+    TimeoutError when a peer's transport does not tell them within 10 s."""
+    maddrs = [a for p in peers for a in p.net.call(p.transport.visible_maddrs(), 10)]  # type: ignore[union-attr]
+    if path is not None:
+        path.write_text("\n".join(maddrs) + "\n")
+    return maddrs
+
+
+def report(title: str, rows: Sequence[Sequence[Any]], path: Path | None,
+           record: Callable[[], dict[str, Any]]) -> None:
+    """Print the run's summary ``rows`` as a table on stdout; with a ``path``, write ``record()`` there as JSON."""
+    from ..ui import out, table
+
+    out.print(table(title, ["", "value"], rows))
+    if path is not None:
+        path.write_text(json.dumps(record(), indent=2))

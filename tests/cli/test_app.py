@@ -1,0 +1,62 @@
+"""The command line's shape: its commands, their options, its entry points and its import direction."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+
+import p2ptrain
+from p2ptrain.cli import app
+from p2ptrain.cli.flags import JoinFlags, SimulateFlags, TrainFlags
+
+PACKAGE = Path(p2ptrain.__file__).parent
+
+
+def test_each_flags_dataclass_is_exactly_its_command_s_options() -> None:
+    commands = {c.name: c for c in typer.main.get_command(app).commands.values()}  # type: ignore[attr-defined]
+    for name, flags in (("train", TrainFlags), ("simulate", SimulateFlags), ("join", JoinFlags)):
+        params = [p.name for p in commands[name].params]
+        assert params == [f.name for f in dataclasses.fields(flags)] + ["config", "log_level"], name
+    assert list(commands) == ["train", "simulate", "export", "join", "bootstrap", "status", "keygen"]
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules of p2ptrain that the file at ``path`` imports, as dotted names."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module.removesuffix(".__init__") if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("p2ptrain")}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            anchor = ".".join(parts[:len(parts) - node.level + 1]) if node.level else ""
+            target = ".".join(x for x in (anchor, node.module) if x)
+            if target.startswith("p2ptrain"):
+                found |= {target} | {f"{target}.{a.name}" for a in node.names}
+    return found
+
+
+def test_only_the_cli_imports_the_cli_and_its_modules_import_downward() -> None:
+    outside = [p for p in PACKAGE.rglob("*.py") if PACKAGE / "cli" not in p.parents and p.name != "__main__.py"]
+    assert not [p for p in outside if any(m.startswith("p2ptrain.cli") for m in _imports(p))]
+    graph = {p.stem: {m.split(".")[2] for m in _imports(p) if m.startswith("p2ptrain.cli.")}
+             for p in (PACKAGE / "cli").glob("*.py") if p.stem not in ("__init__", "__main__")}
+    for module, deps in graph.items():
+        seen, todo = set(), list(deps)
+        while todo:
+            dep = todo.pop()
+            assert dep != module, f"p2ptrain.cli.{module} imports itself back through {sorted(seen)}"
+            if dep not in seen and dep in graph:
+                seen.add(dep)
+                todo += graph[dep]
+
+
+def test_python_dash_m_runs_the_app() -> None:
+    r = subprocess.run([sys.executable, "-m", "p2ptrain", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("p2ptrain "), r.stderr
