@@ -142,3 +142,18 @@ def applied_agree(results: list[PeerSummary | None], min_common: int = 2) -> set
     for key in common:
         assert len({r.applied[key][0] for r in done}) == 1, f"θ differs after round {key}"
     return common
+
+
+async def announce_and_wait(transports: list[Any], n: int, tries: int = 100) -> None:
+    """Announce every transport and wait (``tries`` × 0.1 s) until each sees ``n`` live peers."""
+    import asyncio
+
+    from p2ptrain.net.transport import PeerInfo
+
+    for t in transports:
+        await t.announce(PeerInfo(peer_id=t.peer_id))
+    for _ in range(tries):
+        if all([len(await t.peers()) == n for t in transports]):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("peers did not see each other")

@@ -20,7 +20,9 @@ import torch
 
 from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
-from p2ptrain.net.transport import JoinRequest, PeerInfo
+from p2ptrain.net.transport import JoinRequest
+
+from .peers import announce_and_wait
 
 pytestmark = [pytest.mark.net, pytest.mark.timeout(120)]
 
@@ -66,13 +68,8 @@ async def _swarm(stall: str) -> list[Any]:
         stalled = await _Stalled.create(cfg(initial_peers=maddrs))
         stalled.stall = stall
         ts.append(stalled)
-        for t in ts:
-            await t.announce(PeerInfo(peer_id=t.peer_id))
-        for _ in range(100):
-            if all([len(await t.peers()) == 3 for t in ts]):
-                return ts
-            await asyncio.sleep(0.1)
-        raise AssertionError("peers did not see each other")
+        await announce_and_wait(ts, 3)
+        return ts
     except BaseException:
         await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
         raise

@@ -11,7 +11,9 @@ import torch
 from p2ptrain.collective.butterfly import chunk_bounds
 from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.auth import SwarmKey
-from p2ptrain.net.transport import JoinRequest, PeerInfo, RoundFailed
+from p2ptrain.net.transport import JoinRequest, RoundFailed
+
+from .peers import announce_and_wait
 
 pytestmark = [pytest.mark.net, pytest.mark.timeout(120)]
 
@@ -37,13 +39,8 @@ async def _swarm(n: int, key: SwarmKey | None, chunk: int = 1024) -> list[Any]:
         for _ in range(n - 1):
             ts.append(await HivemindTransport.create(SwarmConfig(run_id="stream", initial_peers=maddrs,
                                                                  join_window=2.0, swarm_key=key, chunk_values=chunk)))
-        for t in ts:
-            await t.announce(PeerInfo(peer_id=t.peer_id))
-        for _ in range(100):
-            if all([len(await t.peers()) == n for t in ts]):
-                return ts
-            await asyncio.sleep(0.1)
-        raise AssertionError("peers did not see each other")
+        await announce_and_wait(ts, n)
+        return ts
     except BaseException:
         await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
         raise
