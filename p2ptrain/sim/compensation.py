@@ -75,9 +75,18 @@ def _taylor_adam(lam: float) -> Rule:
 
 def _taylor_constant(lam: float) -> Rule:
     def rule(c: Context) -> list[torch.Tensor]:
-        return [t - g - lam * g * g * (t - s)
-                for t, s, g in ((t, s, s - x) for t, s, x in zip(c.theta, c.snapshot, c.local, strict=True))]
+        return taylor_compensate(c.theta, c.snapshot, c.local, lam)[0]
     return rule
+
+
+def _taylor_normalized(c: Context, lambda0: float) -> list[torch.Tensor]:
+    """The rule once coded: λ = λ0·‖g‖/‖g⊙g⊙D‖ per tensor, so every correction is λ0·‖g‖ long."""
+    out = []
+    for t, s, x in zip(c.theta, c.snapshot, c.local, strict=True):
+        g = s - x
+        u = g * g * (t - s)
+        out.append(t - g - lambda0 * float(g.norm()) / (float(u.norm()) + 1e-12) * u)
+    return out
 
 
 def _shrink(beta: float) -> Rule:
@@ -97,7 +106,7 @@ CANDIDATES: dict[str, Rule] = {
     "take": lambda c: list(c.theta),
     "alpha": lambda c: [0.5 * x + 0.5 * t for t, x in zip(c.theta, c.local, strict=True)],
     "delta": lambda c: [t - (s - x) for t, s, x in zip(c.theta, c.snapshot, c.local, strict=True)],
-    "taylor-normalized": lambda c: taylor_compensate(c.theta, c.snapshot, c.local, 0.2)[0],
+    "taylor-normalized": lambda c: _taylor_normalized(c, 0.2),
     **{f"taylor-constant-{lam:g}": _taylor_constant(lam) for lam in (1e2, 1e3, 1e4)},
     **{f"taylor-adam-{lam:g}": _taylor_adam(lam) for lam in (1.0, 10.0, 100.0, 1000.0)},
     **{f"shrink-{b:g}": _shrink(b) for b in (0.9, 0.8)},
