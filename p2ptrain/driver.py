@@ -115,6 +115,9 @@ class DriverHooks:
     def repair(self, rnd: Round) -> None:
         """``rnd`` says this peer's state left the majority's: take theirs before applying it."""
 
+    def before_apply(self, rnd: Round) -> None:
+        """``rnd`` arrived and is about to be applied (after any repair): an instrument's moment to look."""
+
     def after_apply(self, rnd: Round, report: ApplyReport | None) -> None:
         """``rnd`` was applied (under the driver's lock); ``report`` is None for a data-parallel step."""
 
@@ -214,6 +217,7 @@ class OuterDriver:
     def _apply(self, rnd: Round, step: int) -> None:
         if rnd.divergent:
             self.hooks.repair(rnd)
+        self.hooks.before_apply(rnd)
         with self.lock:
             rep = self.outer.finish(rnd, step, self.params)
             self.in_flight.remove(rnd)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -156,6 +157,7 @@ class _Round:
     new_error: dict[int, torch.Tensor]  # slot index -> M_i - P_hat Q_i^T, (m, n) f32, from phase 1 on
     devices: list[torch.device]  # device of each input tensor: results go back there
     results: list[torch.Tensor | None]
+    proposals: dict[int, float] = field(default_factory=dict)  # slot index -> the peers' mean proposed rank
 
 
 class LowRank(Compressor):
@@ -171,16 +173,22 @@ class LowRank(Compressor):
       orthonormalised (reduced QR) into P_hat, identical on every peer because the averaged P is;
     * phase 1 sends Q_i = M_i^T P_hat (n x r); with the averaged Q_bar the result is P_hat Q_bar^T, which is
       P_hat P_hat^T M_bar, the projection of the true average M_bar onto span(P_hat);
-    * error feedback keeps what this peer did not transmit: e_i <- M_i - P_hat Q_i^T;
+    * error feedback keeps what this peer did not transmit: e_i <- M_i - P_hat Q~_i^T, with Q~_i what the wire
+      delivers of Q_i (``wire``: the codec's round trip), so the quantisation error is fed back too;
     * warm start: the next Q spans the same space as Q_bar (so the next P_hat would be the same), stored as its
       left singular vectors ordered by singular value; directions with (numerically) zero singular value are
       redrawn from a generator seeded with ``seed``, the index and the round, so the rank does not collapse;
-    * adaptive rank, from averaged data only (so identical on every peer): with sigma the singular values of Q_bar
-      (those of P_hat^T M_bar), k is the smallest rank holding ``energy`` of sum(sigma^2); if k < r the rank
-      becomes max(rank_min, k + 1) (the strongest directions and one spare), if k == r it doubles, up to rank_max and the
-      largest rank that still saves bytes. A rank-1 matrix therefore alternates between ranks 1 and 2.
+    * adaptive rank, from each peer's *full* update: every peer proposes k_i + 1, with k_i the smallest rank
+      whose leading singular values hold ``energy`` of ||M_i||^2 (estimated with a randomized range finder of
+      cap + 8 columns, drawn the same on every peer; the cap when even that is not enough), one spare
+      direction above it. The proposals ride along in phase 0 as one more small tensor, so the average is the
+      same on every peer; the next round's rank is that average rounded, within rank_min and the cap (rank_max,
+      and the largest rank that still saves bytes). The rank can so grow or shrink by any amount in one
+      round. (A decision from the averaged, already projected update cannot see the energy outside the current
+      r directions, and so could not grow.)
 
-    Cost per round and matrix: r*m values in phase 0 plus r*n in phase 1, i.e. r(m+n) instead of m*n. Tensors
+    Cost per round and matrix: r*m values in phase 0 plus r*n in phase 1, i.e. r(m+n) instead of m*n (and one value
+    per matrix for the rank proposal); the proposal costs each peer one m x n x (cap + 8) product. Tensors
     with fewer than two dims, or where the initial rank gives r(m+n) >= m*n, are sent in full in phase 0; if no
     tensor is factorised the round has a single phase.
 
@@ -210,6 +218,7 @@ class LowRank(Compressor):
         energy: float = 0.9,
         error_feedback: bool = True,
         seed: int = 0,
+        wire: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if not 1 <= rank_min <= rank <= rank_max:
             raise ValueError(f"need 1 <= rank_min <= rank <= rank_max, got {rank_min}, {rank}, {rank_max}")
@@ -217,6 +226,7 @@ class LowRank(Compressor):
             raise ValueError(f"energy must be in (0, 1], got {energy}")
         self.rank, self.rank_min, self.rank_max = rank, rank_min, rank_max
         self.energy, self.error_feedback, self.seed = float(energy), bool(error_feedback), int(seed)
+        self.wire = wire  # what a receiver sees of a payload tensor (the wire codec's round trip); None: exact
         self._shapes: list[torch.Size] | None = None
         self._slots: dict[int, _Slot] = {}
         self._rounds = 0  # completed rounds: salts the redrawn directions
@@ -279,8 +289,27 @@ class LowRank(Compressor):
                 m = m + slot.error.to(m.device) if slot.error is not None else m.clone()
             state.m[i] = m
             payload.append(m @ slot.q.to(m.device))  # P_i: (m, r)
+        if self._slots:  # this peer's rank proposal per factorised matrix, from its full update
+            payload.append(torch.tensor([float(self._propose(i, self._slots[i], state.m[i])) for i in sorted(self._slots)],
+                                        dtype=torch.float32))
         self._round = state
         return payload
+
+    def _propose(self, index: int, slot: _Slot, m: torch.Tensor) -> int:
+        """k + 1 (capped), with k the smallest rank whose leading singular values of ``m`` (this peer's full
+        update, m x n) hold ``energy`` of its squared norm; a randomized range finder of cap + 8 columns,
+        drawn the same on every peer, estimates the singular values (slightly low, so k slightly high)."""
+        total = float(m.double().pow(2).sum())
+        if total <= 0:
+            return self.rank_min
+        width = min(slot.cap + 8, slot.rows, slot.cols)
+        omega = torch.randn(slot.cols, width, generator=_generator(self.seed, index, self._rounds, 7),
+                            dtype=torch.float32).to(m.device)
+        basis = torch.linalg.qr((m @ omega).to("cpu", torch.float64), mode="reduced").Q  # (m, width)
+        sigma = torch.linalg.svdvals(basis.T @ m.to("cpu", torch.float64))  # (width,) strongest first
+        held = (sigma.square().cumsum(0) < self.energy * total).sum()
+        k = int(held) + 1 if int(held) < sigma.numel() else slot.cap  # the energy needs more than we looked at
+        return min(slot.cap, k + 1)
 
     def receive(self, averaged: list[torch.Tensor]) -> list[torch.Tensor] | None:
         state = self._round
@@ -294,7 +323,12 @@ class LowRank(Compressor):
         for i, shape in enumerate(self._shapes):
             slot = self._slots.get(i)
             shapes.append(torch.Size((slot.rows, slot.rank)) if slot is not None else shape)
-        avg = _match(averaged, shapes, state.devices)
+        if self._slots:
+            shapes.append(torch.Size((len(self._slots),)))
+        avg = _match(averaged, shapes, [*state.devices, torch.device("cpu")][: len(shapes)])
+        if self._slots:
+            props = avg.pop()
+            state.proposals = {i: float(p) for i, p in zip(sorted(self._slots), props.tolist(), strict=True)}
         payload = []
         for i, a in enumerate(avg):
             if i not in self._slots:
@@ -307,9 +341,11 @@ class LowRank(Compressor):
             q_own = m.T @ p_hat  # Q_i: (n, r)
             state.p_hat[i] = p_hat
             if self.error_feedback:
-                # e_i = M_i - P_hat Q_i^T, the part of M_i this peer does not transmit, computed in M_i's own
-                # buffer (M_i is not needed any more): one m x n buffer per matrix during the round, not two.
-                state.new_error[i] = m.addmm_(p_hat, q_own.T, alpha=-1.0)
+                # e_i = M_i - P_hat Q~_i^T, the part of M_i this peer does not transmit (Q~_i: what the wire
+                # delivers of Q_i, so quantisation is counted too), computed in M_i's own buffer (M_i is not
+                # needed any more): one m x n buffer per matrix during the round, not two.
+                sent = q_own if self.wire is None else self.wire(q_own).to(q_own.device, torch.float32)
+                state.new_error[i] = m.addmm_(p_hat, sent.T, alpha=-1.0)
                 del state.m[i]
             payload.append(q_own)
         if not self._slots:
@@ -329,7 +365,7 @@ class LowRank(Compressor):
             slot = self._slots[i]
             if self.error_feedback:
                 slot.error = state.new_error[i]
-            self._adapt(i, slot, q_bar)
+            self._adapt(i, slot, q_bar, state.proposals.get(i))
         self._finish(state)
 
     def _finish(self, state: _Round) -> None:
@@ -342,17 +378,13 @@ class LowRank(Compressor):
         self._round = None
         self._rounds += 1
 
-    def _adapt(self, index: int, slot: _Slot, q_bar: torch.Tensor) -> None:
-        """Choose the next rank and warm-start Q from the averaged Q_bar (n x r); identical on every peer."""
+    def _adapt(self, index: int, slot: _Slot, q_bar: torch.Tensor, proposal: float | None) -> None:
+        """The next rank (the peers' mean proposal, rounded, within rank_min and the cap) and Q warm-started from
+        the averaged Q_bar (n x r); identical on every peer."""
         u, s, _ = torch.linalg.svd(q_bar.to("cpu", torch.float64), full_matrices=False)  # u (n, r), s (r,)
-        r, power = slot.rank, s.square()
-        total = float(power.sum())
-        new_rank = r
-        if total > 0:
-            # Smallest k whose leading k singular values hold `energy` of the total.
-            k = min(r, int((power.cumsum(0) < self.energy * total).sum()) + 1)
-            # One spare direction above k keeps the rank stable (k < r) instead of oscillating.
-            new_rank = max(self.rank_min, k + 1) if k < r else min(slot.cap, 2 * r)
+        r = slot.rank
+        total = float(s.square().sum())
+        new_rank = r if proposal is None else int(min(slot.cap, max(self.rank_min, math.floor(proposal + 0.5))))
         keep = min(r, new_rank)
         alive = s[:keep] > self._DEAD * float(s[0]) if total > 0 else torch.zeros(keep, dtype=torch.bool)
         q = u[:, :keep]  # (n, keep) f64, orthonormal, strongest direction first

@@ -150,14 +150,16 @@ class CoCoDCConfig(StreamingConfig):
     """CoCoDC (arXiv 2504.17672): Streaming DiLoCo + Taylor delay compensation + adaptive transmission.
 
     Attributes:
-        lambda0: λ0 of the compensation (0 = replay local progress uncorrected).
+        lambda0: λ of the Taylor compensation ``g⊙g⊙D`` (0, the default: the delta rule, replay local
+            progress uncorrected; measured by ``bench/compensation.py``, no λ lands closer to the ideal, see
+            :mod:`p2ptrain.algo.delay`).
         sends_per_window: N sends per H window (N ≥ P); None derives N from measured bandwidth.
         late: ``compensate``: a result later than τ is applied when it arrives, compensated for
             the actual delay; ``stall``: wait for it at step send + τ.
     """
 
     name: ClassVar[str] = "cocodc"
-    lambda0: float = 0.2
+    lambda0: float = 0.0
     sends_per_window: int | None = None
     late: Literal["compensate", "stall"] = "compensate"
     alpha: float = 0.0  # unused: the Taylor compensation replaces α-mixing

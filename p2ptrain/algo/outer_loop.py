@@ -248,11 +248,16 @@ class OuterLoop:
         return rnd
 
     @torch.no_grad()
-    def finish(self, rnd: Round, step: int, params: LocalParams) -> ApplyReport:
-        """Outer step on θ^(p) with the arrived average, then merge into the local fragment."""
+    def preview(self, rnd: Round) -> list[torch.Tensor]:
+        """θ̃^(p): what the outer step of an arrived round will make θ^(p), without taking it (an instrument
+        compares merge rules against it)."""
+        return self._stepped(rnd)[0]
+
+    def _stepped(self, rnd: Round) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(θ̃, momentum) after the outer step with ``rnd``'s average; the state is not changed."""
         if not rnd.arrived or rnd.result is None:
             raise RuntimeError(f"round {rnd.key} cannot be applied: it is {rnd.state.value}")
-        c, frag, st = self.cfg, self.fragments[rnd.fragment], self._state[rnd.fragment]
+        c, st = self.cfg, self._state[rnd.fragment]
         avg = rnd.result
         if self.rules.eager:
             # Δ̃_i = Δ(t−k) + share·(Δ_i(t) − Δ_i(t−k)); share = w_i/Σw (1/M for equal weights). Round
@@ -261,7 +266,13 @@ class OuterLoop:
             k = self.tau // c.H
             fresh = st.own.get(rnd.seq + k) or [torch.zeros_like(d) for d in rnd.delta]
             avg = eager_estimate(avg, fresh, rnd.delta, rnd.share)
-        st.theta, st.momentum = nesterov_step(st.theta, st.momentum, avg, c.outer_lr, c.outer_momentum)
+        return nesterov_step(st.theta, st.momentum, avg, c.outer_lr, c.outer_momentum)
+
+    @torch.no_grad()
+    def finish(self, rnd: Round, step: int, params: LocalParams) -> ApplyReport:
+        """Outer step on θ^(p) with the arrived average, then merge into the local fragment."""
+        frag, st = self.fragments[rnd.fragment], self._state[rnd.fragment]
+        st.theta, st.momentum = self._stepped(rnd)
         new, correction = self.rules.merge(st.theta, rnd.snapshot, params.snapshot(frag.names))
         params.apply_outer(frag.names, new)
         rnd.state = RoundState.APPLIED

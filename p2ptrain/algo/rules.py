@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..collective.butterfly import wire_roundtrip
+from ..collective.codecs import get_codec
 from .compress import Compressor, Identity, LowRank
 from .configs import (
     CoCoDCConfig,
@@ -155,8 +157,13 @@ class DiLoCoXRules(Rules):
 
     def compressor(self, index: int, seed: int) -> Compressor:
         c = self.cfg
+        codec = get_codec(c.codec)
+
+        def wire(t: torch.Tensor) -> torch.Tensor:  # what the receivers see of a factor (error feedback counts it)
+            return wire_roundtrip(codec, t.reshape(-1).float().cpu()).view(t.shape)
+
         return LowRank(rank=c.rank, rank_min=c.rank_min, rank_max=c.rank_max, energy=c.energy,
-                       error_feedback=c.error_feedback, seed=seed * 1000 + index)
+                       error_feedback=c.error_feedback, seed=seed * 1000 + index, wire=wire)
 
 
 _RULES: dict[type[MethodConfig], type[Rules]] = {

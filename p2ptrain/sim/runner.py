@@ -27,7 +27,7 @@ from ..algo.outer_loop import OuterLoop
 from ..collective.butterfly import ring_factor
 from ..collective.codecs import get_codec
 from ..data import Corpus, DataConfig
-from ..driver import DDPDriver, OuterDriver
+from ..driver import DDPDriver, DriverHooks, OuterDriver
 from ..model import ModelConfig
 from ..trainer import TrainerConfig, make_trainer
 from .collective import VirtualSwarm
@@ -277,13 +277,15 @@ class OuterRun(_Run):
     """One outer-loop method on M virtual peers (any :class:`SimPeer`), one :class:`OuterDriver` each."""
 
     def __init__(self, sim: SimConfig, cfg: MethodConfig, peers: Sequence[SimPeer], net: Network, res: RunResult,
-                 on_step: Callable[[int], None] | None, frags: Sequence[Fragment]) -> None:
+                 on_step: Callable[[int], None] | None, frags: Sequence[Fragment],
+                 hooks: Sequence[DriverHooks | None] | None = None) -> None:
         self.outers = [OuterLoop(cfg, frags, num_peers=len(peers)) for _ in peers]
         super().__init__(sim, cfg, peers, net, res, on_step, late_ok=self.outers[0].late_ok)
         self.frags = list(frags)
         for o, tr in zip(self.outers, self.trainers, strict=True):
             o.init(tr)
-        self.drivers = [OuterDriver(o, tr, self.swarm.view(i), negotiate_at_slot=True)
+        hooks = list(hooks) if hooks is not None else [None] * len(peers)
+        self.drivers = [OuterDriver(o, tr, self.swarm.view(i), hooks=hooks[i], negotiate_at_slot=True)
                         for i, (o, tr) in enumerate(zip(self.outers, self.trainers, strict=True))]
 
     @property

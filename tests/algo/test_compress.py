@@ -3,6 +3,7 @@ that averages every phase's payload across peers in float32, as the network laye
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -185,24 +186,51 @@ def test_error_feedback_running_mean_converges() -> None:
     assert _rel(total / 50, G) > 0.5
 
 
-def test_adaptive_rank_grows_for_full_rank_and_shrinks_for_rank_one() -> None:
-    G = torch.randn(64, 48, generator=torch.Generator().manual_seed(1))
-    c = LowRank(rank=2)
-    _run_round([c], [[G]])
-    assert c.ranks() == [4]  # both directions needed for 90% energy -> doubles
-    cap = (64 * 48 - 1) // (64 + 48)  # 27: the largest rank that still saves bytes (below rank_max = 32)
-    for _ in range(10):
-        _run_round([c], [[G]])
-        assert 1 <= c.ranks()[0] <= cap
-    c = LowRank(rank=8)
-    _run_round([c], [[_low_rank_matrix(64, 48, 1, seed=2)]])
-    assert c.ranks() == [2]  # k = 1 plus one spare direction
-    for seed in (3, 4, 5):
+def test_adaptive_rank_grows_and_shrinks_with_the_full_spectrum() -> None:
+    """The rank follows each peer's full update (not its projection on the current directions): one round of a
+    matrix that needs many directions grows it from 2 at once, a rank-1 update shrinks it to one spare above 1,
+    a full-rank one takes it to the cap, and rank_min holds."""
+    c = LowRank(rank=2, error_feedback=False)
+    _run_round([c], [[_low_rank_matrix(64, 48, 20, seed=1)]])
+    M = _low_rank_matrix(64, 48, 20, seed=1).double()
+    power = torch.linalg.svdvals(M).square()
+    k90 = int((power.cumsum(0) < 0.9 * power.sum()).sum()) + 1  # what 90% of the energy needs
+    assert k90 >= 8 and k90 + 1 <= c.ranks()[0] <= k90 + 3  # grew from 2 in one round (a spare, estimation slack)
+    for seed in (2, 3, 4):
         _run_round([c], [[_low_rank_matrix(64, 48, 1, seed=seed)]])
-        assert c.ranks() == [2]  # stable: k = 1 < r = 2 keeps r = k + 1
+        assert c.ranks() == [2]  # shrank: k = 1 plus one spare direction, and stays there
+    cap = (64 * 48 - 1) // (64 + 48)  # 27: the largest rank that still saves bytes (below rank_max = 32)
+    _run_round([c], [[torch.randn(64, 48, generator=torch.Generator().manual_seed(1))]])
+    assert c.ranks() == [cap]  # a Gaussian matrix needs more than the cap for 90%
     c = LowRank(rank=8, rank_min=3)
     _run_round([c], [[_low_rank_matrix(64, 48, 1, seed=2)]])
     assert c.ranks() == [3]
+
+
+def test_peers_agree_on_the_mean_of_their_proposals() -> None:
+    peers = [LowRank(rank=2, seed=5, error_feedback=False), LowRank(rank=2, seed=5, error_feedback=False)]
+    wide, narrow = _low_rank_matrix(64, 48, 20, seed=1), _low_rank_matrix(64, 48, 1, seed=2)
+    _run_round(peers, [[wide], [narrow]])
+    alone = LowRank(rank=2, seed=5, error_feedback=False)
+    _run_round([alone], [[wide]])
+    assert peers[0].ranks() == peers[1].ranks() == [math.floor((alone.ranks()[0] + 2) / 2 + 0.5)]
+
+
+def test_error_feedback_counts_what_the_wire_loses() -> None:
+    """With a lossy wire, the error buffer is M − P̂·Q~ᵀ with Q~ what the wire delivers of Q: after a round the
+    buffer plus what was transmitted is exactly this peer's update."""
+    def wire(t: torch.Tensor) -> torch.Tensor:
+        return (t * 256).round() / 256  # a coarse quantiser
+
+    c = LowRank(rank=3, rank_max=3, wire=wire)
+    M = _low_rank_matrix(64, 48, 6, seed=3)
+    trace: list[list[torch.Tensor]] = []
+    _run_round([c], [[M]], trace)
+    p_hat = torch.linalg.qr(trace[0][0].double(), mode="reduced").Q.float()
+    sent = wire(M.T @ p_hat)
+    error = c.state_dict()["error"][0]
+    assert torch.allclose(error + p_hat @ sent.T, M, atol=1e-5)
+    assert not torch.allclose(error + p_hat @ (M.T @ p_hat).T, M, atol=1e-6)  # the quantisation error is in it
 
 
 def test_adaptive_rank_is_identical_across_peers() -> None:

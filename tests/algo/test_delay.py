@@ -1,4 +1,5 @@
-"""Taylor delay compensation: zero correction without progress, first-order agreement on a quadratic."""
+"""Taylor delay compensation: zero correction without progress or displacement, first order in the displacement,
+first-order agreement on a quadratic."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from p2ptrain.algo.delay import taylor_compensate, taylor_progress
 def test_no_local_progress_gives_the_new_global_value() -> None:
     s = [torch.randn(4, 3)]
     new = [torch.randn(4, 3)]
-    out, corr = taylor_compensate(new, s, [s[0].clone()], lambda0=0.2)
+    out, corr = taylor_compensate(new, s, [s[0].clone()], lam=50.0)
     assert torch.equal(out[0], new[0]) and corr == 0.0
 
 
@@ -18,18 +19,25 @@ def test_formula_hand_computed() -> None:
     s = torch.tensor([1.0, 2.0])
     local = torch.tensor([0.8, 2.1])  # g = s − local = [0.2, −0.1]
     new = torch.tensor([1.5, 1.0])  # D = new − s = [0.5, −1.0]
-    g = torch.tensor([0.2, -0.1])
-    u = g * g * torch.tensor([0.5, -1.0])  # [0.02, −0.01]
-    lam = 0.2 * g.norm() / u.norm()
-    expected = new - (g + lam * u)
-    (out,), corr = taylor_compensate([new], [s], [local], lambda0=0.2)
-    assert torch.allclose(out, expected, atol=1e-7)
-    assert abs(corr - 0.2 * float(g.norm())) < 1e-6  # |λu| = λ0·|g| by construction
+    # λ·g⊙g⊙D = 2·[0.04·0.5, 0.01·(−1)] = [0.04, −0.02]; new − g − that = [1.26, 1.12]
+    (out,), corr = taylor_compensate([new], [s], [local], lam=2.0)
+    assert torch.allclose(out, torch.tensor([1.26, 1.12]), atol=1e-6)
+    assert abs(corr - (0.04**2 + 0.02**2) ** 0.5) < 1e-6
+
+
+def test_the_correction_is_first_order_in_the_displacement() -> None:
+    """It vanishes as D → 0 and doubles with D (the normalised rule once coded kept its size λ0·‖g‖ for any
+    D ≠ 0, so it was not a first-order term)."""
+    s, local = torch.randn(6), torch.randn(6)
+    d = torch.randn(6)
+    sizes = [taylor_compensate([s + eps * d], [s], [local], lam=3.0)[1] for eps in (1e-3, 2e-3, 4e-3)]
+    assert sizes[0] > 0 and abs(sizes[1] / sizes[0] - 2) < 1e-3 and abs(sizes[2] / sizes[0] - 4) < 1e-3
+    assert taylor_compensate([s.clone()], [s], [local], lam=3.0)[1] == 0.0
 
 
 def test_lambda_zero_is_the_delta_rule() -> None:
     s, local, new = torch.randn(5), torch.randn(5), torch.randn(5)
-    (out,), _ = taylor_compensate([new], [s], [local], lambda0=0.0)
+    (out,), _ = taylor_compensate([new], [s], [local], lam=0.0)
     assert torch.allclose(out, local + (new - s))
 
 
