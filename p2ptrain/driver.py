@@ -156,7 +156,7 @@ class OuterDriver:
         self.hooks = hooks or DriverHooks()
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.negotiate_at_slot = negotiate_at_slot
-        self.leader = SlotLeader(outer.cfg.H, slot_lag) if outer.negotiated else None
+        self.leader = SlotLeader(outer.cfg.H, slot_lag, outer.rules.choice or "drift") if outer.negotiated else None
         self._tokens = tokens or (lambda: int(params.tokens_seen))  # type: ignore[attr-defined]
         self.tokens_at_send = [0] * len(outer.fragments)
         self.in_flight: list[Round] = []
@@ -235,7 +235,7 @@ class OuterDriver:
         with self.lock:
             scores = o.drift_scores(self.params, slot) if o.needs_scores(slot) else None
         proposal = None
-        if getattr(o.cfg, "sends_per_window", None) is None:  # N follows the links unless the config fixes it
+        if o.rules.links_set_n:  # N follows the links unless the config fixes it
             proposal = self.collective.proposed_sends(o.cfg.H, len(o.fragments), [f.numel for f in o.fragments])
         req = SlotRequest(key=f"slot.L{slot}", step=slot, scores=scores, busy=o.busy_fragments(self.in_flight),
                           last_sent=o.last_sends(), sends=proposal)

@@ -98,6 +98,7 @@ class ModelConfig:
 #: papers' sizes (their parameter counts assume a ~32k vocabulary; with the byte
 #: tokenizer they are ~117M and ~1.2B).
 PRESETS: dict[str, ModelConfig] = {
+    "micro": ModelConfig(d_model=64, n_layers=4, n_heads=4, d_ff=192, seq_len=64),  # long simulator studies
     "tiny": ModelConfig(d_model=128, n_layers=6, n_heads=4, d_ff=384, seq_len=128),
     "small": ModelConfig(d_model=512, n_layers=8, n_heads=8, d_ff=1408, seq_len=256),
     "150m": ModelConfig(d_model=896, n_layers=12, n_heads=16, d_ff=2432, seq_len=1024),

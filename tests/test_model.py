@@ -11,6 +11,7 @@ def test_presets_sizes() -> None:
     for name in PRESETS:
         with torch.device("meta"):
             sizes[name] = GPT(preset(name)).num_parameters()
+    assert 150e3 <= sizes["micro"] <= 300e3
     assert 1e6 <= sizes["tiny"] <= 3e6
     assert 20e6 <= sizes["small"] <= 30e6
     assert 100e6 <= sizes["150m"] <= 160e6  # ~150M with a 32k vocabulary

@@ -156,12 +156,16 @@ class CoCoDCConfig(StreamingConfig):
         sends_per_window: N sends per H window (N ≥ P); None derives N from measured bandwidth.
         late: ``compensate``: a result later than τ is applied when it arrives, compensated for
             the actual delay; ``stall``: wait for it at step send + τ.
+        choice: how a slot picks among the fragments free to send (after the staleness and never-sent rules):
+            ``drift``, the largest drift per parameter per step summed over the members (the paper's
+            adaptive choice); ``round-robin``, the one sent longest ago (the control it is measured against).
     """
 
     name: ClassVar[str] = "cocodc"
     lambda0: float = 0.0
     sends_per_window: int | None = None
     late: Literal["compensate", "stall"] = "compensate"
+    choice: Literal["drift", "round-robin"] = "drift"
     alpha: float = 0.0  # unused: the Taylor compensation replaces α-mixing
 
     def __post_init__(self) -> None:
@@ -174,6 +178,8 @@ class CoCoDCConfig(StreamingConfig):
             )
         if self.late not in ("compensate", "stall"):
             raise ValueError(f"cocodc: late must be 'compensate' or 'stall', got {self.late!r}")
+        if self.choice not in ("drift", "round-robin"):
+            raise ValueError(f"cocodc: choice must be 'drift' or 'round-robin', got {self.choice!r}")
 
 
 @dataclass(kw_only=True)

@@ -181,7 +181,8 @@ class OuterLoop:
 
     def needs_scores(self, step: int) -> bool:
         """Whether a slot's choice at ``step`` can need drift scores (every fragment was sent once)."""
-        return self.is_slot(step) and all(st.last_send is not None for st in self._state)
+        return (self.is_slot(step) and self.rules.choice == "drift"
+                and all(st.last_send is not None for st in self._state))
 
     def drift_scores(self, params: LocalParams, step: int) -> list[float]:
         """This peer's ``R_p`` for every fragment (to be summed over peers)."""

@@ -53,9 +53,13 @@ class Rules:
         eager: the peer's own fresh Δ_i stands in for its share of the stale average (Δ̃_i); θ is per peer.
         late_ok: a round past its due step is applied when it arrives instead of stalling.
         negotiated: the swarm agrees on which fragment a slot sends (CoCoDC's adaptive choice).
+        choice: how a negotiated slot picks among free fragments (``drift`` or ``round-robin``); None otherwise.
+        links_set_n: a negotiated method whose sends per window N follow the members' links (not fixed).
     """
 
     apply_first = False
+    choice: str | None = None
+    links_set_n = False
     restarts_each_round = False
     eager = False
     late_ok = False
@@ -109,6 +113,14 @@ class CoCoDCRules(StreamingRules):
     @property
     def late_ok(self) -> bool:  # type: ignore[override]
         return self.cfg.late == "compensate"
+
+    @property
+    def choice(self) -> str:  # type: ignore[override]
+        return self.cfg.choice
+
+    @property
+    def links_set_n(self) -> bool:  # type: ignore[override]
+        return self.cfg.sends_per_window is None
 
     def fixed_sends(self, step: int) -> list[int]:
         return []  # every send is a slot's negotiated choice

@@ -90,10 +90,12 @@ class SlotLeader:
     every member reports it sent since s and no longer in flight (or H steps pass).
     """
 
-    def __init__(self, H: int, lag: int = 1) -> None:
+    def __init__(self, H: int, lag: int = 1, choice: str = "drift") -> None:
         if H < 1 or lag < 0:
             raise ValueError(f"a slot leader needs H ≥ 1 and lag ≥ 0, got H = {H}, lag = {lag}")
-        self.H, self.lag = H, lag
+        if choice not in ("drift", "round-robin"):
+            raise ValueError(f"choice must be 'drift' or 'round-robin', got {choice!r}")
+        self.H, self.lag, self.choice = H, lag, choice
         self._assigned: dict[int, int] = {}  # fragment -> slot it was assigned at
 
     def decide(self, views: Sequence[SlotView]) -> tuple[int | None, tuple[int, int] | None]:
@@ -108,8 +110,13 @@ class SlotLeader:
                 del self._assigned[f]
             else:
                 pending.add(f)
+        scores: list[list[float] | None] = [v.scores for v in views]
+        if self.choice == "round-robin":  # the one sent longest ago: rank by the newest send any member saw
+            n = max(len(v.last_sent) for v in views)
+            newest = [max((v.last_sent[p] for v in views if p < len(v.last_sent)), default=-1) for p in range(n)]
+            scores = [[-float(t) for t in newest]]
         choice = choose_merged(step=step, H=self.H, last_sent=[v.last_sent for v in views],
-                               busy=[v.busy for v in views] + [sorted(pending)], scores=[v.scores for v in views])
+                               busy=[v.busy for v in views] + [sorted(pending)], scores=scores)
         if choice is not None:
             self._assigned[choice] = step
         proposals = [v.sends for v in views if v.sends is not None]

@@ -282,3 +282,19 @@ def test_eager_warm_up_moves_theta_by_the_peers_share(members: int) -> None:
         delta = (theta0[n] - local[n]) / members  # Δ_i/M; b = Δ_i/M; θ1 = θ0 − η·(Δ_i/M + μ·b)
         assert torch.allclose(t, theta0[n] - 0.7 * (delta + 0.9 * delta), atol=1e-6)
     assert close(peer.x, o.outer_params())  # eager restarts from θ^(i)
+
+
+def test_with_more_sends_than_fragments_the_drift_ranking_chooses() -> None:
+    """P < N < H: a fragment is due by staleness only after H steps, so most slots are the ranking's to decide.
+    Round-robin (the control) sends the one sent longest ago; drift picks by drift per parameter per step, and
+    on peers whose fragments drift at different rates it departs from the cycle."""
+    def sends(choice: str) -> list[int]:
+        cfg = CoCoDCConfig(H=16, P=4, tau=1, sends_per_window=8, codec="fp32", choice=choice)
+        r, _, _ = run(cfg, peers=2, steps=64)
+        return [f for s, kind, p, f in r.history if kind == "send" and p == 0]
+
+    rr, drift = sends("round-robin"), sends("drift")
+    assert len(rr) == len(drift) == 32  # N = 8 per 16 steps, same syncs and bytes either way
+    assert rr[4:] == [rr[4 + (i % 4)] for i in range(len(rr) - 4)]  # a cycle through the four fragments
+    assert drift != rr  # the ranking chose something else at least once
+    assert sorted(set(drift)) == [0, 1, 2, 3]  # and still sent every fragment (the staleness guard)
