@@ -19,6 +19,10 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.md_blocks import blocks
 from p2ptrain.algo.methods import (
     CoCoDCConfig,
     DDPConfig,
@@ -232,7 +236,8 @@ def main() -> None:
         cells.setdefault((r.model, r.method), {})[r.cu] = f"{r.ours_gbps:.3g} ({paper})"
     for (m, meth), v in cells.items():
         md.append(f"| {m} | {meth} | " + " | ".join(v.get(c, "–") for c in CU_TARGETS) + " |")
-    (args.out / "methods.md").write_text("\n".join(md) + "\n")
+    kept = blocks(args.out / "methods.md")  # the sections other benchmarks own (long runs, compensation)
+    (args.out / "methods.md").write_text("\n".join(md) + "\n" + "".join("\n" + b for b in kept.values()))
     out.print(table("bench/methods.py", COLUMNS, rows))
     for c, ok, m in checks:
         out.print(f"{'✔' if ok else ('✘' if ok is False else '?')} {c}: {m}", highlight=False)
