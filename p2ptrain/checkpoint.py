@@ -6,14 +6,24 @@ state tree (counters, RNG states, configs) is JSON in the file's metadata, with
 tensors replaced by references. Files are written to a temporary name, fsynced,
 renamed into place and the directory fsynced, so a crash at any moment leaves
 either the old or the new checkpoint, never a torn one.
+
+Every tensor's CRC-32 rides in the metadata and is checked on load, so damaged tensor
+data (a bad disk, a copy cut short, bytes overwritten) is refused by name instead of
+training on garbage. CRC-32, not a cryptographic hash: it guards against accidents, not
+an adversary, and at ~2 GB/s (zlib, the GIL released) it costs a 1B-parameter peer's
+~16 GB of model and optimizer state about 8 s of a background thread per write and per
+load. A directory of checkpoints never takes a state with a NaN or infinite tensor: a
+run that diverged keeps its last good checkpoints instead of rotating them out.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +37,7 @@ from .faults import FaultPlan
 __all__ = [
     "CheckpointDir",
     "CheckpointError",
+    "NonFiniteState",
     "pack",
     "read_checkpoint",
     "state_from_bytes",
@@ -35,13 +46,34 @@ __all__ = [
     "write_checkpoint",
 ]
 
+log = logging.getLogger(__name__)
+
 FORMAT = "p2ptrain-checkpoint"
-VERSION = "1"
+VERSION = "2"  # 2: per-tensor CRC-32 in the metadata (version 1 files, without them, still read)
+_READABLE = ("1", "2")
 _NAME = re.compile(r"^ckpt-(\d{10})\.safetensors$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated, corrupt, or not one of ours."""
+
+
+class NonFiniteState(CheckpointError):
+    """A state with NaN or infinite tensors was not written (the older checkpoints are kept)."""
+
+
+def _bytes(t: torch.Tensor) -> Any:
+    """The raw bytes of a contiguous CPU tensor, without a copy (a buffer ``zlib.crc32`` reads)."""
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
+def _crc32(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {name: zlib.crc32(_bytes(t)) for name, t in tensors.items()}
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity."""
+    return [n for n, t in tensors.items() if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
 
 
 def pack(state: Any, tensors: dict[str, torch.Tensor] | None = None, prefix: str = "t") -> tuple[Any, dict[str, torch.Tensor]]:
@@ -81,10 +113,33 @@ def unpack(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return tree
 
 
-def state_to_bytes(state: dict[str, Any]) -> bytes:
-    """A state tree as one self-describing safetensors payload (what :func:`write_checkpoint` writes)."""
+def state_to_bytes(state: dict[str, Any], finite: bool = False) -> bytes:
+    """A state tree as one self-describing safetensors payload (what :func:`write_checkpoint` writes), with
+    every tensor's CRC-32. ``finite``: raise :class:`NonFiniteState` instead if a tensor is not finite."""
     tree, tensors = pack(state)
-    return st_save(tensors, metadata={"format": FORMAT, "version": VERSION, "tree": json.dumps(tree)})
+    if finite and (bad := non_finite(tensors)):
+        raise NonFiniteState(f"not written: {len(bad)} tensor(s) hold NaN or inf ({_paths(tree, bad)})")
+    return st_save(tensors, metadata={"format": FORMAT, "version": VERSION, "tree": json.dumps(tree),
+                                      "crc32": json.dumps(_crc32(tensors))})
+
+
+def _paths(tree: Any, names: list[str], limit: int = 3) -> str:
+    """Where the tensors ``names`` sit in the state tree (``trainer.model.wte.weight``), the first few."""
+    found: dict[str, str] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict) and "__tensor__" in node:
+            found[node["__tensor__"]] = path or "."
+        elif isinstance(node, dict):
+            for k, v in node.get("__dict__", []):
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+
+    walk(tree, "")
+    shown = [found.get(n, n) for n in names[:limit]]
+    return ", ".join(shown) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def state_from_bytes(raw: bytes, what: str = "state") -> dict[str, Any]:
@@ -92,8 +147,18 @@ def state_from_bytes(raw: bytes, what: str = "state") -> dict[str, Any]:
     meta = _metadata(raw, Path(what))
     try:
         tensors = st_load(raw)
-        return unpack(json.loads(meta["tree"]), tensors)
+        tree = json.loads(meta["tree"])
+        expected = json.loads(meta["crc32"]) if "crc32" in meta else None
     except (SafetensorError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{what}: corrupt or truncated ({e})") from None
+    if expected is not None:
+        got = _crc32(tensors)
+        bad = sorted(n for n in set(expected) | set(got) if expected.get(n) != got.get(n))
+        if bad:
+            raise CheckpointError(f"{what}: corrupt tensor data, checksum mismatch in {_paths(tree, bad)}")
+    try:
+        return unpack(tree, tensors)
+    except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{what}: corrupt or truncated ({e})") from None
 
 
@@ -105,13 +170,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(path: str | Path, state: dict[str, Any], faults: FaultPlan | None = None) -> Path:
+def write_checkpoint(path: str | Path, state: dict[str, Any], faults: FaultPlan | None = None,
+                     finite: bool = True) -> Path:
     """Write ``state`` to ``path`` atomically (temp file, fsync, rename, fsync dir). ``faults``: a plan whose
     armed checkpoint kill fires half-way through this write (tests; none: no fault). On any error the
-    temporary file is removed and the old checkpoint, if any, is left as it was."""
+    temporary file is removed and the old checkpoint, if any, is left as it was. ``finite``: refuse a state
+    with a NaN or infinite tensor (:class:`NonFiniteState`, nothing written)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = state_to_bytes(state)
+    payload = state_to_bytes(state, finite=finite)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -145,7 +212,7 @@ def _metadata(raw: bytes, path: Path) -> dict[str, str]:
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a p2ptrain checkpoint")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in _READABLE:
         raise CheckpointError(f"{path}: checkpoint format version {meta.get('version')} is not supported")
     return meta
 
@@ -186,19 +253,27 @@ class CheckpointDir:
         return len(stale)
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write the checkpoint of ``step`` and drop the oldest beyond ``keep``. A state that is not finite is
+        refused (:class:`NonFiniteState`) before anything is written or rotated out."""
         path = write_checkpoint(self.root / f"ckpt-{step:010d}.safetensors", state, self.faults)
         for _, old in self.paths()[: -self.keep]:
             old.unlink(missing_ok=True)
         return path
 
     def latest(self) -> tuple[Path, dict[str, Any]] | None:
-        """The newest checkpoint that reads back cleanly (older ones are tried if it does not)."""
+        """The newest checkpoint that reads back cleanly and verifies; each newer one that does not is named
+        in a warning, and the older ones are tried in turn."""
         errors = []
         for _, path in reversed(self.paths()):
             try:
-                return path, read_checkpoint(path)
+                found = path, read_checkpoint(path)
             except CheckpointError as e:
+                log.warning("event=checkpoint_unusable path=%s reason=%s (trying an older one)", path, e)
                 errors.append(str(e))
+                continue
+            if errors:
+                log.warning("event=checkpoint_fallback path=%s skipped=%d", path, len(errors))
+            return found
         if errors:
             raise CheckpointError("no readable checkpoint: " + "; ".join(errors))
         return None

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .checkpoint import CheckpointDir, pack
+from .checkpoint import CheckpointDir, NonFiniteState, pack
 from .faults import FaultPlan
 
 __all__ = ["Checkpointable", "PeerCheckpoints", "resumable_digest", "state_digest"]
@@ -95,10 +95,17 @@ class PeerCheckpoints:
                 "saved_at": time.time(),
             }
 
-    def save(self, peer: Checkpointable, why: str) -> Path:
+    def save(self, peer: Checkpointable, why: str) -> Path | None:
+        """Write a checkpoint now; None (an error logged, the older checkpoints kept) if the state is not
+        finite: a diverged peer must not rotate its good checkpoints out."""
         state = self.state(peer)
         self.faults.checkpoint_begins()
-        path = self.dir.save(peer.trainer.step_count, state)
+        try:
+            path = self.dir.save(peer.trainer.step_count, state)
+        except NonFiniteState as e:
+            self._since = 0  # try again after `every` more rounds, not at every step
+            log.error("event=checkpoint_refused why=%s step=%d reason=%s", why, peer.trainer.step_count, e)
+            return None
         self.last_saved, self._since = time.time(), 0
         log.info("event=checkpoint why=%s step=%d path=%s", why, peer.trainer.step_count, path)
         if peer.metrics is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointDir
+from .checkpoint import CheckpointDir, NonFiniteState
 from .data import DataConfig
 from .model import ModelConfig
 from .trainer import StepStats, Trainer, TrainerConfig, make_trainer
@@ -77,6 +77,8 @@ def run_train(job: TrainJob, *, on_step: Callable[[StepStats], None] | None = No
     """Train one peer for ``job.steps`` inner steps; checkpoint and evaluate on the way."""
     tr = trainer or make_trainer(job.model, job.trainer, job.data)
     ckpt = CheckpointDir(job.checkpoint_dir, keep=job.keep_checkpoints) if job.checkpoint_dir else None
+    if ckpt is not None and (stale := ckpt.remove_temporaries()):  # left by writes that were killed half-way
+        log.info("event=checkpoint_temporaries_removed count=%d dir=%s", stale, job.checkpoint_dir)
     if job.resume and ckpt is not None:
         found = ckpt.latest()
         if found is None:
@@ -105,7 +107,10 @@ def run_train(job: TrainJob, *, on_step: Callable[[StepStats], None] | None = No
             if on_eval:
                 on_eval(step, loss)
         if ckpt is not None and (step % job.checkpoint_every == 0 or step == job.steps):
-            saved = ckpt.save(step, state_of(tr))
+            try:
+                saved = ckpt.save(step, state_of(tr))
+            except NonFiniteState as e:  # diverged: keep the good checkpoints, say so, and carry on
+                log.error("event=checkpoint_refused step=%d reason=%s", step, e)
     seconds = time.perf_counter() - t0
     final = tr.evaluate().loss
     evals.append((tr.step_count, final))

@@ -5,7 +5,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.checkpoint import CheckpointDir, CheckpointError, pack, read_checkpoint, unpack, write_checkpoint
+from p2ptrain.checkpoint import (
+    CheckpointDir,
+    CheckpointError,
+    NonFiniteState,
+    pack,
+    read_checkpoint,
+    unpack,
+    write_checkpoint,
+)
+from p2ptrain.data import Corpus
+from p2ptrain.model import ModelConfig
+from p2ptrain.single import TrainJob, run_train
+from p2ptrain.trainer import TrainerConfig, make_trainer
 
 
 def test_pack_round_trip_keeps_types() -> None:
@@ -54,3 +66,70 @@ def test_dir_keeps_last_k_and_falls_back(tmp_path: Path) -> None:
     path, state = d.latest()  # type: ignore[misc]
     assert state["step"] == 20 and path.name.endswith("20.safetensors")
     assert CheckpointDir(tmp_path / "none").latest() is None
+
+
+def _data_offset(raw: bytes) -> int:
+    return 8 + int.from_bytes(raw[:8], "little")  # the tensor data begins after the JSON header
+
+
+def test_corrupt_tensor_data_is_refused_by_name(tmp_path: Path) -> None:
+    """Bytes overwritten inside the tensor data (header intact) must not load: safetensors alone accepts them."""
+    p = write_checkpoint(tmp_path / "c.safetensors", {"trainer": {"model": {"wte": torch.randn(256, 256)}},
+                                                     "opt": torch.ones(8)})
+    raw = bytearray(p.read_bytes())
+    at = _data_offset(bytes(raw)) + 1000
+    raw[at:at + 64 * 1024] = b"\x7f" * (64 * 1024)  # 64 KiB of garbage inside the first tensor
+    p.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in trainer\.model\.wte"):
+        read_checkpoint(p)
+
+
+def test_a_corrupt_newest_checkpoint_is_named_and_the_newest_good_one_used(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    d = CheckpointDir(tmp_path, keep=3)
+    for step in (10, 20):
+        d.save(step, {"step": step, "w": torch.full((1024,), float(step))})
+    newest = d.paths()[-1][1]
+    raw = bytearray(newest.read_bytes())
+    raw[_data_offset(bytes(raw)) + 16] ^= 0xFF  # one flipped byte
+    newest.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING", logger="p2ptrain.checkpoint"):
+        path, state = d.latest()  # type: ignore[misc]
+    assert path.name == "ckpt-0000000010.safetensors"
+    assert state["step"] == 10 and torch.equal(state["w"], torch.full((1024,), 10.0))
+    assert newest.name in caplog.text and "checksum mismatch" in caplog.text and "fallback" in caplog.text
+
+
+def test_a_state_that_is_not_finite_is_never_written(tmp_path: Path) -> None:
+    d = CheckpointDir(tmp_path, keep=2)
+    d.save(10, {"w": torch.ones(4)})
+    d.save(20, {"w": torch.ones(4)})
+    before = [(s, p.read_bytes()) for s, p in d.paths()]
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(NonFiniteState, match=r"opt\.m"):
+            d.save(30, {"w": torch.ones(4), "opt": {"m": torch.tensor([1.0, bad])}})
+    assert [(s, p.read_bytes()) for s, p in d.paths()] == before  # nothing rotated out, nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for _, p in d.paths()]  # no temporaries
+    d.save(30, {"w": torch.ones(4), "steps": torch.tensor([1, 2])})  # integer tensors are not checked
+
+
+def test_version_1_files_without_checksums_still_read(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import save as st_save
+
+    tree, tensors = pack({"w": torch.arange(4.0)})
+    p = tmp_path / "old.safetensors"
+    p.write_bytes(st_save(tensors, metadata={"format": "p2ptrain-checkpoint", "version": "1",
+                                             "tree": json.dumps(tree)}))
+    assert torch.equal(read_checkpoint(p)["w"], torch.arange(4.0))
+
+
+def test_train_removes_temporaries_of_killed_writes(tmp_path: Path, corpus: Corpus) -> None:
+    stale = tmp_path / ".ckpt-0000000010.safetensors.abc.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    job = TrainJob(model=ModelConfig(d_model=32, n_layers=1, n_heads=2, seq_len=32),
+                   trainer=TrainerConfig(batch_size=2, total_steps=2), steps=2, eval_every=0,
+                   checkpoint_dir=str(tmp_path))
+    run_train(job, trainer=make_trainer(job.model, job.trainer, job.data, corpus=corpus))
+    assert not stale.exists() and [p.name for p in tmp_path.iterdir()] == ["ckpt-0000000002.safetensors"]
