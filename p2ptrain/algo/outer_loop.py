@@ -354,15 +354,16 @@ class OuterLoop:
         frags = state["fragments"]
         if len(frags) != len(self.fragments):
             raise ValueError(f"outer state has {len(frags)} fragments, this run has {len(self.fragments)}")
-        self._state = []
+        loaded = []  # built aside and swapped in whole: a refused state leaves the old one as it was
         for frag, s in zip(self.fragments, frags, strict=True):
+            if [tuple(t.shape) for t in s["theta"]] != frag.shapes or len(s["momentum"]) != len(frag.shapes):
+                raise ValueError(f"outer state of fragment {frag.index} does not match the model's shapes")
             comp = self.rules.compressor(frag.index, self.seed)
             comp.load_state_dict(s["compressor"])
             theta = [t.float().clone() for t in s["theta"]]
-            if [tuple(t.shape) for t in theta] != frag.shapes:
-                raise ValueError(f"outer state of fragment {frag.index} does not match the model's shapes")
             own = {int(k): v for k, v in s["own"].items()}  # checkpoints store keys as text
-            self._state.append(_FragmentState(theta, [m.float().clone() for m in s["momentum"]], comp,
-                                              s["last_send"], int(s["seq"]), own))
+            loaded.append(_FragmentState(theta, [m.float().clone() for m in s["momentum"]], comp,
+                                         s["last_send"], int(s["seq"]), own))
+        self._state = loaded
         if self.grid is not None:
             self.grid.load_state_dict(state)

@@ -94,10 +94,11 @@ class RunSession:
     def start(peer: SessionPeer[Any]) -> None:
         """Start ``peer`` (join the swarm); when it cannot, close it and fail with exit code 1 and the reason."""
         from ..net.swarm import SwarmError
+        from ..peer.base import JoinRefused
 
         try:
             peer.start()
-        except SwarmError as e:
+        except (SwarmError, JoinRefused) as e:
             peer.close()
             raise fail(str(e), 1) from None
 

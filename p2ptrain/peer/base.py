@@ -17,6 +17,7 @@ inner steps instead: see :class:`~p2ptrain.peer.config.PeerConfig`.)
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -37,9 +38,22 @@ from .collective import SwarmCollective
 from .config import PeerConfig, PeerState, PeerSummary
 from .link import SwarmLink
 
-__all__ = ["PeerBase"]
+__all__ = ["JoinRefused", "PeerBase", "model_fingerprint"]
 
 log = logging.getLogger(__name__)
+
+
+class JoinRefused(RuntimeError):
+    """The run this peer tried to join trains something it cannot take part in (another model)."""
+
+
+def model_fingerprint(model: Any) -> str:
+    """What peers of one run must share: every parameter's name and shape (not dtype or device), hashed
+    (``model``: anything with ``named_parameters()``, a pipeline stage's view too)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+    return h.hexdigest()[:16]
 
 
 class PeerBase:
@@ -89,6 +103,7 @@ class PeerBase:
         # step_seconds as given instead of taking this namespace's published value.
         self.fixed_pacing = False
         self.announce_extra: dict[str, Any] = {}  # more fields of this peer's announcement (its stage)
+        self.model_fingerprint = model_fingerprint(trainer.model)
 
     # ------------------------------------------------------------------ what each kind adds
     def _init_state(self, resumed: dict[str, Any] | None) -> None:
@@ -217,6 +232,7 @@ class PeerBase:
         """Connect, start the background services, agree on the pacing, and take the swarm's state if it
         has one."""
         self.connect()
+        self._check_model()
         self.link.agree_pacing(fixed=self.fixed_pacing, measure=self._measure_pacing)
         self.last_lstep = self.logical_step()
         self.compute = 0.0  # steps taken to measure the pacing are start-up, not the loop's compute
@@ -239,6 +255,19 @@ class PeerBase:
 
     def _on_started(self) -> None:
         """Hook: the peer is paced and synced."""
+
+    def _check_model(self) -> None:
+        """Refuse to join (:class:`JoinRefused`, before any inner step) a run whose live peers all announce
+        another model: their state could never load here, and rounds with them would mix unrelated tensors."""
+        theirs: dict[str, int] = {}
+        for info in self.link.others():
+            if fp := info.extra.get("model"):
+                theirs[str(fp)] = theirs.get(str(fp), 0) + 1
+        if theirs and self.model_fingerprint not in theirs:
+            fp, n = max(theirs.items(), key=lambda kv: kv[1])
+            raise JoinRefused(
+                f"run {self.cfg.run_id!r} trains another model (fingerprint {fp}, announced by {n} peer(s)); "
+                f"this peer's is {self.model_fingerprint}: join with the run's --preset / --init-from")
 
     def _measure_pacing(self) -> float:
         """Nobody paces the run yet: three real inner steps (kept: they are training) give the step time."""
@@ -272,7 +301,7 @@ class PeerBase:
                         logical_step=self.last_lstep, tokens_per_second=tps, bandwidth=st.bandwidth if st else 0.0,
                         loss=self.last_loss, method=self.method.name,
                         extra={"rounds": st.complete + st.partial if st else 0, "in_flight": st.in_flight if st else 0,
-                               **self.announce_extra})
+                               "model": self.model_fingerprint, **self.announce_extra})
 
     def sync_from_swarm(self, keep_progress: bool = False) -> None:
         """Take the swarm's state, downloaded chunked and hash-verified from the first live peer that

@@ -102,12 +102,15 @@ class SwarmLink:
         return self.step_seconds
 
     # ------------------------------------------------------------------ state from others
-    def sources(self) -> list[str]:
-        """The other live peers, most advanced first (they hold the newest θ), then by id so joiners agree."""
+    def others(self) -> list[PeerInfo]:
+        """The other live peers' announcements."""
         assert self.transport is not None
         me = self.transport.peer_id
-        others = [p for p in self.net.call(self.transport.peers(), self.cfg.join_timeout) if p.peer_id != me]
-        return [i.peer_id for i in sorted(others, key=lambda i: (-i.step, i.peer_id))]
+        return [p for p in self.net.call(self.transport.peers(), self.cfg.join_timeout) if p.peer_id != me]
+
+    def sources(self) -> list[str]:
+        """The other live peers, most advanced first (they hold the newest θ), then by id so joiners agree."""
+        return [i.peer_id for i in sorted(self.others(), key=lambda i: (-i.step, i.peer_id))]
 
     def download(self, sources: list[str], name: str) -> tuple[str, bytes]:
         """State ``name`` from the first of ``sources`` that delivers it whole (chunked, hash-verified);

@@ -298,3 +298,21 @@ def test_with_more_sends_than_fragments_the_drift_ranking_chooses() -> None:
     assert rr[4:] == [rr[4 + (i % 4)] for i in range(len(rr) - 4)]  # a cycle through the four fragments
     assert drift != rr  # the ranking chose something else at least once
     assert sorted(set(drift)) == [0, 1, 2, 3]  # and still sent every fragment (the staleness guard)
+
+
+def test_an_outer_state_that_does_not_fit_leaves_the_old_one() -> None:
+    """It used to clear the state first, so a second source after a refused one failed with IndexError."""
+    frags = make_fragments(UNITS, 2)
+    cfg = CoCoDCConfig(H=8, P=2, tau=1, codec="fp32")
+    mine, theirs = OuterLoop(cfg, frags), OuterLoop(cfg, frags)
+    mine.init(FakePeer(0))
+    theirs.init(FakePeer(1))
+    state = theirs.state_dict()
+    last = state["fragments"][1]  # another model's shape, in the last fragment (copies: the state shares θ)
+    state["fragments"] = [state["fragments"][0], {**last, "theta": [torch.zeros(3, 3), *last["theta"][1:]]}]
+    before = [[t.clone() for t in mine.theta(f)] for f in range(2)]
+    with pytest.raises(ValueError, match="fragment 1 does not match the model's shapes"):
+        mine.load_state_dict(state)
+    assert all(torch.equal(a, b) for f in range(2) for a, b in zip(mine.theta(f), before[f], strict=True))
+    mine.load_state_dict(theirs.state_dict())  # the next source's state, which fits, is taken whole
+    assert all(torch.equal(a, b) for f in range(2) for a, b in zip(mine.theta(f), theirs.theta(f), strict=True))

@@ -1,0 +1,42 @@
+"""A peer of another model is refused with one clear reason before it trains (it used to train, take a
+state that did not fit, and crash with IndexError on the next source)."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain.algo.methods import method_config
+from p2ptrain.data import Corpus, DataConfig
+from p2ptrain.model import ModelConfig
+from p2ptrain.net.memory import MemorySwarm
+from p2ptrain.peer import PeerConfig, make_peer
+from p2ptrain.peer.base import JoinRefused, model_fingerprint
+from p2ptrain.trainer import TrainerConfig, make_trainer
+
+from .peers import MODEL, memory_transports
+
+OTHER = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=32)  # another preset: one layer fewer
+
+
+def _peer(model: ModelConfig, i: int, corpus: Corpus, transports: object) -> object:
+    tr = make_trainer(model, TrainerConfig(batch_size=2, total_steps=4), DataConfig(), corpus=corpus)
+    cfg = PeerConfig(run_id="t", steps=4, step_seconds=0.05, join_window=0.3, join_timeout=5, heartbeat=0.2, ttl=3.0)
+    return make_peer(cfg, method_config("streaming", H=4, P=2, codec="fp32", timeout=5), tr,
+                     transports(i, []))  # type: ignore[operator]
+
+
+def test_a_peer_of_another_model_is_refused_before_it_trains(corpus: Corpus) -> None:
+    transports = memory_transports(MemorySwarm(join_window=0.3, ttl=3.0))
+    first, other, same = (_peer(m, i, corpus, transports) for i, m in enumerate((MODEL, OTHER, MODEL)))
+    try:
+        first.start()  # type: ignore[attr-defined]
+        with pytest.raises(JoinRefused, match=r"trains another model .* announced by 1 peer") as e:
+            other.start()  # type: ignore[attr-defined]
+        assert model_fingerprint(first.trainer.model) in str(e.value)  # type: ignore[attr-defined]
+        assert other.trainer.step_count == 0  # type: ignore[attr-defined]  # refused before any inner step
+        same.start()  # type: ignore[attr-defined]  # the same model joins as before
+        assert same.synced_from == first.peer_id  # type: ignore[attr-defined]
+    finally:
+        for p in (first, other, same):
+            p.close()  # type: ignore[attr-defined]
+
