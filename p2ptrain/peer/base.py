@@ -38,9 +38,31 @@ from .collective import SwarmCollective
 from .config import PeerConfig, PeerState, PeerSummary
 from .link import SwarmLink
 
-__all__ = ["JoinRefused", "PeerBase", "model_fingerprint"]
+__all__ = ["JoinRefused", "PeerBase", "measured_pacing", "model_fingerprint"]
 
 log = logging.getLogger(__name__)
+
+
+#: A measured pacing above this is suspicious (a loaded machine, a first step that compiles): say so.
+PACING_WARN_SECONDS = 10.0
+#: ... and above this it is clamped: one peer's bad measurement must not pace a whole swarm at minutes per step.
+PACING_MAX_SECONDS = 60.0
+
+
+def measured_pacing(times: list[float]) -> tuple[float, str]:
+    """The step time to publish from a few timed inner steps: the first is left out (it warms caches and
+    compiles kernels) and the median of the rest taken (a busy moment does not count), at least 0.01 s and at
+    most :data:`PACING_MAX_SECONDS`; and a warning when it is that slow that a loaded machine is the likelier
+    cause (empty when not)."""
+    rest = sorted(times[1:] or times)
+    seconds = round(max(0.01, rest[len(rest) // 2]), 3)
+    if seconds > PACING_MAX_SECONDS:
+        return PACING_MAX_SECONDS, (f"measured {seconds} s per step, clamped to {PACING_MAX_SECONDS} s: "
+                                    "set the swarm's pacing with --step-seconds")
+    if seconds > PACING_WARN_SECONDS:
+        return seconds, ("a slow first measurement paces the whole swarm (a loaded machine?): "
+                         "set it with --step-seconds")
+    return seconds, ""
 
 
 class JoinRefused(RuntimeError):
@@ -270,11 +292,17 @@ class PeerBase:
                 f"this peer's is {self.model_fingerprint}: join with the run's --preset / --init-from")
 
     def _measure_pacing(self) -> float:
-        """Nobody paces the run yet: three real inner steps (kept: they are training) give the step time."""
-        t0 = time.perf_counter()
-        for _ in range(3):
+        """Nobody paces the run yet: real inner steps (kept: they are training) give the step time, see
+        :func:`measured_pacing`."""
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
             self._inner_step()
-        return round(max(0.01, (time.perf_counter() - t0) / 3), 3)
+            times.append(time.perf_counter() - t0)
+        seconds, warning = measured_pacing(times)
+        if warning:
+            log.warning("event=pacing_measured step_seconds=%s %s", seconds, warning)
+        return seconds
 
     def _live_view(self, live: int) -> None:
         """The heartbeat saw ``live`` peers of the run, this one included (called on the loop thread)."""

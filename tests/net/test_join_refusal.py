@@ -1,5 +1,5 @@
 """A peer of another model is refused with one clear reason before it trains (it used to train, take a
-state that did not fit, and crash with IndexError on the next source)."""
+state that did not fit, and crash with IndexError on the next source); a measured pacing is bounded."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from p2ptrain.data import Corpus, DataConfig
 from p2ptrain.model import ModelConfig
 from p2ptrain.net.memory import MemorySwarm
 from p2ptrain.peer import PeerConfig, make_peer
-from p2ptrain.peer.base import JoinRefused, model_fingerprint
+from p2ptrain.peer.base import PACING_MAX_SECONDS, JoinRefused, measured_pacing, model_fingerprint
 from p2ptrain.trainer import TrainerConfig, make_trainer
 
 from .peers import MODEL, memory_transports
@@ -40,3 +40,13 @@ def test_a_peer_of_another_model_is_refused_before_it_trains(corpus: Corpus) -> 
         for p in (first, other, same):
             p.close()  # type: ignore[attr-defined]
 
+
+
+def test_the_measured_pacing_leaves_out_the_first_step_and_is_bounded() -> None:
+    assert measured_pacing([5.0, 0.2, 0.3, 0.25]) == (0.25, "")  # the compiling first step is left out
+    assert measured_pacing([0.2, 0.2, 9.0, 0.2]) == (0.2, "")  # one busy moment does not count
+    seconds, warning = measured_pacing([30.0, 28.0, 27.0, 29.0])
+    assert seconds == 28.0 and "--step-seconds" in warning  # slow: kept, but said
+    seconds, warning = measured_pacing([300.0, 280.0, 290.0, 295.0])
+    assert seconds == PACING_MAX_SECONDS and "clamped" in warning
+    assert measured_pacing([0.0001, 0.0001]) == (0.01, "")
