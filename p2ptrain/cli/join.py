@@ -19,7 +19,7 @@ from .config import JoinRun, join_config
 from .flags import JoinFlags
 from .launcher import launch_stages
 from .options import fail, failing, flags_command
-from .session import RunSession, report, visible_maddrs
+from .session import RunSession, report, shutdown_grace, visible_maddrs
 from .staged import run_staged
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def run_peer(run: JoinRun) -> None:
     model = f"--init-from {run.init.path}" if run.init else f"--preset {run.preset}"
     console.print("another machine joins with:\n  p2ptrain join " + " ".join(f"--initial-peers {a}" for a in maddrs)
                   + f" --run-id {rid} --method {method} {model}", highlight=False, soft_wrap=True)
-    session.stop_on_signals(peer)
+    session.stop_on_signals(peer, shutdown_grace(run))
     summary, val = session.run(peer, run.quiet, lambda s: trainer.evaluate(s.outer_params or None).loss)
     rows = [("peer", summary.peer_id), ("inner steps", summary.steps), ("val loss of θ", f"{val:.4f}"),
             ("rounds complete / partial / failed", f"{summary.rounds_complete} / {summary.rounds_partial} / "

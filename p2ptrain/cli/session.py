@@ -5,7 +5,10 @@ file at the end (``train`` writes its summary with :func:`report` too)."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import signal
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -16,12 +19,20 @@ from .options import fail
 if TYPE_CHECKING:
     from ..peer import PeerBase
 
-__all__ = ["METRICS_PORTS", "RunSession", "SessionPeer", "report", "visible_maddrs"]
+__all__ = ["METRICS_PORTS", "RunSession", "SessionPeer", "report", "shutdown_grace", "visible_maddrs"]
 
 #: How many ports from DEFAULT_METRICS_PORT (plus a stage's rank) are tried when none is given.
 METRICS_PORTS = 16
 
+log = logging.getLogger(__name__)
+
 R = TypeVar("R")
+
+
+def shutdown_grace(run: Any) -> float:
+    """Seconds a peer of ``run`` (a JoinRun) may take to leave after a signal: a round in flight may take the
+    method's timeout, the drain its own, and the last checkpoint a minute (a 1B model's state, fsynced)."""
+    return float(run.method.timeout) + float(run.peer.drain_timeout) + 60.0
 
 
 class SessionPeer(Protocol[R]):
@@ -79,12 +90,32 @@ class RunSession:
             return None
 
     @staticmethod
-    def stop_on_signals(peer: SessionPeer[Any]) -> None:
-        """On SIGTERM or SIGINT (Ctrl-C), say so and let ``peer`` leave cleanly after its current step."""
+    def stop_on_signals(peer: SessionPeer[Any], grace: float, exit_now: Callable[[int], Any] = os._exit) -> None:
+        """On SIGTERM or SIGINT (Ctrl-C), say so and let ``peer`` leave cleanly after its current step; if it
+        has not left ``grace`` seconds later (its rounds' timeout, the drain and a checkpoint), leave anyway
+        (``exit_now``, exit code 124). A second signal leaves at once: SystemExit from the handler, so the
+        ``finally`` blocks still close the network with their own bounded waits."""
         from ..ui import console
 
+        signals = 0
+
+        def watchdog() -> None:
+            log.error("event=shutdown_overdue grace=%.0f: leaving without a clean shutdown", grace)
+            console.print(f"still running {grace:.0f} s after the signal: leaving now", highlight=False)
+            exit_now(124)
+
         def on_signal(signum: int, _frame: Any) -> None:
-            console.print(f"signal {signal.Signals(signum).name}: leaving after this step", highlight=False)
+            nonlocal signals
+            signals += 1
+            name = signal.Signals(signum).name
+            if signals > 1:
+                console.print(f"signal {name} again: leaving now", highlight=False)
+                raise SystemExit(130)
+            console.print(f"signal {name}: leaving after this step (a second signal leaves at once)",
+                          highlight=False)
+            timer = threading.Timer(grace, watchdog)
+            timer.daemon = True  # a clean exit before the deadline does not wait for it
+            timer.start()
             peer.request_stop()
 
         signal.signal(signal.SIGTERM, on_signal)

@@ -16,7 +16,7 @@ from .. import __version__
 from .config import JoinRun, Stages
 from .launcher import offset_port, per_rank
 from .options import fail, failing
-from .session import RunSession, report, visible_maddrs
+from .session import RunSession, report, shutdown_grace, visible_maddrs
 
 if TYPE_CHECKING:
     from ..net.swarm import SwarmConfig
@@ -90,7 +90,7 @@ def run_staged(run: JoinRun) -> None:
     what = f"pipeline stage {rank} of {world}" if world > 1 else "whole model"
     console.print(f"p2ptrain {__version__} · {what} · stage groups {list(held.groups)} of {plan.stages} · "
                   f"run {run.peer.run_id} · {run.method.name}", highlight=False)
-    session.stop_on_signals(staged)
+    session.stop_on_signals(staged, shutdown_grace(run))
     session.start(staged)
     trainer.stream.reseed(run.data.seed, data_rank(staged.identity))
     maddrs = visible_maddrs(staged.peers, per_rank(run.maddrs_file, rank, world))
