@@ -35,6 +35,7 @@ class SwarmLink:
         self.transport: Transport | None = None
         self.runner: RoundRunner | None = None
         self.step_seconds = cfg.step_seconds
+        self.pacing_since = 0.0  # when the swarm's pacing was first published (wall clock; the first wins)
         self._service: Any = None
         self._stopping: asyncio.Event | None = None
 
@@ -67,7 +68,8 @@ class SwarmLink:
                 await asyncio.wait_for(self.transport.announce(info()), limit)
                 on_live(len(await asyncio.wait_for(self.transport.peers(), limit)))
                 if self.step_seconds is not None:
-                    await asyncio.wait_for(self.transport.publish_meta({"step_seconds": self.step_seconds}), limit)
+                    await asyncio.wait_for(self.transport.publish_meta(
+                        {"step_seconds": self.step_seconds, "since": self.pacing_since}), limit)
             except (TimeoutError, OSError, RoundFailed) as e:
                 log.info("event=heartbeat_failed reason=%s", e)
             await asyncio.sleep(self.cfg.heartbeat)
@@ -80,25 +82,51 @@ class SwarmLink:
             log.warning("event=announce_failed reason=%s", e)
 
     # ------------------------------------------------------------------ pacing
-    def published_step_seconds(self) -> float | None:
-        """The pacing this namespace published (the smallest peer id's), or None."""
+    def swarm_pacing(self) -> tuple[float, float] | None:
+        """The pacing this namespace runs at and since when: of all published values, the first published
+        (earliest ``since``, then smallest peer id; a value without ``since`` counts as the oldest), or None."""
         assert self.transport is not None
         metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
-        published = [metas[p]["step_seconds"] for p in sorted(metas) if "step_seconds" in metas[p]]
-        return float(published[0]) if published else None
+        found = sorted((float(m.get("since", 0.0)), p, float(m["step_seconds"])) for p, m in metas.items()
+                       if "step_seconds" in m)
+        return (found[0][2], found[0][0]) if found else None
 
-    def agree_pacing(self, *, fixed: bool, measure: Callable[[], float]) -> float:
-        """All peers must share ``step_seconds``: the published value of the smallest peer id, else ours
-        (``fixed``: ours as given, unasked), else ``measure()``d; then published."""
+    def published_step_seconds(self) -> float | None:
+        """The pacing this namespace published (see :meth:`swarm_pacing`), or None."""
+        found = self.swarm_pacing()
+        return found[0] if found else None
+
+    def _publish_pacing(self) -> None:
         assert self.transport is not None
-        published = None if fixed and self.step_seconds is not None else self.published_step_seconds()
-        if published is not None:
-            if self.step_seconds is not None and abs(published - self.step_seconds) > 1e-9:
-                log.warning("event=pacing_override mine=%s swarm=%s", self.step_seconds, published)
-            self.step_seconds = published
-        elif self.step_seconds is None:
+        self.net.call(self.transport.publish_meta({"step_seconds": self.step_seconds, "since": self.pacing_since}),
+                      timeout=self.cfg.join_timeout)
+
+    def agree_pacing(self, *, fixed: bool, measure: Callable[[], float], settle: float | None = None) -> float:
+        """All peers must share ``step_seconds``: the first published value (see :meth:`swarm_pacing`), else
+        ours (``fixed``: ours as given, unasked), else ``measure()``d; then published. A peer that published
+        its own value looks again ``settle`` seconds later (default: one heartbeat) and takes the first
+        published one, so that peers started at the same moment, which all found nothing and all published,
+        end on one value: the first publisher's."""
+        assert self.transport is not None
+        found = None if fixed and self.step_seconds is not None else self.swarm_pacing()
+        if found is not None:
+            if self.step_seconds is not None and abs(found[0] - self.step_seconds) > 1e-9:
+                log.warning("event=pacing_override mine=%s swarm=%s", self.step_seconds, found[0])
+            self.step_seconds, self.pacing_since = found
+            self._publish_pacing()
+            return self.step_seconds
+        if self.step_seconds is None:
             self.step_seconds = measure()
-        self.net.call(self.transport.publish_meta({"step_seconds": self.step_seconds}), timeout=self.cfg.join_timeout)
+        self.pacing_since = time.time()
+        self._publish_pacing()
+        if not fixed:
+            time.sleep(self.cfg.heartbeat if settle is None else settle)
+            first = self.swarm_pacing()
+            if first is not None and (first[0], first[1]) != (self.step_seconds, self.pacing_since):
+                log.warning("event=pacing_override mine=%s swarm=%s reason=a peer that started at the same "
+                            "time published first", self.step_seconds, first[0])
+                self.step_seconds, self.pacing_since = first
+                self._publish_pacing()
         return self.step_seconds
 
     # ------------------------------------------------------------------ state from others

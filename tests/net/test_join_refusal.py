@@ -1,7 +1,11 @@
 """A peer of another model is refused with one clear reason before it trains (it used to train, take a
-state that did not fit, and crash with IndexError on the next source); a measured pacing is bounded."""
+state that did not fit, and crash with IndexError on the next source); a measured pacing is bounded, and peers
+that start together agree on it."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -18,9 +22,11 @@ from .peers import MODEL, memory_transports
 OTHER = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=32)  # another preset: one layer fewer
 
 
-def _peer(model: ModelConfig, i: int, corpus: Corpus, transports: object) -> object:
+def _peer(model: ModelConfig, i: int, corpus: Corpus, transports: object,
+          step_seconds: float | None = 0.05) -> object:
     tr = make_trainer(model, TrainerConfig(batch_size=2, total_steps=4), DataConfig(), corpus=corpus)
-    cfg = PeerConfig(run_id="t", steps=4, step_seconds=0.05, join_window=0.3, join_timeout=5, heartbeat=0.2, ttl=3.0)
+    cfg = PeerConfig(run_id="t", steps=4, step_seconds=step_seconds, join_window=0.3, join_timeout=5, heartbeat=0.2,
+                     ttl=3.0)
     return make_peer(cfg, method_config("streaming", H=4, P=2, codec="fp32", timeout=5), tr,
                      transports(i, []))  # type: ignore[operator]
 
@@ -50,3 +56,28 @@ def test_the_measured_pacing_leaves_out_the_first_step_and_is_bounded() -> None:
     seconds, warning = measured_pacing([300.0, 280.0, 290.0, 295.0])
     assert seconds == PACING_MAX_SECONDS and "clamped" in warning
     assert measured_pacing([0.0001, 0.0001]) == (0.01, "")
+
+
+def test_peers_started_at_the_same_moment_end_on_one_pacing(corpus: Corpus) -> None:
+    """Both find nothing published, both measure (different step times) and publish: they used to keep their
+    own, so they never met in a round. Each now looks again a heartbeat later and takes the first published."""
+    for attempt in range(3):
+        transports = memory_transports(MemorySwarm(join_window=0.3, ttl=3.0))
+        peers = [_peer(MODEL, i, corpus, transports, step_seconds=None) for i in range(2)]
+        for p, seconds in zip(peers, (0.05, 0.08), strict=True):
+            def measure(seconds: float = seconds) -> float:
+                time.sleep(0.2)  # both measure at once: neither sees the other's value before publishing
+                return seconds
+
+            p._measure_pacing = measure  # type: ignore[attr-defined]
+        threads = [threading.Thread(target=p.start) for p in peers]  # type: ignore[attr-defined]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            paces = [p.step_seconds for p in peers]  # type: ignore[attr-defined]
+            assert paces[0] == paces[1] and paces[0] in (0.05, 0.08), (attempt, paces)
+        finally:
+            for p in peers:
+                p.close()  # type: ignore[attr-defined]
