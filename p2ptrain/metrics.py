@@ -55,6 +55,9 @@ class PeerMetrics:
         self.checkpoint_age = Gauge("p2ptrain_checkpoint_age_seconds", "Seconds since the last checkpoint.",
                                     registry=r)
         self.checkpoint_age.set_function(self._checkpoint_age)
+        self.sharing_nothing = Gauge("p2ptrain_sharing_nothing_seconds",
+                                     "Seconds without a round shared with another peer, once that is longer than "
+                                     "every fragment syncing twice (0: sharing).", registry=r)
         self.rounds_in_flight = Gauge("p2ptrain_rounds_in_flight", "Fragment rounds in flight.", registry=r)
         self.build = Info("p2ptrain_build", "Version, method and region of this peer.", registry=r)
         self.build.info({"version": __version__, "method": method, "region": region or "-"})

@@ -134,6 +134,8 @@ class RoundStats:
     seconds: list[float] = field(default_factory=list)
     in_flight: int = 0
     bandwidth: float = 0.0  # bytes/s, EMA over transfers
+    shared: int = 0  # rounds whose average held another peer's contribution too
+    last_shared: float | None = None  # time.monotonic() of the last such round (None: never)
 
 
 class RoundRunner:
@@ -237,6 +239,9 @@ class RoundRunner:
                 self.stats.partial += 1
             else:
                 self.stats.complete += 1
+            if last is not None and len(last.contributors) > 1:
+                self.stats.shared += 1
+                self.stats.last_shared = time.monotonic()
             if rnd.divergent:
                 self.stats.divergent += 1
             self.stats.seconds.append(time.monotonic() - t0)

@@ -48,8 +48,11 @@ def status_printer(quiet: bool, every: float = 1.0) -> Callable[[dict[str, Any]]
         if quiet or time.monotonic() - last[0] < every:
             return
         last[0] = time.monotonic()
+        alone = (f"  [bold yellow]nothing shared with another peer for {s['sharing_nothing']:.0f} s[/]"
+                 if s.get("sharing_nothing") else "")
         console.print(f"step {s['step']:>6}  loss {s['loss']:.3f}  {s['tokens_per_second']:,.0f} tok/s  "
-                      f"rounds {s['rounds']} (failed {s['failed']})  in flight {s['in_flight']}", highlight=False)
+                      f"rounds {s['rounds']} (failed {s['failed']})  in flight {s['in_flight']}{alone}",
+                      highlight=False)
 
     return on_status
 

@@ -27,7 +27,8 @@ DOCUMENTED = {  # name (as the parser reports it) -> type
     "p2ptrain_received_bytes": "counter", "p2ptrain_bandwidth_bytes_per_second": "gauge",
     "p2ptrain_live_peers": "gauge", "p2ptrain_compute_utilization_ratio": "gauge",
     "p2ptrain_last_checkpoint_timestamp_seconds": "gauge", "p2ptrain_checkpoint_age_seconds": "gauge",
-    "p2ptrain_rounds_in_flight": "gauge", "p2ptrain_build_info": "gauge",  # an Info is exposed as a gauge
+    "p2ptrain_rounds_in_flight": "gauge", "p2ptrain_sharing_nothing_seconds": "gauge",
+    "p2ptrain_build_info": "gauge",  # an Info is exposed as a gauge
 }
 
 

@@ -111,7 +111,10 @@ def run_peer(run: JoinRun) -> None:
                                                    f"{summary.rounds_failed}"),
             ("compute utilization", f"{summary.utilization:.3f}"), ("stall", f"{summary.stall_seconds:.1f} s"),
             ("bytes sent / received", f"{summary.bytes_sent:,} / {summary.bytes_received:,}"),
-            ("repairs", summary.repairs)]
+            ("rounds shared with other peers", summary.rounds_shared), ("repairs", summary.repairs)]
+    if summary.rounds_shared == 0:
+        console.print("[bold yellow]this peer shared no round with any other peer: its θ is its own training "
+                      "only[/]", highlight=False)
     report("p2ptrain join: summary", rows, run.json_out, lambda: _record(peer, summary, val, method, resumed_step))
 
 
@@ -124,7 +127,7 @@ def _record(peer: PeerBase, summary: PeerSummary, val: float, method: str, resum
         "stuck_rounds": summary.stuck_rounds,
         "utilization": summary.utilization, "rounds_complete": summary.rounds_complete,
         "rounds_partial": summary.rounds_partial, "rounds_failed": summary.rounds_failed,
-        "rounds_applied": summary.rounds_applied, "repairs": summary.repairs, "bytes_sent": summary.bytes_sent,
+        "rounds_applied": summary.rounds_applied, "rounds_shared": summary.rounds_shared, "repairs": summary.repairs, "bytes_sent": summary.bytes_sent,
         "bytes_received": summary.bytes_received, "final_train_loss": summary.final_train_loss,
         "applied": {k: v[0] for k, v in summary.applied.items()}, "method": method,
         "resumed_step": resumed_step, "synced_from": peer.synced_from, "loss_log": peer.loss_log,

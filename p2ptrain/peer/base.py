@@ -117,6 +117,7 @@ class PeerBase:
         self._stop = threading.Event()
         self._bytes_seen = (0, 0)
         self._warm_until = 0.0
+        self._sharing_since, self._sharing_said = time.monotonic(), 0.0
         self.checkpoints = (PeerCheckpoints(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
                             if cfg.checkpoint_dir else None)
         self.resume_state: dict[str, Any] | None = None  # set by PeerCheckpoints.restore before start()
@@ -389,6 +390,7 @@ class PeerBase:
             time.sleep(max(0.0, self._warm_until - time.monotonic()))
         self._t_start = time.perf_counter() if t is None else t
         self.loop_started = time.time()
+        self._sharing_since, self._sharing_said = time.monotonic(), 0.0
 
     def end_loop(self) -> None:
         """The inner-step loop is over: record its time, then drain what is in flight."""
@@ -429,14 +431,43 @@ class PeerBase:
             elapsed = time.perf_counter() - self._t_start if self._t_start is not None else None
             self.metrics.step_done(tokens, loss, self.trainer.tokens_seen, self.compute, elapsed)
 
+    def sharing_nothing(self) -> float:
+        """Seconds this peer has shared no round with another peer, once that is longer than every fragment
+        syncing twice (at least 30 s; 0.0 before that): its θ is then its own training only."""
+        if self.runner is None or self._t_start is None:
+            return 0.0
+        st = self.runner.stats
+        quiet = time.monotonic() - (st.last_shared if st.last_shared is not None else self._sharing_since)
+        limit = max(30.0, 2.0 * self.method.H * (self.step_seconds or 1.0))
+        return quiet if quiet > limit else 0.0
+
+    def _say_if_sharing_nothing(self) -> float:
+        """Log (a warning when other peers are live) and set the metric if this peer shares nothing."""
+        quiet = self.sharing_nothing()
+        if self.metrics is not None:
+            self.metrics.sharing_nothing.set(quiet)
+        if not quiet:
+            self._sharing_said = 0.0
+        elif quiet >= self._sharing_said:  # said once, then again each time the silence doubles
+            self._sharing_said = 2 * quiet
+            live = self.collective.members if self.collective is not None else 1
+            log.log(logging.WARNING if live > 1 else logging.INFO,
+                    "event=sharing_nothing seconds=%.0f live_peers=%d rounds=%d rounds_shared=%d", quiet, live,
+                    self.runner.stats.complete + self.runner.stats.partial if self.runner else 0,
+                    self.runner.stats.shared if self.runner else 0)
+        return quiet
+
     def _status(self) -> None:
-        if self.on_status is None or self.runner is None:
+        if self.runner is None:
+            return
+        quiet = self._say_if_sharing_nothing()
+        if self.on_status is None:
             return
         st = self.runner.stats
         self.on_status({"step": self.trainer.step_count, "loss": self.last_loss,
                         "tokens_per_second": self.trainer.tokens_seen / self.compute if self.compute else 0.0,
                         "rounds": st.complete + st.partial, "failed": st.failed, "in_flight": st.in_flight,
-                        "logical_step": self.last_lstep})
+                        "logical_step": self.last_lstep, "sharing_nothing": quiet})
 
     def _applied_digests(self) -> dict[str, tuple[str, list[torch.Tensor]]]:
         return {}
@@ -450,4 +481,5 @@ class PeerBase:
             bytes_sent=st.bytes_sent if st else 0, bytes_received=st.bytes_received if st else 0,
             final_train_loss=self.last_loss, outer_params=self.theta(), applied=self._applied_digests(),
             loop_seconds=self.loop_seconds, drain_seconds=self.drain_seconds, stuck_rounds=self.stuck,
-            eval_seconds=self.eval_seconds, outer_seconds=self.outer_seconds)
+            eval_seconds=self.eval_seconds, outer_seconds=self.outer_seconds,
+            rounds_shared=st.shared if st else 0)

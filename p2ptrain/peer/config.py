@@ -111,6 +111,7 @@ class PeerSummary:
     stuck_rounds: int = 0  # rounds that outlived every timeout of their own and were aborted
     eval_seconds: float = 0.0  # evaluations during the run (``eval_every``), inside loop_seconds
     outer_seconds: float = 0.0  # compute-thread time in the outer loop (sends, applies), waits excluded
+    rounds_shared: int = 0  # rounds whose average held another peer's contribution (0: trained alone)
     outer_params: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     applied: dict[str, tuple[str, list[torch.Tensor]]] = field(default_factory=dict, repr=False)
 

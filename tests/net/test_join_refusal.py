@@ -23,10 +23,11 @@ OTHER = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=32)  # another pr
 
 
 def _peer(model: ModelConfig, i: int, corpus: Corpus, transports: object,
-          step_seconds: float | None = 0.05) -> object:
-    tr = make_trainer(model, TrainerConfig(batch_size=2, total_steps=4), DataConfig(), corpus=corpus)
-    cfg = PeerConfig(run_id="t", steps=4, step_seconds=step_seconds, join_window=0.3, join_timeout=5, heartbeat=0.2,
-                     ttl=3.0)
+          step_seconds: float | None = 0.05, **more: object) -> object:
+    steps = int(more.pop("steps", 4))  # type: ignore[call-overload]
+    tr = make_trainer(model, TrainerConfig(batch_size=2, total_steps=steps), DataConfig(), corpus=corpus)
+    cfg = PeerConfig(run_id="t", steps=steps, step_seconds=step_seconds, join_window=0.3, join_timeout=5,
+                     heartbeat=0.2, ttl=3.0, **more)  # type: ignore[arg-type]
     return make_peer(cfg, method_config("streaming", H=4, P=2, codec="fp32", timeout=5), tr,
                      transports(i, []))  # type: ignore[operator]
 
@@ -81,3 +82,21 @@ def test_peers_started_at_the_same_moment_end_on_one_pacing(corpus: Corpus) -> N
         finally:
             for p in peers:
                 p.close()  # type: ignore[attr-defined]
+
+
+def test_a_peer_that_shares_nothing_says_so(corpus: Corpus, caplog: pytest.LogCaptureFixture) -> None:
+    """Alone in its swarm (rounds of one member), it counts no shared round and, once the silence is longer
+    than every fragment syncing twice (here: at once), says so in its status, its log and its summary."""
+    transports = memory_transports(MemorySwarm(join_window=0.1, ttl=3.0))
+    peer = _peer(MODEL, 0, corpus, transports, steps=16, clock="steps")
+    statuses: list[dict] = []
+    peer.on_status = statuses.append  # type: ignore[attr-defined]
+    peer.sharing_nothing = lambda: 99.0 if peer.runner.stats.shared == 0 else 0.0  # type: ignore[attr-defined]
+    try:
+        with caplog.at_level("INFO", logger="p2ptrain.peer.base"):
+            summary = peer.run()  # type: ignore[attr-defined]
+    finally:
+        peer.close()  # type: ignore[attr-defined]
+    assert summary.rounds_complete + summary.rounds_partial > 0 and summary.rounds_shared == 0
+    assert statuses and all(s["sharing_nothing"] == 99.0 for s in statuses)
+    assert "event=sharing_nothing seconds=99 live_peers=1" in caplog.text
