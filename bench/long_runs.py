@@ -29,6 +29,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import time_to_target
 from bench.md_blocks import put_block
 from p2ptrain.algo.methods import (
     CoCoDCConfig,
@@ -59,6 +60,7 @@ def runs(H: int, P: int) -> list[tuple[str, MethodConfig, int | None]]:
         ("cocodc τ=5", CoCoDCConfig(H=H, P=P, tau=5, sends_per_window=P), None),
         ("cocodc τ=5, Taylor λ=1000", CoCoDCConfig(H=H, P=P, tau=5, sends_per_window=P, lambda0=1000.0), None),
         ("cocodc τ=5, N from the link", CoCoDCConfig(H=H, P=P, tau=5), None),
+        ("cocodc τ=1, N=P", CoCoDCConfig(H=H, P=P, tau=1, sends_per_window=P), None),
         ("cocodc τ=1, N=H", CoCoDCConfig(H=H, P=P, tau=1, sends_per_window=H), None),
         ("cocodc τ=1, N=2P, drift", CoCoDCConfig(H=H, P=P, tau=1, sends_per_window=2 * P), None),
         ("cocodc τ=1, N=2P, round-robin", CoCoDCConfig(H=H, P=P, tau=1, sends_per_window=2 * P,
@@ -91,7 +93,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         simulator = Simulator(sim, model, trainer, data, corpus)
         for label, method, peers in runs(args.H, args.P):
             key = _key(label, seed)
-            if key in record["runs"]:
+            if key in record["runs"] or (args.only and label not in args.only.split(";")):
                 continue
             t0 = time.perf_counter()
             res = simulator.run(RunSpec(label, method, peers))
@@ -109,14 +111,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _to_target(evals: list[list[float]], target: float) -> float | None:
-    prev = None
-    for step, _, loss in evals:
-        if loss <= target:
-            if prev is None or prev[1] == loss:
-                return step
-            return prev[0] + (prev[1] - target) / (prev[1] - loss) * (step - prev[0])
-        prev = (step, loss)
-    return None
+    """The inner step at which a run's evaluations ``[(step, sim seconds, loss), ...]`` reach ``target``."""
+    return time_to_target([(step, loss) for step, _, loss in evals], target)
 
 
 def _loss_at(evals: list[list[float]], step: float) -> float:
@@ -200,7 +196,7 @@ def report(record: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
     loss_claim("cocodc with N from the link ends no worse than streaming (τ = 5) at equal or more bytes",
                "cocodc τ=5, N from the link", "streaming τ=5", lambda g: g <= 0)
     loss_claim("cocodc with N = H ends no worse than with N = P (τ = 1; more syncs, more bytes)",
-               "cocodc τ=1, N=H", "cocodc τ=1, N=2P, round-robin", lambda g: g <= 0)
+               "cocodc τ=1, N=H", "cocodc τ=1, N=P", lambda g: g <= 0)
     loss_claim("the drift ranking beats round-robin at the same N and bytes (τ = 1, N = 2P)",
                "cocodc τ=1, N=2P, drift", "cocodc τ=1, N=2P, round-robin", lambda g: g < 0)
     loss_claim("eager within 1% of diloco", "eager", "diloco", lambda g: g <= 0.01)
@@ -298,6 +294,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--only", default=None, help="Only these runs (labels separated by ';').")
     ap.add_argument("--data", default=None, help="A corpus (default: the built-in one).")
     ap.add_argument("--out", type=Path, default=RESULTS / "long_runs.json")
     ap.add_argument("--md", type=Path, default=None, help="The report (default: the JSON's name with .md).")
