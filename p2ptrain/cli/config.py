@@ -231,9 +231,10 @@ def simulate_config(file: dict[str, Any], flags: SimulateFlags | Mapping[str, An
 
 
 def _method_knobs(file: dict[str, Any], flags: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The method's name (``--method``, ``[method] name``, else cocodc) and its knobs, flags on top."""
+    """The method's name (``--method``, ``[method] name``, else streaming: the best WAN method of the long runs,
+    bench/results/methods.md) and its knobs, flags on top."""
     section = dict(file.get("method", {}))
-    name = flags.pop("name", None) or section.pop("name", None) or "cocodc"
+    name = flags.pop("name", None) or section.pop("name", None) or "streaming"
     section.pop("name", None)
     return name, merged(section, flags)
 

@@ -94,7 +94,7 @@ class JoinFlags:
     initial_peers: InitialPeers = None
     run_id: Annotated[str | None, typer.Option("--run-id", help="The run to join (peers of one run find each other by it).")] = None
     region: Annotated[str | None, typer.Option("--region", help="A label for this peer's location (shown by status).")] = None
-    method: Annotated[str | None, typer.Option("--method", "-m", help="ddp, diloco, streaming, eager, cocodc, dilocox.")] = None
+    method: Annotated[str | None, typer.Option("--method", "-m", help="ddp, diloco, streaming, eager, cocodc, dilocox (default: streaming).")] = None
     preset_name: PresetOpt = None
     steps: Annotated[int | None, typer.Option("--steps", "-n", help="Leave cleanly after this many inner steps.")] = None
     step_seconds: Annotated[float | None, typer.Option("--step-seconds", help="Round pacing: seconds per logical step (default: the swarm's, or measured).")] = None

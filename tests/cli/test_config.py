@@ -95,7 +95,7 @@ def test_join_flags_override_the_file() -> None:
     assert run.peer.run_id == "other" == run.swarm.run_id and run.peer.steps == 2 and run.peer.region == "eu"
     assert run.swarm.initial_peers == ["/ip4/127.0.0.1/tcp/2"] and run.peer.checkpoint_dir == "ck"
     assert join_config({}, {"resume": Path("old")}).peer.checkpoint_dir == "old"  # resume keeps writing there
-    assert join_config({}, {}).method.name == "cocodc"
+    assert join_config({}, {}).method.name == "streaming"
 
 
 @pytest.mark.parametrize(("flags", "message"), [
