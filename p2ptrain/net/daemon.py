@@ -18,13 +18,30 @@ from .guard import GuardConfig
 from .state_transfer import DEFAULT_CHUNK, MAX_STATE
 from .wire import MAX_FRAME
 
-__all__ = ["SwarmConfig", "SwarmError", "start_p2p"]
+__all__ = ["SwarmConfig", "SwarmError", "dial", "dialable", "start_p2p"]
 
 log = logging.getLogger(__name__)
 
 
 class SwarmError(RuntimeError):
     """The swarm cannot be joined (the message says why and what to try)."""
+
+
+def dialable(peer: str, addrs: list[str]) -> list[str]:
+    """``addrs`` as the daemon's connect takes them: without the trailing ``/p2p/<peer>`` that announced and
+    initial-peer addresses carry (the daemon fails on it, 'length greater than remaining number of bytes in
+    buffer'); a relay's ``/p2p/<relay>/p2p-circuit`` inside an address is kept."""
+    suffix = f"/p2p/{peer}"
+    return [a[: -len(suffix)] if a.endswith(suffix) else a for a in addrs]
+
+
+async def dial(p2p: Any, peer: str, addrs: list[str], timeout: float = 5.0) -> None:
+    """Connect ``p2p``'s daemon to ``peer`` at ``addrs`` (see :func:`dialable`), within ``timeout``."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in dialable(peer, addrs)]),
+                           timeout)
 
 
 @dataclass(kw_only=True)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .auth import MAC_FIELD
 from .chunks import Refused
+from .daemon import dial
 from .guard import Guard
 from .transport import RoundFailed
 from .wire import SCHEMA_ERRORS, FrameError, read_frame, write_frame
@@ -158,14 +159,11 @@ class Streams:
     async def redial(self, peer: str) -> bool:
         """A dial failed: connect again with the addresses the peer announced (the daemon's peer store
         may not have them yet, or its dial backoff is still on). True if that worked."""
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
         addrs = await self.addresses(peer)
         if not addrs:
             return False
         try:
-            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in addrs]), 5)
+            await dial(self.p2p, peer, addrs)
             return True
         except Exception as e:  # still unreachable
             log.debug("event=redial_failed peer=%s reason=%s", peer[-8:], e)

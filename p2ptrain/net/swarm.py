@@ -40,7 +40,7 @@ from ..collective.codecs import Codec
 from .allreduce import ButterflyRun
 from .auth import MAC_FIELD
 from .bandwidth import LinkMeter
-from .daemon import SwarmConfig, SwarmError, start_p2p
+from .daemon import SwarmConfig, SwarmError, dial, start_p2p
 from .groups import Forming, alone_check, leader_of, membership_check
 from .guard import Guard
 from .mailbox import Mailbox, Mailboxes
@@ -218,7 +218,7 @@ class HivemindTransport(Transport):
 
         while True:
             await asyncio.sleep(self.cfg.recontact_every)
-            targets: dict[str, list[str]] = dict(self._maddrs)
+            targets = {p: list(a) for p, a in self._maddrs.items()}  # copies: the known addresses stay as they are
             for maddr in self.cfg.initial_peers:
                 try:
                     targets.setdefault(Multiaddr(maddr)["p2p"], []).append(maddr)
@@ -228,10 +228,9 @@ class HivemindTransport(Transport):
                 if peer == self.peer_id:
                     continue
                 try:
-                    pid = PeerID.from_base58(peer)
                     if addrs:
-                        await asyncio.wait_for(self.p2p._client.connect(pid, [Multiaddr(a) for a in addrs]), 5)
-                    await asyncio.wait_for(self.node.protocol.call_ping(pid), 5)
+                        await dial(self.p2p, peer, addrs)
+                    await asyncio.wait_for(self.node.protocol.call_ping(PeerID.from_base58(peer)), 5)
                 except Exception as e:
                     log.debug("event=recontact_failed peer=%s reason=%s", peer, e)
 
