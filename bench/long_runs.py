@@ -68,6 +68,10 @@ def runs(H: int, P: int) -> list[tuple[str, MethodConfig, int | None]]:
         ("eager", EagerConfig(H=H, variant="eager"), None),
         ("eager naive", EagerConfig(H=H, variant="naive"), None),
         ("dilocox", DiLoCoXConfig(H=H), None),
+        # the delayed methods with a shorter outer memory (μ 0.5): is the papers' μ 0.9 what hurts them?
+        ("diloco (μ 0.5)", DiLoCoConfig(H=H, outer_momentum=0.5), None),
+        ("eager (μ 0.5)", EagerConfig(H=H, variant="eager", outer_momentum=0.5), None),
+        ("eager naive (μ 0.5)", EagerConfig(H=H, variant="naive", outer_momentum=0.5), None),
     ]
 
 
@@ -80,7 +84,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     record.setdefault("runs", {})
     record.update({"command": "python bench/long_runs.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        if k not in ("out", "md", "report", "methods_md") and v is not None),
+        if k not in ("out", "md", "report", "methods_md", "merge", "only") and v is not None),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "H": args.H, "P": args.P})
     model = preset(args.preset)
@@ -201,6 +205,9 @@ def report(record: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
                "cocodc τ=1, N=2P, drift", "cocodc τ=1, N=2P, round-robin", lambda g: g < 0)
     loss_claim("eager within 1% of diloco", "eager", "diloco", lambda g: g <= 0.01)
     loss_claim("eager clearly (> 1%) ahead of naive delayed", "eager", "eager naive", lambda g: g < -0.01)
+    loss_claim("with μ 0.5: eager within 1% of diloco", "eager (μ 0.5)", "diloco (μ 0.5)", lambda g: g <= 0.01)
+    loss_claim("with μ 0.5: eager clearly (> 1%) ahead of naive delayed", "eager (μ 0.5)", "eager naive (μ 0.5)",
+               lambda g: g < -0.01)
 
     def dilocox() -> tuple[bool, str] | None:
         g = gap("dilocox", "diloco")
@@ -275,7 +282,8 @@ def write_report(record: dict[str, Any], md: Path, methods_md: Path | None) -> N
     lines = [f"## Long runs, {rounds} rounds per fragment — `{record.get('command', 'python bench/long_runs.py')}`",
              "", f"Machine: {record.get('machine', '?')}. Corpus: {record.get('corpus', '?')}. {seeds}; mean ± "
              "standard deviation over seeds; claims compare runs seed by seed (the same batches). The target of the "
-             "steps column is each seed's single-worker final loss.", "",
+             "steps column is each seed's single-worker final loss."
+             + ("".join(f" Merged from `{c}`." for c in record.get("merged", []))), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", "### Claims", "", *verdicts, "", f"![long runs]({png.name})", ""]
@@ -294,6 +302,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--merge", default=None,
+                    help="Add the runs of these JSON files (comma-separated; e.g. other seeds run in parallel) to --out.")
     ap.add_argument("--only", default=None, help="Only these runs (labels separated by ';').")
     ap.add_argument("--data", default=None, help="A corpus (default: the built-in one).")
     ap.add_argument("--out", type=Path, default=RESULTS / "long_runs.json")
@@ -303,7 +313,15 @@ def main() -> None:
                     help="The methods report to put this section in ('' for none).")
     args = ap.parse_args()
     md = args.md or args.out.with_suffix(".md")
-    record = json.loads(args.out.read_text()) if args.report else run_all(args)
+    if args.merge:
+        record = json.loads(args.out.read_text())
+        for other in args.merge.split(","):
+            extra = json.loads(Path(other).read_text())
+            for key, run in extra["runs"].items():
+                record["runs"].setdefault(key, run)
+            record.setdefault("merged", []).append(extra.get("command", other))
+        args.out.write_text(json.dumps(record, indent=1))
+    record = json.loads(args.out.read_text()) if args.report or args.merge else run_all(args)
     record.setdefault("H", args.H)
     write_report(record, md, args.methods_md if str(args.methods_md) not in ("", ".") else None)
 
