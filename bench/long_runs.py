@@ -57,6 +57,7 @@ def runs(H: int, P: int) -> list[tuple[str, MethodConfig, int | None]]:
         ("streaming τ=1 (η 0.4)", StreamingConfig(H=H, P=P, tau=1, outer_lr=0.4), None),
         ("streaming τ=1 (η 0.7)", StreamingConfig(H=H, P=P, tau=1, outer_lr=0.7), None),
         ("streaming τ=5", StreamingConfig(H=H, P=P, tau=5), None),
+        ("streaming τ=5, take θ̃ (α 0)", StreamingConfig(H=H, P=P, tau=5, alpha=0.0), None),
         ("cocodc τ=5", CoCoDCConfig(H=H, P=P, tau=5, sends_per_window=P), None),
         ("cocodc τ=5, Taylor λ=1000", CoCoDCConfig(H=H, P=P, tau=5, sends_per_window=P, lambda0=1000.0), None),
         ("cocodc τ=5, N from the link", CoCoDCConfig(H=H, P=P, tau=5), None),
@@ -195,6 +196,8 @@ def report(record: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
           steps_claim())
     loss_claim("cocodc's delta rule ends no worse than streaming's α-merge (τ = 5, N = P, equal bytes)",
                "cocodc τ=5", "streaming τ=5", lambda g: g <= 0)
+    loss_claim("the delta rule ends below taking θ̃ (τ = 5, equal bytes)", "cocodc τ=5", "streaming τ=5, take θ̃ (α 0)",
+               lambda g: g < 0)
     loss_claim("the best Taylor λ of the instrument ends below the delta rule (τ = 5)",
                "cocodc τ=5, Taylor λ=1000", "cocodc τ=5", lambda g: g < 0)
     loss_claim("cocodc with N from the link ends no worse than streaming (τ = 5) at equal or more bytes",
