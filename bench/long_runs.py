@@ -283,7 +283,9 @@ def write_report(record: dict[str, Any], md: Path, methods_md: Path | None) -> N
     plot(record, png)
     rounds = record.get("rounds_per_fragment") or next(iter(record["runs"].values()))["rounds_per_fragment"]
     lines = [f"## Long runs, {rounds} rounds per fragment — `{record.get('command', 'python bench/long_runs.py')}`",
-             "", f"Machine: {record.get('machine', '?')}. Corpus: {record.get('corpus', '?')}. {seeds}; mean ± "
+             "", "These supersede the 10-round figures above where they differ: those ran cocodc with the normalised "
+             "Taylor term (λ0 0.2) since removed, and dilocox with the rank read from the projected update.", "",
+             f"Machine: {record.get('machine', '?')}. Corpus: {record.get('corpus', '?')}. {seeds}; mean ± "
              "standard deviation over seeds; claims compare runs seed by seed (the same batches). The target of the "
              "steps column is each seed's single-worker final loss."
              + ("".join(f" Merged from `{c}`." for c in record.get("merged", []))), "",
