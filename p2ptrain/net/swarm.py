@@ -79,6 +79,7 @@ class HivemindTransport(Transport):
         self.blocked: set[str] = set()  # fault injection: peers this one cannot reach (a partition)
         self.links = LinkMeter()
         self._left: set[str] = set()  # peers whose last announcement is a departure
+        self.outsider_said = False  # told the user once that the run's records are keyed otherwise
         self.mailboxes = Mailboxes(self.guard, cfg.max_message)
         self.streams = Streams(cfg, p2p, self.guard, lambda peer: peer in self.blocked, self._addresses)
         self._tasks: asyncio.TaskGroup | None = None
@@ -160,7 +161,7 @@ class HivemindTransport(Transport):
         found = await self.node.get(self._key(what), latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
-        now, out = get_dht_time(), {}
+        now, out, foreign = get_dht_time(), {}, []
         for sub, item in found.value.items():
             value, exp = item.value, item.expiration_time
             if not (exp > now and isinstance(value, dict) and isinstance(sub, str)):
@@ -168,10 +169,29 @@ class HivemindTransport(Transport):
             key = self.cfg.swarm_key
             if key is not None:
                 if not key.verify(value, self._key(what), sub):
+                    foreign.append(sub)
                     continue  # not from a member of this private swarm
                 value = {k: v for k, v in value.items() if k != MAC_FIELD}
+            elif MAC_FIELD in value:
+                foreign.append(sub)
+                continue  # a private swarm's record: nothing its members accept can come from this peer
             out[sub] = (value, exp)
+        if foreign and not out.keys() - {self.peer_id}:
+            self._say_outsider(what, len(foreign))
         return out
+
+    def _say_outsider(self, what: str, n: int) -> None:
+        """Once: this peer sees records of its run that it cannot take (another swarm key, or a key where it
+        has none) and none that it can: the swarm will refuse it. Nothing of any key is shown."""
+        if self.outsider_said:
+            return
+        self.outsider_said = True
+        if self.cfg.swarm_key is None:
+            why = "the run is private (its records carry a swarm key's tag): join with --swarm-key and the run's key file"
+        else:
+            why = (f"they are not tagged with this peer's swarm key (fingerprint {self.cfg.swarm_key.fingerprint}): "
+                   "the run uses another key, or none; check --swarm-key")
+        log.warning("event=swarm_refuses_this_peer run=%s records=%d kind=%s: %s", self.cfg.run_id, n, what, why)
 
     async def peers(self) -> list[PeerInfo]:
         from hivemind.utils import get_dht_time

@@ -67,6 +67,11 @@ def test_an_unkeyed_peer_gets_nothing_accepted(caplog: pytest.LogCaptureFixture)
             # Announcements: the keyed peers see each other only.
             for t in (a, b):
                 assert {p.peer_id for p in await t.peers()} == {a.peer_id, b.peer_id}
+            # The outsiders are told, once, that the run refuses them and why; the open one no longer takes the
+            # keyed peers for members (it used to, and saw only "stream closed mid-frame").
+            assert {p.peer_id for p in await open_peer.peers()} <= {open_peer.peer_id}
+            assert {p.peer_id for p in await wrong.peers()} <= {wrong.peer_id}
+            assert open_peer.outsider_said and wrong.outsider_said and not a.outsider_said
             # Streams: a join request or a tensor from outside is refused (no reply at all).
             for outsider in (open_peer, wrong):
                 req = JoinRequest(key="r", peer_id=outsider.peer_id, weight=1.0, fragment=0)
@@ -94,3 +99,6 @@ def test_an_unkeyed_peer_gets_nothing_accepted(caplog: pytest.LogCaptureFixture)
     asyncio.run(go())
     text = caplog.text
     assert SECRET.decode() not in text and SECRET[::-1].decode() not in text
+    assert "the run is private (its records carry a swarm key's tag): join with --swarm-key" in text
+    assert f"not tagged with this peer's swarm key (fingerprint {SwarmKey(SECRET[::-1]).fingerprint})" in text
+    assert SwarmKey(SECRET).fingerprint not in text  # the swarm's own key is not hinted at either
