@@ -89,7 +89,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     record.setdefault("runs", {})
     record.update({"command": "python bench/long_runs.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        if k not in ("out", "md", "report", "methods_md", "merge", "only") and v is not None),
+        if k not in ("out", "md", "report", "methods_md", "merge", "only", "compare") and v is not None),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "H": args.H, "P": args.P})
     model = preset(args.preset)
@@ -274,10 +274,32 @@ def plot(record: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
-def write_report(record: dict[str, Any], md: Path, methods_md: Path | None) -> None:
+def _status(verdict: str) -> tuple[str, str]:
+    """(claim, holds / does not hold / not measured) of a verdict line."""
+    claim, _, rest = verdict[2:].partition(": ")
+    return claim, ("not measured" if rest.startswith("not measured") else
+                   "does not hold" if rest.startswith("**does not hold") else "holds")
+
+
+def changed_claims(verdicts: list[str], other: list[str]) -> list[str]:
+    """The claims whose verdict differs between two reports (both measured)."""
+    mine = dict(_status(v) for v in verdicts)
+    theirs = dict(_status(v) for v in other)
+    return [f"{c}: {mine[c]} here, {theirs[c]} there" for c in mine
+            if c in theirs and "not measured" not in (mine[c], theirs[c]) and mine[c] != theirs[c]]
+
+
+def write_report(record: dict[str, Any], md: Path, methods_md: Path | None, compare: Path | None = None) -> None:
     """Print the table and verdicts, write ``md`` and a plot next to it, and the same section into
-    ``methods_md`` (a block named after ``md``, kept when bench/methods.py rewrites the rest)."""
+    ``methods_md`` (a block named after ``md``, kept when bench/methods.py rewrites the rest). ``compare``:
+    another run's JSON (another corpus or seeds); the claims whose verdict differs there are listed."""
     seeds, rows, verdicts = report(record)
+    if compare is not None:
+        other = json.loads(compare.read_text())
+        changed = changed_claims(verdicts, report(other)[2])
+        verdicts = [*verdicts, f"- on `{other.get('corpus', compare.name)}` "
+                    f"({other.get('command', '')}): " + ("every claim measured there has the same verdict" if not
+                                                          changed else "changed: " + "; ".join(changed))]
     cols = ["run", "seeds", "final val loss of θ", "steps to the single worker's final loss", "MB sent per peer",
             "syncs"]
     out.print(table(f"long runs ({seeds})", cols, rows))
@@ -313,6 +335,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--merge", default=None,
                     help="Add the runs of these JSON files (comma-separated; e.g. other seeds run in parallel) to --out.")
+    ap.add_argument("--compare", type=Path, default=None,
+                    help="Another run's JSON (another corpus): list the claims whose verdict differs there.")
     ap.add_argument("--only", default=None, help="Only these runs (labels separated by ';').")
     ap.add_argument("--data", default=None, help="A corpus (default: the built-in one).")
     ap.add_argument("--out", type=Path, default=RESULTS / "long_runs.json")
@@ -332,7 +356,7 @@ def main() -> None:
         args.out.write_text(json.dumps(record, indent=1))
     record = json.loads(args.out.read_text()) if args.report or args.merge else run_all(args)
     record.setdefault("H", args.H)
-    write_report(record, md, args.methods_md if str(args.methods_md) not in ("", ".") else None)
+    write_report(record, md, args.methods_md if str(args.methods_md) not in ("", ".") else None, args.compare)
 
 
 if __name__ == "__main__":

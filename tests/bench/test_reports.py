@@ -42,3 +42,11 @@ def test_claims_compare_runs_seed_by_seed() -> None:
     assert "**does not hold** (cocodc's steps to streaming's final loss / streaming's: never" in text
     assert "eager within 1% of diloco: not measured" in text
     assert {r[0] for r in rows} == {"single", "diloco", "dilocox", "streaming τ=5", "cocodc τ=5"}
+
+
+def test_the_claims_that_changed_on_another_corpus_are_listed() -> None:
+    from bench.long_runs import changed_claims
+
+    here = ["- a: **holds** (x)", "- b: **does not hold** (y)", "- c: not measured", "- d: **holds** (z)"]
+    there = ["- a: **does not hold** (x)", "- b: **does not hold** (y)", "- c: **holds** (w)", "- e: **holds** (v)"]
+    assert changed_claims(here, there) == ["a: holds here, does not hold there"]
