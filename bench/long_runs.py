@@ -168,7 +168,7 @@ def report(record: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
         if not xs:
             return None
         sd = f" ± {statistics.stdev(xs):.1%}" if len(xs) > 1 else ""
-        return statistics.mean(xs), f"{statistics.mean(xs):+.2%}{sd} over {len(xs)} seed{"s" if len(xs) > 1 else ""} [" + ", ".join(
+        return statistics.mean(xs), f"{statistics.mean(xs):+.2%}{sd} over {len(xs)} seed{'s' if len(xs) > 1 else ''} [" + ", ".join(
             f"{x:+.1%}" for x in xs) + "]"
 
     def claim(text: str, got: tuple[bool, str] | None) -> None:
