@@ -255,20 +255,27 @@ def plot(record: dict[str, Any], png: Path) -> None:
     by: dict[str, list[list[list[float]]]] = {}
     for r in record["runs"].values():
         by.setdefault(r["label"], []).append(r["evals"])
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     colors = plt.get_cmap("tab20").colors
+    finals = []
     for i, (label, runs_) in enumerate(by.items()):
         n = min(len(e) for e in runs_)
-        xs = [runs_[0][i][0] for i in range(n)]
-        ys = [statistics.mean(e[i][2] for e in runs_) for i in range(n)]
+        xs = [runs_[0][j][0] for j in range(n)]
+        ys = [statistics.mean(e[j][2] for e in runs_) for j in range(n)]
+        finals.append(ys[-1])
         start = n // 4  # the first quarter is where every run falls fast; the differences are at the end
-        ax.plot(xs[start:], ys[start:], label=label, color=colors[i % len(colors)],
-                linestyle="--" if "cocodc" in label else "-")
-    ax.set_xlabel("inner step (per peer)")
-    ax.set_ylabel("validation loss of θ (mean over seeds)")
-    ax.set_title(f"long runs: {record.get('corpus', '')[:60]}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+        for ax in axes:
+            ax.plot(xs[start:], ys[start:], label=label, color=colors[i % len(colors)],
+                    linestyle="--" if "cocodc" in label else "-")
+    low = min(finals)
+    axes[1].set_ylim(low * 0.98, low * 1.2)  # the methods within 20% of the best, where they part
+    axes[0].set_title(f"long runs: {record.get('corpus', '')[:48]}", fontsize=9)
+    axes[1].set_title("zoom: within 20% of the best final loss", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("inner step (per peer)")
+        ax.set_ylabel("validation loss of θ (mean over seeds)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
