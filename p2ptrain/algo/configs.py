@@ -165,6 +165,9 @@ class CoCoDCConfig(StreamingConfig):
     """
 
     name: ClassVar[str] = "cocodc"
+    # η 0.4, not streaming's 0.7: the delta rule keeps the local progress on top of θ̃ (no α-damping), and the
+    # long runs measured cocodc at 0.4; at 0.7 on real peers it ended 17.6% ± 9.5% above streaming.
+    outer_lr: float = 0.4
     lambda0: float = 0.0
     sends_per_window: int | None = None
     late: Literal["compensate", "stall"] = "compensate"
