@@ -125,7 +125,7 @@ class RunSession:
     def start(peer: SessionPeer[Any]) -> None:
         """Start ``peer`` (join the swarm); when it cannot, close it and fail with exit code 1 and the reason."""
         from ..net.swarm import SwarmError
-        from ..peer.base import JoinRefused
+        from ..peer.vitals import JoinRefused
 
         try:
             peer.start()

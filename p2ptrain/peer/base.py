@@ -13,11 +13,14 @@ so all peers reach a round at the same moment whatever their speed; each contrib
 its last sync, weighted by its tokens. A peer 3× slower than the rest takes fewer inner steps per round and
 never makes the others wait beyond the method's own waiting. (``clock="steps"`` paces by this peer's own
 inner steps instead: see :class:`~p2ptrain.peer.config.PeerConfig`.)
+
+Why it is long: it is one state machine (connect, pace, sync, loop, leave) whose steps share the peer's
+fields; what can stand alone already does (the link, the replica, the collective, the checks and signals of
+:mod:`.vitals`), and the rest would only pass those fields back and forth.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import threading
@@ -37,45 +40,11 @@ from ..trainer import Trainer
 from .collective import SwarmCollective
 from .config import PeerConfig, PeerState, PeerSummary
 from .link import SwarmLink
+from .vitals import SharingWatch, check_model, measured_pacing, model_fingerprint
 
-__all__ = ["JoinRefused", "PeerBase", "measured_pacing", "model_fingerprint"]
+__all__ = ["PeerBase"]
 
 log = logging.getLogger(__name__)
-
-
-#: A measured pacing above this is suspicious (a loaded machine, a first step that compiles): say so.
-PACING_WARN_SECONDS = 10.0
-#: ... and above this it is clamped: one peer's bad measurement must not pace a whole swarm at minutes per step.
-PACING_MAX_SECONDS = 60.0
-
-
-def measured_pacing(times: list[float]) -> tuple[float, str]:
-    """The step time to publish from a few timed inner steps: the first is left out (it warms caches and
-    compiles kernels) and the median of the rest taken (a busy moment does not count), at least 0.01 s and at
-    most :data:`PACING_MAX_SECONDS`; and a warning when it is that slow that a loaded machine is the likelier
-    cause (empty when not)."""
-    rest = sorted(times[1:] or times)
-    seconds = round(max(0.01, rest[len(rest) // 2]), 3)
-    if seconds > PACING_MAX_SECONDS:
-        return PACING_MAX_SECONDS, (f"measured {seconds} s per step, clamped to {PACING_MAX_SECONDS} s: "
-                                    "set the swarm's pacing with --step-seconds")
-    if seconds > PACING_WARN_SECONDS:
-        return seconds, ("a slow first measurement paces the whole swarm (a loaded machine?): "
-                         "set it with --step-seconds")
-    return seconds, ""
-
-
-class JoinRefused(RuntimeError):
-    """The run this peer tried to join trains something it cannot take part in (another model)."""
-
-
-def model_fingerprint(model: Any) -> str:
-    """What peers of one run must share: every parameter's name and shape (not dtype or device), hashed
-    (``model``: anything with ``named_parameters()``, a pipeline stage's view too)."""
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)};".encode())
-    return h.hexdigest()[:16]
 
 
 class PeerBase:
@@ -117,7 +86,7 @@ class PeerBase:
         self._stop = threading.Event()
         self._bytes_seen = (0, 0)
         self._warm_until = 0.0
-        self._sharing_since, self._sharing_said = time.monotonic(), 0.0
+        self.sharing = SharingWatch()  # whether this peer shares rounds with any other, and saying so
         self.checkpoints = (PeerCheckpoints(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
                             if cfg.checkpoint_dir else None)
         self.resume_state: dict[str, Any] | None = None  # set by PeerCheckpoints.restore before start()
@@ -280,17 +249,8 @@ class PeerBase:
         """Hook: the peer is paced and synced."""
 
     def _check_model(self) -> None:
-        """Refuse to join (:class:`JoinRefused`, before any inner step) a run whose live peers all announce
-        another model: their state could never load here, and rounds with them would mix unrelated tensors."""
-        theirs: dict[str, int] = {}
-        for info in self.link.others():
-            if fp := info.extra.get("model"):
-                theirs[str(fp)] = theirs.get(str(fp), 0) + 1
-        if theirs and self.model_fingerprint not in theirs:
-            fp, n = max(theirs.items(), key=lambda kv: kv[1])
-            raise JoinRefused(
-                f"run {self.cfg.run_id!r} trains another model (fingerprint {fp}, announced by {n} peer(s)); "
-                f"this peer's is {self.model_fingerprint}: join with the run's --preset / --init-from")
+        """Refuse to join a run of another model, before any inner step (see :func:`.vitals.check_model`)."""
+        check_model(self.model_fingerprint, self.link.others(), self.cfg.run_id)
 
     def _measure_pacing(self) -> float:
         """Nobody paces the run yet: real inner steps (kept: they are training) give the step time, see
@@ -390,7 +350,7 @@ class PeerBase:
             time.sleep(max(0.0, self._warm_until - time.monotonic()))
         self._t_start = time.perf_counter() if t is None else t
         self.loop_started = time.time()
-        self._sharing_since, self._sharing_said = time.monotonic(), 0.0
+        self.sharing.restart()
 
     def end_loop(self) -> None:
         """The inner-step loop is over: record its time, then drain what is in flight."""
@@ -436,25 +396,15 @@ class PeerBase:
         syncing twice (at least 30 s; 0.0 before that): its θ is then its own training only."""
         if self.runner is None or self._t_start is None:
             return 0.0
-        st = self.runner.stats
-        quiet = time.monotonic() - (st.last_shared if st.last_shared is not None else self._sharing_since)
-        limit = max(30.0, 2.0 * self.method.H * (self.step_seconds or 1.0))
-        return quiet if quiet > limit else 0.0
+        return self.sharing.quiet(self.runner.stats.last_shared, 2.0 * self.method.H * (self.step_seconds or 1.0))
 
     def _say_if_sharing_nothing(self) -> float:
         """Log (a warning when other peers are live) and set the metric if this peer shares nothing."""
         quiet = self.sharing_nothing()
         if self.metrics is not None:
             self.metrics.sharing_nothing.set(quiet)
-        if not quiet:
-            self._sharing_said = 0.0
-        elif quiet >= self._sharing_said:  # said once, then again each time the silence doubles
-            self._sharing_said = 2 * quiet
-            live = self.collective.members if self.collective is not None else 1
-            log.log(logging.WARNING if live > 1 else logging.INFO,
-                    "event=sharing_nothing seconds=%.0f live_peers=%d rounds=%d rounds_shared=%d", quiet, live,
-                    self.runner.stats.complete + self.runner.stats.partial if self.runner else 0,
-                    self.runner.stats.shared if self.runner else 0)
+        if self.runner is not None:
+            self.sharing.say(quiet, self.collective.members if self.collective is not None else 1, self.runner.stats)
         return quiet
 
     def _status(self) -> None:

@@ -14,7 +14,7 @@ from p2ptrain.data import Corpus, DataConfig
 from p2ptrain.model import ModelConfig
 from p2ptrain.net.memory import MemorySwarm
 from p2ptrain.peer import PeerConfig, make_peer
-from p2ptrain.peer.base import PACING_MAX_SECONDS, JoinRefused, measured_pacing, model_fingerprint
+from p2ptrain.peer.vitals import PACING_MAX_SECONDS, JoinRefused, measured_pacing, model_fingerprint
 from p2ptrain.trainer import TrainerConfig, make_trainer
 
 from .peers import MODEL, memory_transports
@@ -93,7 +93,7 @@ def test_a_peer_that_shares_nothing_says_so(corpus: Corpus, caplog: pytest.LogCa
     peer.on_status = statuses.append  # type: ignore[attr-defined]
     peer.sharing_nothing = lambda: 99.0 if peer.runner.stats.shared == 0 else 0.0  # type: ignore[attr-defined]
     try:
-        with caplog.at_level("INFO", logger="p2ptrain.peer.base"):
+        with caplog.at_level("INFO", logger="p2ptrain.peer.vitals"):
             summary = peer.run()  # type: ignore[attr-defined]
     finally:
         peer.close()  # type: ignore[attr-defined]
