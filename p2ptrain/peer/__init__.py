@@ -9,6 +9,7 @@ module                        what
 :mod:`.ddp`                   ``DDPPeer``: data parallel (``DDPDriver``)
 :mod:`.collective`            ``SwarmCollective``: the driver's rounds on the network loop
 :mod:`.replica`               ``ReplicaState``: versions of θ, state service, catch-up, repair
+:mod:`.vitals`                the model check at join, the measured pacing, the sharing watch
 ============================  ==================================================================
 """
 
