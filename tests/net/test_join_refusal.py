@@ -100,3 +100,26 @@ def test_a_peer_that_shares_nothing_says_so(corpus: Corpus, caplog: pytest.LogCa
     assert summary.rounds_complete + summary.rounds_partial > 0 and summary.rounds_shared == 0
     assert statuses and all(s["sharing_nothing"] == 99.0 for s in statuses)
     assert "event=sharing_nothing seconds=99 live_peers=1" in caplog.text
+
+
+def test_the_sharing_watch_counts_from_the_loop_start_and_says_it_as_the_silence_doubles(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from p2ptrain.peer import vitals
+
+    now = [1000.0]
+    monkeypatch.setattr(vitals.time, "monotonic", lambda: now[0])
+    watch, stats = vitals.SharingWatch(), SimpleNamespace(complete=3, partial=0, shared=0)
+    now[0] += 20
+    assert watch.quiet(None, round_seconds=10.0) == 0.0  # under the 30 s floor
+    now[0] += 20
+    assert watch.quiet(None, round_seconds=10.0) == 40.0  # 40 s since the loop started, nothing shared
+    assert watch.quiet(None, round_seconds=60.0) == 0.0  # ... but a round of this method takes longer
+    assert watch.quiet(now[0] - 5, round_seconds=10.0) == 0.0  # a round shared 5 s ago
+    with caplog.at_level("INFO", logger="p2ptrain.peer.vitals"):
+        for quiet in (40.0, 50.0, 79.0, 80.0, 0.0, 35.0):
+            watch.say(quiet, live=2, stats=stats)
+    said = [r for r in caplog.records if "event=sharing_nothing" in r.getMessage()]
+    assert [r.getMessage().split()[1] for r in said] == ["seconds=40", "seconds=80", "seconds=35"]  # then reset
+    assert all(r.levelname == "WARNING" for r in said)  # other peers are live: something keeps them apart
