@@ -81,7 +81,13 @@ def _summary(method: str, seed: int, peers: list[dict], steps: int, wall: float)
             "drain_seconds_mean": statistics.mean(p["drain_seconds"] for p in peers),
             "bytes_sent_per_step": statistics.mean(p["bytes_sent"] for p in peers) / max(1, steps),
             "rounds_mean": sum(p["rounds_complete"] + p["rounds_partial"] for p in peers) / len(peers),
-            "wall_seconds": wall, "summaries": peers}
+            "wall_seconds": wall, "summaries": [_slim(p) for p in peers]}
+
+
+def _slim(summary: dict) -> dict:
+    """A peer's summary without the per-step loss log and the applied rounds' digests (megabytes over a few
+    swarms; the validation curve, counters and round times stay)."""
+    return {k: v for k, v in summary.items() if k not in ("loss_log", "applied")}
 
 
 def _spread(xs: list[float], fmt: str = ".4f") -> str:

@@ -42,6 +42,7 @@ __all__ = [
     "read_checkpoint",
     "state_from_bytes",
     "state_to_bytes",
+    "tensor_bytes",
     "unpack",
     "write_checkpoint",
 ]
@@ -62,13 +63,13 @@ class NonFiniteState(CheckpointError):
     """A state with NaN or infinite tensors was not written (the older checkpoints are kept)."""
 
 
-def _bytes(t: torch.Tensor) -> Any:
+def tensor_bytes(t: torch.Tensor) -> Any:
     """The raw bytes of a contiguous CPU tensor, without a copy (a buffer ``zlib.crc32`` reads)."""
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
 
 def _crc32(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    return {name: zlib.crc32(_bytes(t)) for name, t in tensors.items()}
+    return {name: zlib.crc32(tensor_bytes(t)) for name, t in tensors.items()}
 
 
 def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:

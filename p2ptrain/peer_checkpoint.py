@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .checkpoint import CheckpointDir, NonFiniteState, pack
+from .checkpoint import CheckpointDir, NonFiniteState, pack, tensor_bytes
 from .faults import FaultPlan
 
 __all__ = ["Checkpointable", "PeerCheckpoints", "resumable_digest", "state_digest"]
@@ -55,7 +55,7 @@ def state_digest(state: Any) -> str:
     for name in sorted(tensors, key=lambda n: int(n[1:])):
         t = tensors[name]
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(tensor_bytes(t))
     return h.hexdigest()
 
 

@@ -54,6 +54,7 @@ class RunSession:
 
     def __init__(self, method: str, region: str) -> None:
         self.metrics = PeerMetrics(method=method, region=region)
+        self._watchdog: threading.Timer | None = None  # armed by the first signal, disarmed once the peer left
 
     def serve_metrics(self, requested: int | None, host: str, offset: int = 0) -> int | None:
         """Serve ``/metrics`` on ``host`` and print where; the port, or None when ``requested`` is negative
@@ -89,11 +90,11 @@ class RunSession:
         except OSError:
             return None
 
-    @staticmethod
-    def stop_on_signals(peer: SessionPeer[Any], grace: float, exit_now: Callable[[int], Any] = os._exit) -> None:
+    def stop_on_signals(self, peer: SessionPeer[Any], grace: float,
+                        exit_now: Callable[[int], Any] = os._exit) -> None:
         """On SIGTERM or SIGINT (Ctrl-C), say so and let ``peer`` leave cleanly after its current step; if it
         has not left ``grace`` seconds later (its rounds' timeout, the drain and a checkpoint), leave anyway
-        (``exit_now``, exit code 124). A second signal leaves at once: SystemExit from the handler, so the
+        (``exit_now``, exit code 124; not once the peer has left: the summary may take its time). A second signal leaves at once: SystemExit from the handler, so the
         ``finally`` blocks still close the network with their own bounded waits."""
         from ..ui import console
 
@@ -113,9 +114,9 @@ class RunSession:
                 raise SystemExit(130)
             console.print(f"signal {name}: leaving after this step (a second signal leaves at once)",
                           highlight=False)
-            timer = threading.Timer(grace, watchdog)
-            timer.daemon = True  # a clean exit before the deadline does not wait for it
-            timer.start()
+            self._watchdog = threading.Timer(grace, watchdog)
+            self._watchdog.daemon = True
+            self._watchdog.start()
             peer.request_stop()
 
         signal.signal(signal.SIGTERM, on_signal)
@@ -141,6 +142,8 @@ class RunSession:
         peer.on_status = status_printer(quiet)
         try:
             result = peer.run()
+            if self._watchdog is not None:  # the peer left: what remains is this process's own summary
+                self._watchdog.cancel()
             val = evaluate(result)
             self.metrics.val_loss.set(val)
         finally:

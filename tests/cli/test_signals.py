@@ -36,7 +36,7 @@ def test_a_peer_that_does_not_leave_is_made_to_and_a_second_signal_leaves_at_onc
 
     peer = _Stuck()
     try:
-        RunSession.stop_on_signals(peer, grace=0.3, exit_now=exit_now)  # type: ignore[arg-type]
+        RunSession("streaming", "").stop_on_signals(peer, grace=0.3, exit_now=exit_now)  # type: ignore[arg-type]
         os.kill(os.getpid(), signal.SIGTERM)
         assert peer.stop_requested.wait(5)  # asked to leave after its step
         assert exited.wait(5) and exits == [124]  # still there after the grace period: made to leave
@@ -44,6 +44,27 @@ def test_a_peer_that_does_not_leave_is_made_to_and_a_second_signal_leaves_at_onc
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the first signal: at once
             time.sleep(5)  # the handler runs between bytecodes, long before this ends
         assert e.value.code == 130
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_the_deadline_is_off_once_the_peer_has_left() -> None:
+    """A peer that left in time: its summary (a final evaluation of θ) is not cut short by the deadline."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    exits: list[int] = []
+
+    class _Leaves(_Stuck):
+        def run(self) -> int:
+            os.kill(os.getpid(), signal.SIGTERM)  # asked to leave while running, and it does
+            assert self.stop_requested.wait(5)
+            return 7
+
+    session, peer = RunSession("streaming", ""), _Leaves()
+    try:
+        session.stop_on_signals(peer, grace=0.2, exit_now=exits.append)  # type: ignore[arg-type]
+        result, _ = session.run(peer, True, lambda r: time.sleep(0.5) or 1.0)  # type: ignore[arg-type]
+        assert result == 7 and exits == []  # the 0.5 s evaluation outlived the 0.2 s deadline unharmed
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
