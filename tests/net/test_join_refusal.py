@@ -4,6 +4,7 @@ that start together agree on it."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -122,4 +123,4 @@ def test_the_sharing_watch_counts_from_the_loop_start_and_says_it_as_the_silence
             watch.say(quiet, live=2, stats=stats)
     said = [r for r in caplog.records if "event=sharing_nothing" in r.getMessage()]
     assert [r.getMessage().split()[1] for r in said] == ["seconds=40", "seconds=80", "seconds=35"]  # then reset
-    assert all(r.levelname == "WARNING" for r in said)  # other peers are live: something keeps them apart
+    assert all(r.levelno == logging.WARNING for r in said)  # other peers are live: something keeps them apart
