@@ -118,7 +118,8 @@ class Assembly:
     def __init__(self, numel: int, members: Sequence[str], me: int, *, check_agree: bool) -> None:
         self.members, self.me, self.check_agree = tuple(members), me, check_agree
         self.out = torch.zeros(numel, dtype=torch.float32)
-        self.contributors: set[str] | None = None  # whose share is in every part used so far
+        self.coverage: dict[str, int] = {}  # member -> values (of the parts used) that hold its share
+        self.covered = 0  # values of the parts used
         self.partial, self.divergent = False, False
         self.total_weight, self.received = 0.0, 0
 
@@ -131,8 +132,11 @@ class Assembly:
         self.out[lo:hi] = values
         if part != self.me:
             self.received += payload_len(res)
-        who = {str(p) for p in res["contributors"]}
-        self.contributors = who if self.contributors is None else self.contributors & who
+        who = {str(p) for p in res["contributors"]} & set(self.members)
+        size = max(1, hi - lo)  # an empty part (more members than values) still counts once
+        self.covered += size
+        for p in who:
+            self.coverage[p] = self.coverage.get(p, 0) + size
         self.partial |= len(who) < len(self.members)
         if self.check_agree and self.members[self.me] not in {str(p) for p in res["agree"]}:
             self.divergent = True
@@ -141,9 +145,14 @@ class Assembly:
 
     def result(self, group: Group, phase: int, like: Sequence[torch.Tensor], *, sent: int,
                seconds: float) -> ReduceResult:
-        """The phase's outcome, in tensors shaped like ``like``. RoundFailed if no part could be averaged."""
-        if not self.contributors:
+        """The phase's outcome, in tensors shaped like ``like``. RoundFailed if no part could be averaged.
+
+        Its contributors are the members whose share is in more than half of the values averaged: parts may
+        differ in who they hold (an owner that gave up on a late member, or a hostile owner that claims only
+        itself), and one part must not empty the round's record of who took part."""
+        contributors = {p for p, n in self.coverage.items() if 2 * n > self.covered}
+        if not contributors:
             raise RoundFailed(f"round {group.key} phase {phase}: no part could be averaged")
         return ReduceResult(unflatten(self.out, like), self.total_weight, group.members,
-                            tuple(sorted(self.contributors)), partial=self.partial, bytes_sent=sent,
+                            tuple(sorted(contributors)), partial=self.partial, bytes_sent=sent,
                             bytes_received=self.received, seconds=seconds, divergent=self.divergent)

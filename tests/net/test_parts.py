@@ -66,3 +66,15 @@ def test_assembly_zeroes_what_is_missing_and_says_so() -> None:
     assert (res.bytes_sent, res.bytes_received) == (10, 8)
     with pytest.raises(RoundFailed):
         Assembly(6, MEMBERS, 0, check_agree=False).result(group, 0, [torch.zeros(6)], sent=0, seconds=0.0)
+
+
+def test_one_part_that_names_only_its_owner_does_not_empty_the_round() -> None:
+    """A hostile (or hasty) owner that averaged only its own share: the round's contributors are the members
+    whose share is in most of the values, not the intersection over parts (which that part would empty)."""
+    group = Group("k", MEMBERS, "a", 0)
+    asm = Assembly(6, MEMBERS, 0, check_agree=False)
+    asm.add(0, 0, 2, torch.full((2,), 1.0), {"contributors": ["a", "b"], "agree": [], "total": 2.0})
+    asm.add(1, 2, 4, torch.full((2,), 2.0), {"contributors": ["a", "b"], "agree": [], "total": 2.0})
+    asm.add(2, 4, 6, torch.full((2,), 3.0), {"contributors": ["c", "stranger"], "agree": [], "total": 1.0})
+    res = asm.result(group, 0, [torch.zeros(6)], sent=0, seconds=0.0)
+    assert res.contributors == ("a", "b") and res.partial
