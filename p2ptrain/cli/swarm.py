@@ -37,7 +37,7 @@ def bootstrap(
                       initial_peers=list(initial_peers or []))
 
     async def main() -> None:
-        p2p, node = await start_p2p(cfg)
+        p2p, node, _ = await start_p2p(cfg)
         try:
             maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
             if maddrs_file:

@@ -198,6 +198,12 @@ class Codec(ABC):
     def encoded_size(self, numel: int) -> int:
         """Exact payload size in bytes for ``numel`` values (ValueError for a negative or non-integer count)."""
 
+    def error_bound(self, decoded: torch.Tensor) -> torch.Tensor:
+        """For each value of one decoded payload (1-D float32), the largest ``|x − decoded|`` of any finite input
+        ``x`` that encodes to it (inf where the codec saturates); block headers are read back from the decoded
+        values themselves. Used to check a part owner's average (collective/sketch.py)."""
+        return torch.zeros_like(decoded)
+
     @abstractmethod
     def _encode(self, x: torch.Tensor) -> bytes:
         """Payload of ``x``: a non-empty, finite, contiguous 1-D float32 tensor (CPU, or the encoding GPU)."""
@@ -242,6 +248,10 @@ class FP16Codec(Codec):
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
         return _read(buf, torch.float16, 0, numel).to(torch.float32)
 
+    def error_bound(self, decoded: torch.Tensor) -> torch.Tensor:
+        out = decoded.abs() * 2.0**-11 + 2.0**-25
+        return out.masked_fill_(decoded.abs() >= self._MAX, float("inf"))
+
 
 class BF16Codec(Codec):
     """bfloat16 (float32's exponent, 8 significant bits), 2 bytes per value: relative error <= 2^-8.
@@ -261,6 +271,10 @@ class BF16Codec(Codec):
 
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
         return _read(buf, torch.int16, 0, numel).view(torch.bfloat16).to(torch.float32)
+
+    def error_bound(self, decoded: torch.Tensor) -> torch.Tensor:
+        out = decoded.abs() * 2.0**-8 + 2.0**-133
+        return out.masked_fill_(decoded.abs() >= self._MAX, float("inf"))
 
 
 class Uint8Codec(Codec):
@@ -304,6 +318,15 @@ class Uint8Codec(Codec):
         out = torch.rsub(w, 1.0).mul_(lo).add_(w.mul_(hi))
         return out.reshape(-1)[:numel]
 
+    def error_bound(self, decoded: torch.Tensor) -> torch.Tensor:
+        # A block's min and max decode exactly (codes 0 and 255): the step is read back from them.
+        n, nb = decoded.numel(), _blocks(decoded.numel(), self.BLOCK)
+        xb = _pad(decoded, nb * self.BLOCK, decoded[-1:]).view(nb, self.BLOCK)
+        hi, lo = xb.amax(dim=1), xb.amin(dim=1)
+        # Half a step, and float32 rounding of the decode's convex combination (relative to the block's bounds).
+        half_step = (hi - lo) / 510.0 + torch.maximum(hi.abs(), lo.abs()) * 2.0**-22
+        return half_step.unsqueeze(1).expand(nb, self.BLOCK).reshape(-1)[:n].clone()
+
 
 class FP8Codec(Codec):
     """float8 e4m3 (``torch.float8_e4m3fn``) with one float32 scale per row of 256 values.
@@ -344,6 +367,13 @@ class FP8Codec(Codec):
         # 448 * (absmax / 448) can round one ulp above absmax; for absmax within an ulp of float32's max that is
         # inf, so saturate (clamp keeps NaN, which decode() then rejects).
         return out.reshape(-1)[:numel].clamp_(-_F32_MAX, _F32_MAX)
+
+    def error_bound(self, decoded: torch.Tensor) -> torch.Tensor:
+        # The row's absmax decodes to 448·scale: the scale is read back from it.
+        n, rows = decoded.numel(), _blocks(decoded.numel(), self.ROW)
+        xr = _pad(decoded, rows * self.ROW).view(rows, self.ROW).abs()
+        scale = (xr.amax(dim=1) / self._MAX).unsqueeze(1)
+        return (xr * (2.0**-4 / (1 - 2.0**-4) + 2.0**-22) + scale * 2.0**-9).reshape(-1)[:n]
 
 
 class E3M0Codec(Codec):
@@ -400,6 +430,14 @@ class E3M0Codec(Codec):
         codes = _pad(codes, nb * self.BLOCK, 0)
         mags = self._LEVELS.index_select(0, codes.to(torch.int32)).view(nb, self.BLOCK)
         return (mags * scale.unsqueeze(1)).reshape(-1)[:numel]  # power-of-two multiples: exact for normal scales
+
+    def error_bound(self, decoded: torch.Tensor) -> torch.Tensor:
+        # Level L takes inputs in [0.75 L, 1.5 L] (round to nearest, linear domain), zero those below
+        # 2^-7 · scale; the block's absmax decodes to the scale itself.
+        n, nb = decoded.numel(), _blocks(decoded.numel(), self.BLOCK)
+        xb = _pad(decoded, nb * self.BLOCK).view(nb, self.BLOCK).abs()
+        floor = (xb.amax(dim=1) * 2.0**-7).unsqueeze(1)
+        return torch.maximum(xb * 0.5, floor).mul_(1 + 2.0**-20).reshape(-1)[:n]
 
 
 CODECS: dict[str, type[Codec]] = {

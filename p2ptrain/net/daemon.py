@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from ..collective.butterfly import MIN_CHUNK
 from ..faults import FaultPlan
 from .auth import SwarmKey
 from .guard import GuardConfig
+from .identity import Identity, IdentityError
 from .state_transfer import DEFAULT_CHUNK, MAX_STATE
 from .wire import MAX_FRAME
 
@@ -96,25 +98,53 @@ class SwarmConfig:
             raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
 
 
-async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any]:
-    """Start the libp2p daemon and a DHT node on it, retrying with backoff; (P2P, DHTNode). SwarmError if
-    every attempt failed (the daemon of a failed attempt is shut down)."""
-    from hivemind.dht.node import DHTNode
-    from hivemind.p2p import P2P, P2PDaemonError
+async def _create_p2p(cfg: SwarmConfig, identity: Identity | None) -> Any:
+    """The daemon, with the identity file the user gave or, without one, with ``identity`` (a key drawn here,
+    handed over in a private temporary file)."""
+    from hivemind.p2p import P2P
 
+    kwargs: dict[str, Any] = dict(
+        initial_peers=cfg.initial_peers or None, host_maddrs=cfg.host_maddrs,
+        announce_maddrs=cfg.announce_maddrs or None, dht_mode="client" if cfg.client_mode else "server",
+        use_relay=cfg.use_relay, use_auto_relay=cfg.use_auto_relay, startup_timeout=30)
+    if identity is None:
+        return await P2P.create(identity_path=cfg.identity_path, **kwargs)
+    with identity.as_file() as path:
+        # A key drawn a moment ago is nobody else's: hivemind's check of that reads RSA keys only.
+        return await P2P.create(identity_path=path, check_if_identity_free=False, **kwargs)
+
+
+def _load_identity(path: str) -> Identity:
+    try:
+        return Identity.load(path)
+    except IdentityError as e:
+        raise SwarmError(f"{e}: pass another --identity file, or a path that does not exist yet (one is made there)") \
+            from None
+
+
+async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any, Identity]:
+    """Start the libp2p daemon and a DHT node on it, retrying with backoff; (P2P, DHTNode, the identity that
+    signs for this peer). SwarmError if every attempt failed (the daemon of a failed attempt is shut down), or
+    if the identity file cannot be used."""
+    from hivemind.dht.node import DHTNode
+    from hivemind.p2p import P2PDaemonError
+
+    path = cfg.identity_path
+    drawn = None if path is not None else Identity.generate()
+    if path is not None and os.path.exists(path):
+        _load_identity(path)  # a broken file is said as such, not blamed on the initial peers
     delay, last = cfg.connect_backoff, ""
     for attempt in range(1, max(1, cfg.connect_attempts) + 1):
         p2p = None
         try:
-            p2p = await P2P.create(
-                initial_peers=cfg.initial_peers or None, host_maddrs=cfg.host_maddrs,
-                announce_maddrs=cfg.announce_maddrs or None, identity_path=cfg.identity_path,
-                dht_mode="client" if cfg.client_mode else "server", use_relay=cfg.use_relay,
-                use_auto_relay=cfg.use_auto_relay, startup_timeout=30)
+            p2p = await _create_p2p(cfg, drawn)
+            identity = drawn if drawn is not None else _load_identity(str(path))  # hivemind made it if missing
+            if identity.peer_id != str(p2p.peer_id):
+                raise SwarmError(f"the daemon runs as {p2p.peer_id}, not as the identity's {identity.peer_id}")
             node = await DHTNode.create(p2p=p2p, initial_peers=cfg.initial_peers or None,
                                         client_mode=cfg.client_mode, ensure_bootstrap_success=bool(cfg.initial_peers),
                                         wait_timeout=3, bootstrap_timeout=5)
-            return p2p, node
+            return p2p, node, identity
         except (TimeoutError, P2PDaemonError, RuntimeError, OSError) as e:
             last = str(e).splitlines()[0] if str(e) else type(e).__name__
             if p2p is not None:

@@ -43,6 +43,7 @@ from .bandwidth import LinkMeter
 from .daemon import SwarmConfig, SwarmError, dial, start_p2p
 from .groups import Forming, alone_check, leader_of, membership_check
 from .guard import Guard
+from .identity import Identity
 from .mailbox import Mailbox, Mailboxes
 from .state_transfer import StateServer, fetch_chunked
 from .streams import ChunkSource, Streams
@@ -67,8 +68,8 @@ log = logging.getLogger(__name__)
 class HivemindTransport(Transport):
     """A :class:`Transport` over hivemind's P2P daemon and DHT (create with :meth:`create`)."""
 
-    def __init__(self, cfg: SwarmConfig, p2p: Any, node: Any) -> None:
-        self.cfg, self.p2p, self.node = cfg, p2p, node
+    def __init__(self, cfg: SwarmConfig, p2p: Any, node: Any, identity: Identity) -> None:
+        self.cfg, self.p2p, self.node, self.identity = cfg, p2p, node, identity
         self.peer_id = str(p2p.peer_id)
         self._forming: dict[str, Forming] = {}
         self._live: list[PeerInfo] = []
@@ -91,8 +92,8 @@ class HivemindTransport(Transport):
     async def create(cls, cfg: SwarmConfig) -> HivemindTransport:
         """Start the daemon and the DHT node (SwarmError if the swarm cannot be joined), serve our protocols
         and start the background tasks."""
-        p2p, node = await start_p2p(cfg)
-        self = cls(cfg, p2p, node)
+        p2p, node, identity = await start_p2p(cfg)
+        self = cls(cfg, p2p, node, identity)
         for kind, handler in (("join", self._on_join), ("part", self._on_part), ("result", self._on_result),
                               ("getpart", self._on_getpart), ("state", self._on_state)):
             await self.streams.serve(kind, handler)

@@ -1,0 +1,97 @@
+"""Checking a part owner's average without its data: random-sign sketches of every contribution (pure).
+
+A butterfly part's owner averages the members' contributions and sends the average back; every member must
+be able to tell a wrong average from a right one. Following BTARD (Gorbunov et al., "Secure Distributed
+Training at Scale", 2022), each contributor sends, after the round, a *sketch* of what it contributed: the
+contribution cut into :data:`BUCKETS` contiguous buckets, each summed with random signs drawn from a seed that
+is fixed by the owner's result (so the owner cannot know the signs when it chooses its result). Sketches
+are linear: for the weighted mean, ``S(result) = Σ ŵ_i S(x_i)`` up to the result codec's rounding, so a
+member compares ``S(result)`` with the weighted sum of the contributors' sketches (:func:`mean_residual`).
+For CenteredClip the check is BTARD's own: the clipped differences ``clip_τ(x_i − v)`` sum to zero at the
+result ``v`` (:func:`clipped`).
+
+A lie ``δ`` in the result shows up as ``S(δ)``, whose squared norm is ``‖δ‖²`` on average over the signs;
+the honest residual is the result codec's rounding ``e``, bounded element by element by the codec
+(:meth:`p2ptrain.collective.codecs.Codec.error_bound`). The check passes when ``‖residual‖² ≤ κ²·Σ ε²``
+(:data:`KAPPA`): any lie more than a few times the codec's own error is caught (with fp32, any lie above
+float rounding), a smaller one is not distinguishable from rounding. Sketches and sums are float64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["BUCKETS", "KAPPA", "clipped", "mean_residual", "passes", "seed", "sketch"]
+
+#: Buckets per sketch: 32 float64 values (256 bytes) per contribution, however large the part.
+BUCKETS = 32
+#: A residual passes up to κ times the codec's error bound (in norm): an honest residual's squared norm is
+#: on average at most Σ ε², and this far above it is beyond the reach of chance.
+KAPPA = 4.0
+#: The eight signs (±1, float32) that each byte of the sign stream stands for, low bit first.
+_SIGNS = (1.0 - 2.0 * ((torch.arange(256)[:, None] >> torch.arange(8)) & 1)).to(torch.float32)
+
+
+def seed(*context: str | int | bytes) -> bytes:
+    """A sketch seed bound to its context (run, round, phase, part, the digest of the owner's result)."""
+    h = hashlib.sha256(b"p2ptrain-sketch")
+    for c in context:
+        b = c if isinstance(c, bytes) else str(c).encode()
+        h.update(len(b).to_bytes(8, "big") + b)
+    return h.digest()
+
+
+def _signs(bits: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """±1 (float32) for values ``[lo, hi)`` from the packed sign bits (one bit per value, low bit first)."""
+    packed = bits[lo // 8 : (hi + 7) // 8].to(torch.int64)
+    return _SIGNS.index_select(0, packed).reshape(-1)[lo % 8 : lo % 8 + (hi - lo)]
+
+
+def sketch(x: torch.Tensor, key: bytes, buckets: int = BUCKETS) -> torch.Tensor:
+    """The float64 sketch of ``x`` (any shape, read flat) under ``key``: bucket b is Σ_k σ_k x_k over the b-th
+    contiguous stretch of ``ceil(n / buckets)`` values, with signs σ from SHAKE-256 of ``key`` (the same on
+    every machine and torch version)."""
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    out = torch.zeros(buckets, dtype=torch.float64)
+    if n == 0:
+        return out
+    bits = torch.frombuffer(bytearray(hashlib.shake_256(key).digest((n + 7) // 8)), dtype=torch.uint8)
+    size = -(-n // buckets)
+    for b in range(buckets):
+        lo, hi = b * size, min(n, (b + 1) * size)
+        if lo >= hi:
+            break
+        chunk = flat[lo:hi]
+        if chunk.dtype == torch.float64:
+            out[b] = torch.dot(chunk, _signs(bits, lo, hi).to(torch.float64))
+        else:  # x·(±1) is exact in float32; the sum is taken in float64
+            out[b] = torch.sum(chunk.float() * _signs(bits, lo, hi), dtype=torch.float64)
+    return out
+
+
+def mean_residual(result: torch.Tensor, sketches: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """``S(result) − Σ w_i S(x_i) / Σ w_i``: what a weighted mean leaves over (``result`` is its sketch)."""
+    total = math.fsum(w for w, _ in sketches)
+    acc = result.to(torch.float64).clone()
+    for w, s in sketches:
+        acc -= (w / total) * s.to(torch.float64)
+    return acc
+
+
+def clipped(x: torch.Tensor, v: torch.Tensor, tau: float) -> torch.Tensor:
+    """CenteredClip's pull of ``x`` on the centre ``v``: ``(x − v)·min(1, τ/‖x − v‖)`` (float64)."""
+    d = x.detach().reshape(-1).to(torch.float64) - v.detach().reshape(-1).to(torch.float64)
+    norm = float(d.norm())
+    return d if norm <= tau or norm == 0.0 else d * (tau / norm)
+
+
+def passes(residual: torch.Tensor, bound_sq: float, scale: float) -> bool:
+    """Whether a residual sketch is within κ times the codec's error bound (``bound_sq`` = Σ ε²), with room
+    for float64 rounding of sums whose terms reach ``scale`` in magnitude."""
+    slack = (1e-9 * scale) ** 2 + 1e-30
+    return float(residual.pow(2).sum()) <= KAPPA**2 * bound_sq + slack

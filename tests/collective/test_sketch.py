@@ -1,0 +1,87 @@
+"""Sketches of contributions and the codecs' error bounds: what the check of a part owner's average stands on."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+import torch
+
+from p2ptrain.collective.aggregate import centered_clip, weighted_mean
+from p2ptrain.collective.codecs import CODECS, get_codec
+from p2ptrain.collective.sketch import BUCKETS, KAPPA, clipped, mean_residual, passes, seed, sketch
+
+
+def _inputs(n: int, g: torch.Generator) -> list[torch.Tensor]:
+    base = torch.randn(n, generator=g)
+    spiky = base.clone()
+    spiky[:: max(1, n // 5)] *= 1000.0
+    sparse = torch.where(torch.rand(n, generator=g) < 0.9, torch.zeros(n), base)
+    return [base, base * 1e-6, spiky, sparse, torch.zeros(n), torch.full((n,), 3.0)]
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_every_decoded_value_is_within_its_error_bound(name: str) -> None:
+    codec = get_codec(name)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 63, 64, 1000, 4097):
+        for x in _inputs(n, g):
+            d = codec.decode(codec.encode(x), n)
+            bound = codec.error_bound(d)
+            assert bound.shape == d.shape and bool((bound >= 0).all())
+            err = (x.double() - d.double()).abs()
+            assert bool((err <= bound.double() + 1e-30).all()), (name, n, float((err - bound.double()).max()))
+
+
+def test_a_sketch_is_linear_and_the_same_for_the_same_seed() -> None:
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(1001, generator=g), torch.randn(1001, generator=g)
+    k = seed("run", "r1", 0, 3, b"digest")
+    sa, sb = sketch(a, k), sketch(b, k)
+    assert sa.shape == (BUCKETS,) and sa.dtype == torch.float64
+    assert torch.allclose(sketch(0.25 * a + 0.75 * b, k), 0.25 * sa + 0.75 * sb, atol=1e-9)
+    assert torch.equal(sketch(a, k), sa)
+    assert not torch.allclose(sketch(a, seed("run", "r1", 0, 3, b"other")), sa)
+    # By hand: one sign bit per value (low bit first) from SHAKE-256 of the key; buckets of ceil(5/2) = 3 values.
+    byte = hashlib.shake_256(k).digest(1)[0]
+    sign = [1.0 - 2.0 * ((byte >> i) & 1) for i in range(5)]
+    s = sketch(torch.arange(1, 6, dtype=torch.float32), k, buckets=2)
+    assert s.tolist() == [sign[0] * 1 + sign[1] * 2 + sign[2] * 3, sign[3] * 4 + sign[4] * 5]
+    assert sketch(torch.zeros(0), k).abs().sum() == 0
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "uint8", "e3m0"])
+def test_an_honest_mean_passes_and_a_lie_above_the_codec_error_fails(name: str) -> None:
+    codec = get_codec(name)
+    g = torch.Generator().manual_seed(2)
+    n, k = 5000, 5
+    xs = [codec.decode(codec.encode(torch.randn(n, generator=g) + 1.0), n) for _ in range(k)]
+    ws = [1.0, 2.0, 1.0, 0.5, 1.5]
+    m = weighted_mean(xs, ws)
+    honest = codec.decode(codec.encode(m), n)
+    bound_sq = float(codec.error_bound(honest).double().pow(2).sum() + (honest.double() * 2.0**-24).pow(2).sum())
+    for trial in range(20):
+        key = seed("run", trial)
+        sk = [(w, sketch(x, key)) for w, x in zip(ws, xs, strict=True)]
+        res = mean_residual(sketch(honest, key), sk)
+        assert passes(res, bound_sq, float(m.abs().sum())), (name, trial)
+        lie_size = 3.0 * KAPPA * math.sqrt(bound_sq) + 0.1 * float(m.norm())
+        for lie in (-m, 99 * m, torch.randn(n, generator=g) * lie_size / math.sqrt(n)):
+            bad = codec.decode(codec.encode(m + lie), n)
+            bad_sq = float(codec.error_bound(bad).double().pow(2).sum() + (bad.double() * 2.0**-24).pow(2).sum())
+            if (bad - honest).norm() > 2 * KAPPA * math.sqrt(max(bound_sq, bad_sq)):
+                assert not passes(mean_residual(sketch(bad, key), sk), bad_sq, float(m.abs().sum())), (name, trial)
+
+
+def test_the_clipped_pulls_of_a_converged_centered_clip_cancel() -> None:
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(300, generator=g, dtype=torch.float64) for _ in range(4)] + [100 * torch.ones(300, dtype=torch.float64)]
+    ws = [1.0] * 5
+    v = centered_clip(xs, ws, tau=5.0, iters=200)
+    pull = sum(clipped(x, v, 5.0) for x in xs) / 5
+    assert float(pull.norm()) < 1e-6
+    key = seed("clip")
+    res = sum(sketch(clipped(x, v, 5.0), key) for x in xs) / 5
+    assert passes(res, 0.0, 1.0)
+    assert not passes(sum(sketch(clipped(x, v + 0.5, 5.0), key) for x in xs) / 5, 0.0, 1.0)
