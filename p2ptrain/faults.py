@@ -13,6 +13,11 @@ checkpoint write, after half of the temporary file is on disk and before the ren
 
 ``corrupt`` (set by tests only, no variable): the peer sends broken updates of that kind
 (:data:`CORRUPTIONS`, made by the pure functions :func:`corrupt_update` and :func:`corrupt_payload`).
+
+``lie`` (tests and bench/chaos.py): as a butterfly part's owner, the peer sends back a wrong average of that
+kind (:data:`LIES`, made by :func:`lie_about`), to every member or (``lie_to_some``) to half of them;
+``frame``: as a contributor, it sends wrong sketches of its contributions after the round, to get an honest
+owner blamed.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["CORRUPTIONS", "ENV_KILL_IN_ALLREDUCE", "ENV_KILL_IN_CHECKPOINT", "FaultPlan", "corrupt_payload",
-           "corrupt_update"]
+__all__ = ["CORRUPTIONS", "ENV_KILL_IN_ALLREDUCE", "ENV_KILL_IN_CHECKPOINT", "LIES", "FaultPlan", "corrupt_payload",
+           "corrupt_update", "lie_about"]
 
 ENV_KILL_IN_ALLREDUCE = "P2PTRAIN_FAULT_KILL_IN_ALLREDUCE"
 ENV_KILL_IN_CHECKPOINT = "P2PTRAIN_FAULT_KILL_IN_CHECKPOINT"
 CORRUPTIONS = ("nan", "scale", "random", "shape", "truncate")
+LIES = ("scale", "nan", "flip", "shift")
 
 
 def _sigkill_self() -> None:
@@ -55,6 +61,9 @@ class FaultPlan:
         kill_in_allreduce: die in this all-reduce phase (1 is the first), or never.
         kill_in_checkpoint: die half-way through this checkpoint write (1 is the first), or never.
         corrupt: send broken updates of this kind (:data:`CORRUPTIONS`), or honest ones.
+        lie: as a part's owner, send back a wrong average of this kind (:data:`LIES`), or the true one;
+            lie_to_some: only to every other member (the rest get the true one).
+        frame: send wrong sketches of this peer's contributions in the round's checks.
         allreduces, checkpoints: all-reduce phases and checkpoint writes begun so far.
         armed: the checkpoint write under way is the one to die in.
         kill: what dying is (SIGKILL of this process; a test may record instead).
@@ -63,6 +72,9 @@ class FaultPlan:
     kill_in_allreduce: int | None = None
     kill_in_checkpoint: int | None = None
     corrupt: str | None = None
+    lie: str | None = None
+    lie_to_some: bool = False
+    frame: bool = False
     allreduces: int = 0
     checkpoints: int = 0
     armed: bool = False
@@ -71,6 +83,8 @@ class FaultPlan:
     def __post_init__(self) -> None:
         if self.corrupt is not None and self.corrupt not in CORRUPTIONS:
             raise ValueError(f"unknown corruption {self.corrupt!r}: choose one of {', '.join(CORRUPTIONS)}")
+        if self.lie is not None and self.lie not in LIES:
+            raise ValueError(f"unknown lie {self.lie!r}: choose one of {', '.join(LIES)}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FaultPlan:
@@ -134,3 +148,19 @@ def corrupt_payload(codec: Any, flat: torch.Tensor, mode: str) -> tuple[bytes, t
     if mode == "truncate":
         data = data[: len(data) // 2]
     return data, bad
+
+
+def lie_about(avg: torch.Tensor, mode: str) -> torch.Tensor:
+    """A lying part owner's version of the average it sends back (tests and fault-injection runs only):
+    ``scale`` (×100), ``nan`` (some values NaN), ``flip`` (sign-flipped), ``shift`` (moved by 10% of its
+    norm, in a fixed random direction: a lie small enough to look plausible)."""
+    if mode == "scale":
+        return avg * 100.0
+    if mode == "nan":
+        return corrupt_update(avg, "nan")
+    if mode == "flip":
+        return -avg
+    if mode == "shift":
+        u = torch.randn(avg.numel(), generator=torch.Generator().manual_seed(7)).to(avg.dtype).view_as(avg)
+        return avg + u * (0.1 * float(avg.norm()) / max(1e-30, float(u.norm())))
+    raise ValueError(f"unknown lie {mode!r}: choose one of {', '.join(LIES)}")

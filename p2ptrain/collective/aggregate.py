@@ -10,7 +10,10 @@ mean). Tolerates up to ``b`` arbitrary contributions per coordinate.
 ``v ← v + Σ_i ŵ_i·(x_i − v)·min(1, τ/‖x_i − v‖)`` with ``ŵ_i = w_i/Σw``: each
 contribution pulls the centre by at most τ, so one scaled or random update moves
 the result by at most ``ŵ_i·τ`` per iteration whatever its size. τ defaults to the
-median distance of the contributions to ``v₀`` (scale-free: no knob to tune per model).
+median distance of the contributions to ``v₀`` (scale-free: no knob to tune per model,
+:func:`clip_radius`). It iterates to the fixed point (the pulls cancel: a step below
+:data:`CLIP_TOL` · τ, or ``iters`` steps), so that a member can check an owner's result
+by BTARD's test that the clipped pulls sum to zero there (collective/sketch.py).
 
 The mean accumulates in float64; the robust rules work in fp32 (float64 in, float64 out for references), on
 the inputs' device.
@@ -22,9 +25,11 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["AGGREGATIONS", "aggregate", "centered_clip", "trimmed_mean", "weighted_mean"]
+__all__ = ["AGGREGATIONS", "CLIP_TOL", "aggregate", "centered_clip", "clip_radius", "trimmed_mean", "weighted_mean"]
 
 AGGREGATIONS = ("mean", "trimmed-mean", "centered-clip")
+#: CenteredClip stops once a step is below this fraction of τ.
+CLIP_TOL = 1e-4
 
 
 def _check(xs: Sequence[torch.Tensor], ws: Sequence[float]) -> torch.Tensor:
@@ -68,31 +73,52 @@ def trimmed_mean(xs: Sequence[torch.Tensor], ws: Sequence[float], trim: float = 
     return ((kept * weights).sum(0) / weights.sum(0)).reshape(xs[0].shape)
 
 
-def centered_clip(xs: Sequence[torch.Tensor], ws: Sequence[float], tau: float | None = None,
-                  iters: int = 5) -> torch.Tensor:
-    w = _check(xs, ws)
+def _stack(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     dtype = torch.float64 if xs[0].dtype == torch.float64 else torch.float32
-    x = torch.stack([t.to(dtype).reshape(-1) for t in xs])
-    wn = (w / w.sum()).to(dtype=dtype, device=x.device)
-    v = x.median(dim=0).values if len(xs) > 2 else (x * wn[:, None]).sum(0)
+    return torch.stack([t.to(dtype).reshape(-1) for t in xs])
+
+
+def _start(x: torch.Tensor, wn: torch.Tensor) -> torch.Tensor:
+    return x.median(dim=0).values if x.shape[0] > 2 else (x * wn[:, None]).sum(0)
+
+
+def clip_radius(xs: Sequence[torch.Tensor], ws: Sequence[float]) -> float:
+    """CenteredClip's default τ: the median distance of the contributions to their coordinate-wise median."""
+    w = _check(xs, ws)
+    x = _stack(xs)
+    v = _start(x, (w / w.sum()).to(dtype=x.dtype, device=x.device))
+    return float((x - v).norm(dim=1).median())
+
+
+def centered_clip(xs: Sequence[torch.Tensor], ws: Sequence[float], tau: float | None = None,
+                  iters: int = 100) -> torch.Tensor:
+    w = _check(xs, ws)
+    x = _stack(xs)
+    wn = (w / w.sum()).to(dtype=x.dtype, device=x.device)
+    v = _start(x, wn)
     if tau is None:
-        tau = float((x - v).norm(dim=1).median())
+        tau = clip_radius(xs, ws)
     if tau <= 0:
         return v.reshape(xs[0].shape)
     for _ in range(iters):
         d = x - v
         norms = d.norm(dim=1)
         scale = torch.clamp(tau / norms.clamp_min(1e-30), max=1.0)
-        v = v + ((wn * scale)[:, None] * d).sum(0)
+        step = ((wn * scale)[:, None] * d).sum(0)
+        v = v + step
+        if float(step.norm()) <= CLIP_TOL * tau:
+            break
     return v.reshape(xs[0].shape)
 
 
-def aggregate(xs: Sequence[torch.Tensor], ws: Sequence[float], how: str = "mean") -> torch.Tensor:
-    """Aggregate contributions ``xs`` with weights ``ws`` by ``how`` (one of :data:`AGGREGATIONS`)."""
+def aggregate(xs: Sequence[torch.Tensor], ws: Sequence[float], how: str = "mean", *,
+              tau: float | None = None) -> torch.Tensor:
+    """Aggregate contributions ``xs`` with weights ``ws`` by ``how`` (one of :data:`AGGREGATIONS`; ``tau``:
+    CenteredClip's radius, by default :func:`clip_radius`)."""
     if how == "mean":
         return weighted_mean(xs, ws)
     if how == "trimmed-mean":
         return trimmed_mean(xs, ws)
     if how == "centered-clip":
-        return centered_clip(xs, ws)
+        return centered_clip(xs, ws, tau)
     raise ValueError(f"unknown aggregation {how!r}: choose one of {', '.join(AGGREGATIONS)}")

@@ -8,7 +8,10 @@
 3. all-gather: it sends its averaged part, encoded once, to every other member;
 4. it waits for the other parts' results (until 0.8 of the timeout), then asks the other members for
    any still missing (a relay, ``getpart``, until the timeout);
-5. it assembles what it got (net/parts.py): a part nobody could average is zero and the result partial.
+5. with verified aggregation (an ``audit``, net/audit.py; the steps before then end at 0.7 and 0.8 of the
+   timeout): it sends every member its claims about its contributions, waits for theirs (until 0.9), and
+   judges every part it did not own, settling disputes with the owners' evidence (until the timeout);
+6. it assembles what it got (net/parts.py): a part nobody could average is zero and the result partial.
 
 A run owns every task it starts, in one TaskGroup: when the run ends, fails or its caller cancels it,
 they are all cancelled and awaited before it returns. A send that fails is logged and counted, never
@@ -20,21 +23,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from typing import Any, Protocol, TypeVar
 
 import torch
 
 from ..collective.butterfly import chunk_bounds, part_bounds
 from ..collective.codecs import Codec
-from ..faults import FaultPlan, corrupt_payload
+from ..faults import FaultPlan, corrupt_payload, lie_about
+from .audit import Audit
 from .bandwidth import LinkMeter
 from .chunks import EncodedStream, chunked_size, decode_chunked, encode_ahead
 from .guard import Guard
 from .mailbox import Mailbox
 from .parts import Assembly, flatten, result_problem, select_contributions
-from .streams import ChunkSource
+from .streams import ChunkSource, Trailer
 from .transport import Group, ReduceResult, RoundFailed
+from .wire import encode_message
 
 __all__ = ["ButterflyRun", "Call"]
 
@@ -43,15 +49,19 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Fractions of the run's timeout: contributions are gathered until the first, results until the second,
-# relays of missing results until the whole.
-GATHER, RESULTS = 0.5, 0.8
+# relays of missing results until the third; with verification, claims until the fourth and disputes until
+# the whole.
+GATHER = 0.5
+PLAIN = (0.8, 1.0, 1.0)  # RESULTS, RELAYS, CLAIMS
+VERIFIED = (0.7, 0.8, 0.9)
 
 
 class Call(Protocol):
     """One request/response with a peer (streams.Streams.call): (reply, seconds) or RoundFailed."""
 
     def __call__(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
-                 chunks: ChunkSource | None = None) -> Awaitable[tuple[dict[str, Any], float]]: ...
+                 chunks: ChunkSource | None = None,
+                 trailer: Trailer | None = None) -> Awaitable[tuple[dict[str, Any], float]]: ...
 
 
 async def _settled(aw: Awaitable[T]) -> T | Exception:
@@ -68,12 +78,14 @@ class ButterflyRun:
 
     ``me`` is this member's peer id; ``box`` the mailbox of this (round, phase); ``call`` talks to a
     member; ``gone()`` names the members not worth waiting for (unreachable, or announced their
-    departure); ``chunk`` the values per streamed chunk; ``faults`` what this peer breaks on purpose (tests).
+    departure); ``chunk`` the values per streamed chunk; ``faults`` what this peer breaks on purpose (tests);
+    ``audit``: verified aggregation (net/audit.py), or None.
     """
 
     def __init__(self, *, group: Group, phase: int, me: str, tensors: Sequence[torch.Tensor], weight: float,
                  codec: Codec, timeout: float, fingerprint: Sequence[float] | None, box: Mailbox, call: Call,
-                 gone: Callable[[], set[str]], guard: Guard, links: LinkMeter, chunk: int, faults: FaultPlan) -> None:
+                 gone: Callable[[], set[str]], guard: Guard, links: LinkMeter, chunk: int, faults: FaultPlan,
+                 audit: Audit | None = None) -> None:
         self.t0 = time.monotonic()
         self.group, self.phase, self.me_id = group, phase, me
         self.members = list(group.members)
@@ -86,6 +98,10 @@ class ButterflyRun:
         self.bounds = part_bounds(self.flat.numel(), len(self.members))
         self.own: dict[str, Any] | None = None  # our averaged part's result message, once aggregated
         self.stream: EncodedStream | None = None  # our averaged part, streamed to every member
+        self.lie: dict[str, Any] | None = None  # fault injection: the wrong result a lying owner sends
+        self.audit = audit
+        self.results_at, self.relays_at, self.claims_at = VERIFIED if audit is not None else PLAIN
+        self.own_commit: bytes | None = None
 
     def _until(self, fraction: float) -> float:
         return self.t0 + self.timeout * fraction
@@ -100,7 +116,10 @@ class ButterflyRun:
         """The phase's outcome at this member (see the module docstring). RoundFailed if no part could be
         averaged; cancelling it cancels and awaits every task it started."""
         lo, hi = self.bounds[self.me]
-        self.box.contribs[self.me_id] = (self.me, self.flat[lo:hi].clone(), self.weight, self.fp)
+        own = self.flat[lo:hi].clone()
+        self.box.contribs[self.me_id] = (self.me, own, self.weight, self.fp)
+        if self.audit is not None:
+            self.own_commit = await asyncio.to_thread(self.audit.sign_own, own)
         try:
             sent = await self._exchange()
         except BaseExceptionGroup as eg:
@@ -128,6 +147,8 @@ class ButterflyRun:
                     log.info("event=part_send_failed key=%s reason=%s", self.group.key, done)
             await self._await_results()
             await self._fetch_missing()
+            if self.audit is not None:
+                sent += await self._verify(tg)
             sent += sum(done for done in [await t for t in results_out] if isinstance(done, int))
         return sent
 
@@ -148,19 +169,40 @@ class ButterflyRun:
         codec, corrupt = self.codec, self.faults.corrupt
         msg = {"key": self.group.key, "phase": self.phase, "part": j, "weight": self.weight, "fp": self.fp,
                "codec": codec.name, "numel": hi - lo}
+        audit = self.audit
+        if audit is not None:
+            msg["own"] = self.own_commit  # announced before any result exists (net/verify.py)
         call_timeout = max(0.1, self._left(GATHER))
         if corrupt is None and hi - lo > self.chunk:  # streamed: encoding, transfer, decoding overlap
             cb = chunk_bounds(hi - lo, self.chunk)
             msg |= {"chunk": self.chunk, "chunks": len(cb)}
             size = chunked_size(codec, hi - lo, self.chunk)
+            pieces: list[bytes] = []
+
+            async def source() -> AsyncGenerator[bytes, None]:
+                pieces.clear()  # a retried call encodes again
+                async with aclosing(encode_ahead(codec, mine, cb)) as chunks:
+                    async for data in chunks:
+                        pieces.append(data)
+                        yield data
+
+            trailer = None
+            if audit is not None:
+                msg["trailer"] = True
+
+                def trailer() -> dict[str, Any]:
+                    return audit.sign(j, pieces, hi - lo, self.chunk)
+
             reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout,
-                                             chunks=lambda: encode_ahead(codec, mine, cb))
+                                             chunks=source, trailer=trailer)
         else:
             if corrupt is None:
                 data = await asyncio.to_thread(codec.encode, mine)
             else:  # fault injection: what a broken or hostile peer would put on the wire
                 data, mine = corrupt_payload(codec, mine, corrupt)
             msg |= {"numel": mine.numel(), "data": data}
+            if audit is not None:
+                msg |= audit.sign(j, [data], mine.numel(), None)
             size = len(data)
             reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout)
         if "error" in reply:
@@ -186,13 +228,19 @@ class ButterflyRun:
         if not sel.use:
             return
         try:
-            avg, total, use = self.guard.aggregate(sel.use, me=self.me_id)
+            avg, total, use, tau = self.guard.aggregate(sel.use, me=self.me_id)
         except ValueError:
             return
         own = {"key": self.group.key, "phase": self.phase, "part": self.me, "contributors": use, "total": total,
                "agree": sorted(sel.agree), "numel": hi - lo, "codec": self.codec.name}
+        if tau > 0:
+            own["tau"] = tau  # CenteredClip's radius: members check the result with it
         self.own = own
-        if hi - lo > self.chunk:  # streamed to every member while it is being encoded
+        if self.faults.lie is not None:  # fault injection: the average a lying owner sends back
+            data, _ = corrupt_payload(self.codec, avg, "nan") if self.faults.lie == "nan" else \
+                (await asyncio.to_thread(self.codec.encode, lie_about(avg, self.faults.lie)), None)
+            self.lie = {**own, "data": data}
+        if hi - lo > self.chunk and self.lie is None:  # streamed to every member while it is being encoded
             stream = self.stream = EncodedStream(self.codec, avg, self.chunk)
             own |= {"chunk": self.chunk, "chunks": len(stream.bounds)}
 
@@ -213,14 +261,17 @@ class ButterflyRun:
         assert self.own is not None
         lo, hi = self.bounds[self.me]
         size = chunked_size(self.codec, hi - lo, self.own.get("chunk"))
-        reply, seconds = await self.call(self.members[j], "result", self.own, timeout=max(0.1, self._left(RESULTS)),
+        msg = self.own
+        if self.lie is not None and not (self.faults.lie_to_some and j % 2 == 0):
+            msg = self.lie
+        reply, seconds = await self.call(self.members[j], "result", msg, timeout=max(0.1, self._left(self.results_at)),
                                          chunks=self.stream.chunks if self.stream is not None else None)
         self.links.update(self.members[j], size, seconds)
         return size if reply.get("ok") else 0
 
     # 4. the other parts' results, relayed by any member if their owner's never came
     async def _await_results(self) -> None:
-        deadline = self._until(RESULTS)
+        deadline = self._until(self.results_at)
         while len(self.box.results) < len(self.members) and time.monotonic() < deadline:
             owners = {self.members[j] for j in range(len(self.members)) if j not in self.box.results}
             if owners <= self.gone():
@@ -232,11 +283,11 @@ class ButterflyRun:
             if j in self.box.results:
                 continue
             for other in self.members:
-                if other in (self.me_id, self.members[j]) or self._left(1.0) < 0:
+                if other in (self.me_id, self.members[j]) or self._left(self.relays_at) < 0:
                     continue
                 try:
                     reply, _ = await self.call(other, "getpart", {"key": self.group.key, "phase": self.phase, "part": j},
-                                               timeout=max(0.1, self._left(1.0)))
+                                               timeout=max(0.1, self._left(self.relays_at)))
                 except RoundFailed:
                     continue
                 if isinstance(reply.get("result"), dict):
@@ -245,7 +296,30 @@ class ButterflyRun:
                     self.box.results[j] = {**relayed, "_from": other}  # relayed by a member
                     break
 
-    # 5. assembly
+    # 5. verified aggregation
+    async def _verify(self, tg: asyncio.TaskGroup) -> int:
+        """Send our claims to every member, wait for theirs, judge the parts we did not own; the bytes sent."""
+        audit = self.audit
+        assert audit is not None
+        lo, hi = self.bounds[self.me]
+        entries = await asyncio.to_thread(audit.entries, self.flat[lo:hi])
+        msg = audit.message(entries, frame=self.faults.frame)
+        size = len(encode_message(msg))
+        sends = [tg.create_task(_settled(self.call(self.members[j], "check", msg,
+                                                   timeout=max(0.1, self._left(self.claims_at)))))
+                 for j in self._others()]
+        audit.box.checks[self.me_id] = {e.part: e for e in entries}
+        deadline = self._until(self.claims_at)
+        while (missing := set(self.members) - set(self.box.checks)) and time.monotonic() < deadline:
+            if missing <= self.gone():
+                break
+            await self.box.wait(min(deadline, time.monotonic() + 0.5))
+        await audit.judge_all(self._until(1.0))
+        sent = sum(size for done in [await t for t in sends] if not isinstance(done, Exception))
+        audit.stats.bytes_sent += sent
+        return sent
+
+    # 6. assembly
     async def _assemble(self, sent: int) -> ReduceResult:
         out = Assembly(self.flat.numel(), self.members, self.me, check_agree=self.fp is not None)
         for j, (a, b) in enumerate(self.bounds):
@@ -262,10 +336,21 @@ class ButterflyRun:
                 continue
             part = res.get("_tensor")  # streamed: decoded chunk by chunk as it arrived
             if part is None:
-                part = await asyncio.to_thread(decode_chunked, self.codec, res["data"], b - a, res.get("chunk"))
+                try:
+                    part = await asyncio.to_thread(decode_chunked, self.codec, res["data"], b - a, res.get("chunk"))
+                except ValueError as e:  # e.g. non-finite values: the codecs refuse them
+                    self.guard.strike(res.get("_from", self.members[j]), f"averaged part {j} does not decode ({e})")
+                    out.skip()
+                    continue
             if (reason := self.guard.bad_values(part)) is not None:
                 self.guard.strike(self.members[j], f"averaged part {j}: {reason}")
                 out.skip()
                 continue
             out.add(j, a, b, part, res)
-        return out.result(self.group, self.phase, self.tensors, sent=sent, seconds=time.monotonic() - self.t0)
+        result = out.result(self.group, self.phase, self.tensors, sent=sent, seconds=time.monotonic() - self.t0)
+        if self.audit is not None:
+            st = self.audit.stats
+            result.verify_bytes, result.verify_seconds = st.bytes_sent + st.bytes_received, st.seconds
+            result.bytes_received += st.bytes_received
+            result.liars = tuple(st.liars)
+        return result

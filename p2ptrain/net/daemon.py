@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..collective.butterfly import MIN_CHUNK
@@ -68,6 +68,8 @@ class SwarmConfig:
         state_chunk: bytes per reply of a state transfer; max_state: the largest state accepted.
         guard: what this peer accepts from others and how it aggregates (net/guard.py).
         swarm_key: a private swarm's shared key: records and messages are tagged and checked (net/auth.py).
+        verify: verified aggregation (net/verify.py): contributions are signed, every member checks every
+            part's average and a proven liar is banned. Every peer of a run must agree on it.
         faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
             by default what the environment asks for (nothing, unless a test set its variables).
     """
@@ -91,6 +93,7 @@ class SwarmConfig:
     max_state: int = MAX_STATE
     guard: GuardConfig = field(default_factory=GuardConfig)
     swarm_key: SwarmKey | None = None
+    verify: bool = True
     faults: FaultPlan = field(default_factory=FaultPlan.from_env)
 
     def __post_init__(self) -> None:
@@ -131,7 +134,7 @@ async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any, Identity]:
 
     path = cfg.identity_path
     drawn = None if path is not None else Identity.generate()
-    if path is not None and os.path.exists(path):
+    if path is not None and Path(path).exists():  # noqa: ASYNC240 (a local file, once, at start)
         _load_identity(path)  # a broken file is said as such, not blamed on the initial peers
     delay, last = cfg.connect_backoff, ""
     for attempt in range(1, max(1, cfg.connect_attempts) + 1):

@@ -23,12 +23,13 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ..collective.aggregate import AGGREGATIONS, aggregate
+from ..collective.aggregate import AGGREGATIONS, aggregate, clip_radius
 
-__all__ = ["Guard", "GuardConfig"]
+__all__ = ["Aggregated", "Guard", "GuardConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,16 @@ class GuardConfig:
             raise ValueError("ban_after must be at least 1")
 
 
+class Aggregated(NamedTuple):
+    """A part's aggregate: its values, the total weight and the members of the contributions used, and
+    CenteredClip's radius τ (0 for the other rules), which a member needs to check it."""
+
+    values: torch.Tensor
+    total: float
+    used: list[str]
+    tau: float = 0.0
+
+
 class Guard:
     def __init__(self, cfg: GuardConfig | None = None) -> None:
         self.cfg = cfg or GuardConfig()
@@ -66,6 +77,13 @@ class Guard:
         if self.strikes[peer] >= self.cfg.ban_after and peer not in self.banned:
             self.banned.add(peer)
             log.warning("event=banned peer=%s strikes=%d", peer, self.strikes[peer])
+
+    def ban(self, peer: str, reason: str) -> None:
+        """Ban ``peer`` at once: it was proven to lie (net/verify.py)."""
+        if peer not in self.banned:
+            self.banned.add(peer)
+            self.strikes[peer] += 1
+            log.warning("event=banned peer=%s reason=%s", peer, reason)
 
     def is_banned(self, peer: str) -> bool:
         return peer in self.banned
@@ -82,9 +100,8 @@ class Guard:
     def bad_values(x: torch.Tensor) -> str | None:
         return None if bool(torch.isfinite(x).all()) else "non-finite values"
 
-    def aggregate(self, contribs: Mapping[str, tuple[torch.Tensor, float]], me: str | None = None
-                  ) -> tuple[torch.Tensor, float, list[str]]:
-        """Check every contribution and aggregate the accepted ones: (result, their total weight, who).
+    def aggregate(self, contribs: Mapping[str, tuple[torch.Tensor, float]], me: str | None = None) -> Aggregated:
+        """Check every contribution and aggregate the accepted ones (see :class:`Aggregated`).
         ``me`` (the receiver's own contribution) is never refused. ValueError if none is accepted."""
         ok: dict[str, tuple[torch.Tensor, float]] = {}
         for peer in sorted(contribs):
@@ -110,5 +127,7 @@ class Guard:
             # Two contributions have no majority: any "robust" rule would side with one of them.
             raise ValueError(f"{self.cfg.aggregation} needs at least 3 contributions, got {len(ok)}")
         use = sorted(ok)
-        out = aggregate([ok[p][0] for p in use], [ok[p][1] for p in use], self.cfg.aggregation)
-        return out.float(), float(sum(ok[p][1] for p in use)), use
+        xs, ws = [ok[p][0] for p in use], [ok[p][1] for p in use]
+        tau = clip_radius(xs, ws) if self.cfg.aggregation == "centered-clip" else 0.0
+        out = aggregate(xs, ws, self.cfg.aggregation, tau=tau if tau > 0 else None)
+        return Aggregated(out.float(), float(sum(ws)), use, tau)

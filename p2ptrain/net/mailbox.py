@@ -6,6 +6,11 @@ relayed on request: ``getpart``). Messages may arrive before this member's own a
 phase starts; they wait here. Every message is checked before it is filed: sizes against the codec
 and the announced limits before anything is decoded, the weight, and a streamed payload against its
 header; a message that does not fit is refused with a strike against its sender.
+
+With verified aggregation (net/verify.py) a contribution must carry its contributor's signature over its
+commitment (checked before it is filed); the owner keeps it, payload and signature, as *evidence* to show
+any member that asks (``evidence``), until the mailbox is collected. Members' ``check`` messages and the
+commitments they announce of their own shares (``own`` in their ``part`` messages) are filed here too.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 from ..collective.codecs import get_codec
 from .chunks import Refused, receive_chunks
 from .guard import Guard
+from .identity import verify_signature
 from .parts import wire_result
+from .verify import Entry, Evidence, commitment, parse_checks, payload_sha
 
 __all__ = ["Contribution", "Mailbox", "Mailboxes"]
 
@@ -35,6 +42,9 @@ class Mailbox:
     contribs: dict[str, Contribution] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)  # members our sends could not reach
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    evidence: dict[str, Evidence] = field(default_factory=dict)  # signed contributions to our part, kept
+    own_commits: dict[str, bytes] = field(default_factory=dict)  # member -> hash of its own share's commitment
+    checks: dict[str, dict[int, Entry]] = field(default_factory=dict)  # member -> its claims, by part
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None  # when our all-reduce of this (round, phase) returned or failed
@@ -67,8 +77,8 @@ class Mailboxes:
     message that does not fit its schema raises one of wire.SCHEMA_ERRORS (the stream layer strikes).
     """
 
-    def __init__(self, guard: Guard, max_numel: int) -> None:
-        self.guard, self.max_numel = guard, max_numel
+    def __init__(self, guard: Guard, max_numel: int, *, run_id: str = "", verify: bool = False) -> None:
+        self.guard, self.max_numel, self.run_id, self.verify = guard, max_numel, run_id, verify
         self.boxes: dict[tuple[str, int], Mailbox] = {}
 
     def box(self, key: str, phase: int) -> Mailbox:
@@ -105,20 +115,34 @@ class Mailboxes:
             return {"error": reason}
         if streamed:
             try:
-                x, _ = await receive_chunks(msg, codec, numel)
+                x, pieces = await receive_chunks(msg, codec, numel)
             except Refused as e:
                 self.guard.strike(sender, f"streamed part: {e}")
                 return {"error": "streamed part does not match its header"}
         else:
             assert isinstance(data, bytes)
+            pieces = [data]
             try:
                 x = await asyncio.to_thread(codec.decode, data, numel)
             except ValueError as e:
                 self.guard.strike(sender, f"undecodable part ({e})")
                 return {"error": "undecodable part"}
         fp = msg.get("fp")
-        box = self.box(str(msg["key"]), int(msg["phase"]))
-        box.contribs[sender] = (int(msg["part"]), x, float(msg["weight"]), None if fp is None else [float(v) for v in fp])
+        key, phase, part = str(msg["key"]), int(msg["phase"]), int(msg["part"])
+        box = self.box(key, phase)
+        if self.verify:
+            signed = (await msg["_trailer"]()) if streamed and "_trailer" in msg else msg
+            sig, pk, own = signed.get("sig"), signed.get("pk", b""), msg.get("own")
+            chunk = msg.get("chunk") if streamed else None
+            sha = await asyncio.to_thread(payload_sha, pieces)
+            c = commitment(self.run_id, key, phase, part, float(msg["weight"]), numel, codec.name, chunk, sha)
+            if not (isinstance(sig, bytes) and isinstance(pk, bytes) and verify_signature(sender, c, sig, pk)):
+                self.guard.strike(sender, "part without a valid signature of its sender")
+                return {"error": "part without a valid signature"}
+            box.evidence[sender] = Evidence(b"".join(pieces), float(msg["weight"]), numel, codec.name, chunk, sig, pk)
+            if isinstance(own, bytes) and len(own) == 32:
+                box.own_commits.setdefault(sender, own)
+        box.contribs[sender] = (part, x, float(msg["weight"]), None if fp is None else [float(v) for v in fp])
         box.poke()
         return {"ok": True}
 
@@ -147,3 +171,20 @@ class Mailboxes:
         box = self.boxes.get((str(msg["key"]), int(msg["phase"])))
         res = None if box is None else box.results.get(int(msg["part"]))
         return {"result": wire_result(res)} if res is not None else {"error": "no such part here"}
+
+    async def accept_check(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """File a member's claims about its contributions (net/verify.py); the first one of a sender stays."""
+        box = self.box(str(msg["key"]), int(msg["phase"]))
+        members = int(msg["members"])
+        if not 0 < members <= 1 << 16:
+            raise ValueError(f"a group of {members} members")
+        entries = parse_checks(msg, members, max_entries=members)
+        box.checks.setdefault(sender, entries)
+        box.poke()
+        return {"ok": True}
+
+    async def show_evidence(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """A member's signed contribution to our part, for a member that checks our result."""
+        box = self.boxes.get((str(msg["key"]), int(msg["phase"])))
+        ev = None if box is None else box.evidence.get(str(msg["who"]))
+        return {"evidence": ev.to_wire()} if ev is not None else {"error": "no such contribution here"}

@@ -202,7 +202,7 @@ class MemoryTransport(Transport):
             # The guard's checks (weights, finite values, norm bound) on whole contributions; then what a
             # butterfly of the accepted members computes, part by part (collective.butterfly).
             try:
-                _, total, used = guard.aggregate({p: (flats[p], present[p][1]) for p in sizes})
+                _, total, used, _ = guard.aggregate({p: (flats[p], present[p][1]) for p in sizes})
             except ValueError:
                 used = []
             if used:

@@ -26,7 +26,7 @@ from .wire import SCHEMA_ERRORS, FrameError, read_frame, write_frame
 if TYPE_CHECKING:
     from .daemon import SwarmConfig
 
-__all__ = ["ChunkSource", "Handler", "Streams"]
+__all__ = ["ChunkSource", "Handler", "Streams", "Trailer"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 #: Makes the payloads that follow a message as chunk frames (called again if the call is retried).
 ChunkSource = Callable[[], AsyncGenerator[bytes, None]]
+#: Makes the frame that follows the chunks (e.g. a signature over them), once they are all written.
+Trailer = Callable[[], dict[str, Any]]
 
 _READ_TIMEOUT = 30.0  # seconds a handler waits for each frame of a message
 
@@ -78,6 +80,8 @@ class Streams:
                 msg = {k: v for k, v in msg.items() if not (isinstance(k, str) and k.startswith("_"))}
                 if kind in ("part", "result") and "chunks" in msg:
                     frames = msg["_frames"] = self.chunk_frames(reader, sender, kind, int(msg["chunks"]))
+                    if msg.get("trailer"):
+                        msg["_trailer"] = lambda: self.trailer_frame(reader, sender, kind)
                 reply = await handler(sender, msg)
                 if key is not None:
                     reply = key.seal(reply, self.peer_id, kind + "/reply", self.cfg.run_id)
@@ -109,11 +113,23 @@ class Streams:
                 raise Refused(f"chunk {i} carries no payload")
             yield data
 
+    async def trailer_frame(self, reader: asyncio.StreamReader, sender: str, kind: str) -> dict[str, Any]:
+        """The frame that follows a streamed message's chunks (bounded in size and time; checked against the
+        swarm key: FrameError without a valid tag)."""
+        frame, _ = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=64 * 1024)
+        key = self.cfg.swarm_key
+        if key is not None:
+            if not key.verify(frame, sender, kind + "/trailer", self.cfg.run_id):
+                self.guard.strike(sender, f"{kind} trailer without a valid swarm-key tag")
+                raise FrameError("trailer without a valid swarm-key tag")
+            frame = {k: v for k, v in frame.items() if k != MAC_FIELD}
+        return frame
+
     async def call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
-                   chunks: ChunkSource | None = None) -> tuple[dict[str, Any], float]:
+                   chunks: ChunkSource | None = None, trailer: Trailer | None = None) -> tuple[dict[str, Any], float]:
         """One request/response on a fresh stream, within ``timeout`` seconds; returns (reply, seconds).
         With ``chunks``, the payloads it yields follow the message as frames of their own (the message says
-        how many in ``chunks``). A failed dial is retried once after dialing the peer's announced addresses;
+        how many in ``chunks``), then the frame ``trailer`` makes, if any (the message says ``trailer``). A failed dial is retried once after dialing the peer's announced addresses;
         RoundFailed if the call fails, times out or the reply is not tagged with the swarm key."""
         from hivemind.p2p import PeerID
 
@@ -136,6 +152,11 @@ class Streams:
                                 frame = key.seal(frame, self.peer_id, kind + "/chunk", self.cfg.run_id, str(i))
                             await write_frame(writer, frame, timeout=timeout)
                             i += 1
+                    if trailer is not None:
+                        last = trailer()
+                        if key is not None:
+                            last = key.seal(last, self.peer_id, kind + "/trailer", self.cfg.run_id)
+                        await write_frame(writer, last, timeout=timeout)
                 reply, _ = await read_frame(reader, timeout=timeout, max_size=self.cfg.max_message)
                 if key is not None:
                     if not key.verify(reply, peer, kind + "/reply", self.cfg.run_id):

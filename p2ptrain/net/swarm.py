@@ -36,8 +36,10 @@ from typing import Any
 
 import torch
 
+from ..collective.butterfly import part_bounds
 from ..collective.codecs import Codec
 from .allreduce import ButterflyRun
+from .audit import Audit
 from .auth import MAC_FIELD
 from .bandwidth import LinkMeter
 from .daemon import SwarmConfig, SwarmError, dial, start_p2p
@@ -46,7 +48,7 @@ from .guard import Guard
 from .identity import Identity
 from .mailbox import Mailbox, Mailboxes
 from .state_transfer import StateServer, fetch_chunked
-from .streams import ChunkSource, Streams
+from .streams import ChunkSource, Streams, Trailer
 from .transport import (
     Decide,
     Group,
@@ -81,7 +83,7 @@ class HivemindTransport(Transport):
         self.links = LinkMeter()
         self._left: set[str] = set()  # peers whose last announcement is a departure
         self.outsider_said = False  # told the user once that the run's records are keyed otherwise
-        self.mailboxes = Mailboxes(self.guard, cfg.max_message)
+        self.mailboxes = Mailboxes(self.guard, cfg.max_message, run_id=cfg.run_id, verify=cfg.verify)
         self.streams = Streams(cfg, p2p, self.guard, lambda peer: peer in self.blocked, self._addresses)
         self._tasks: asyncio.TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -95,7 +97,8 @@ class HivemindTransport(Transport):
         p2p, node, identity = await start_p2p(cfg)
         self = cls(cfg, p2p, node, identity)
         for kind, handler in (("join", self._on_join), ("part", self._on_part), ("result", self._on_result),
-                              ("getpart", self._on_getpart), ("state", self._on_state)):
+                              ("getpart", self._on_getpart), ("state", self._on_state),
+                              ("check", self.mailboxes.accept_check), ("evidence", self.mailboxes.show_evidence)):
             await self.streams.serve(kind, handler)
         started = asyncio.Event()
         self._runner = asyncio.create_task(self._background(started))
@@ -221,7 +224,8 @@ class HivemindTransport(Transport):
                 await asyncio.wait_for(self.peers(), 5)
             except TimeoutError:
                 pass
-        return sorted({i.peer_id for i in self._live} | {self.peer_id})
+        # A banned peer neither leads nor is waited for: its messages are dropped unread.
+        return sorted({i.peer_id for i in self._live if not self.guard.is_banned(i.peer_id)} | {self.peer_id})
 
     async def publish_meta(self, meta: dict[str, Any]) -> None:
         from hivemind.utils import get_dht_time
@@ -266,9 +270,9 @@ class HivemindTransport(Transport):
 
     # ------------------------------------------------------------------ streams
     async def _call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
-                    chunks: ChunkSource | None = None) -> tuple[dict[str, Any], float]:
+                    chunks: ChunkSource | None = None, trailer: Trailer | None = None) -> tuple[dict[str, Any], float]:
         """One request/response with ``peer`` (see streams.Streams.call); RoundFailed if it fails."""
-        return await self.streams.call(peer, kind, msg, timeout=timeout, chunks=chunks)
+        return await self.streams.call(peer, kind, msg, timeout=timeout, chunks=chunks, trailer=trailer)
 
     # ------------------------------------------------------------------ groups
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
@@ -356,10 +360,16 @@ class HivemindTransport(Transport):
     async def allreduce(self, group: Group, phase: int, tensors: Sequence[torch.Tensor], weight: float,
                         codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
         box = self.mailboxes.box(group.key, phase)
+        audit = None
+        if self.cfg.verify:
+            audit = Audit(run=self.cfg.run_id, key=group.key, phase=phase, me=self.peer_id, members=group.members,
+                          bounds=part_bounds(sum(t.numel() for t in tensors), len(group.members)), codec=codec,
+                          rule=self.guard.cfg.aggregation, weight=weight, identity=self.identity, box=box,
+                          guard=self.guard, call=self._call)
         run = ButterflyRun(group=group, phase=phase, me=self.peer_id, tensors=tensors, weight=weight, codec=codec,
                            timeout=timeout, fingerprint=fingerprint, box=box, call=self._call,
                            gone=lambda: self._gone(group.key, phase), guard=self.guard, links=self.links,
-                           chunk=self.cfg.chunk_values, faults=self.cfg.faults)
+                           chunk=self.cfg.chunk_values, faults=self.cfg.faults, audit=audit)
         try:
             return await run.run()
         finally:

@@ -145,6 +145,9 @@ class ReduceResult:
     bytes_received: int = 0
     seconds: float = 0.0
     divergent: bool = False  # this peer's outer parameters disagreed with the majority's
+    verify_bytes: int = 0  # of it, what verified aggregation cost: claims sent and evidence received
+    verify_seconds: float = 0.0  # from the results being in to every part judged
+    liars: tuple[str, ...] = ()  # members proven to have lied in this phase (banned)
 
 
 @dataclass

@@ -1,0 +1,237 @@
+"""A member's side of verified aggregation in one butterfly run (the checks themselves: net/verify.py).
+
+:class:`Audit` signs this member's contributions as they leave, keeps what it needs to make its claims
+about them, makes its check message once the results are in, and judges every part it did not own: it
+fills in claims that are missing with evidence from the part's owner, runs the checks, settles disputes,
+and says per part whether to use the result, replace it with its own recomputation or leave it out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..collective.codecs import Codec, get_codec
+from .chunks import decode_chunked
+from .guard import Guard
+from .identity import Identity
+from .mailbox import Mailbox
+from .parts import result_problem
+from .verify import (
+    RAW,
+    Entry,
+    Evidence,
+    Fetched,
+    Judge,
+    Verdict,
+    entry_for,
+    fetch_evidence,
+    result_digest,
+    sign_contribution,
+    sketch_bytes,
+)
+
+__all__ = ["Audit", "AuditStats"]
+
+log = logging.getLogger(__name__)
+
+_RAW = get_codec("fp32")  # an owner's own share is kept as its float32 values
+
+
+@dataclass
+class AuditStats:
+    """What verification cost this member in one phase: bytes of checks sent and evidence received, seconds
+    from the results being in to every part judged, parts replaced or left out, liars found."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    replaced: int = 0
+    skipped: int = 0
+    liars: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Sent:
+    pieces: list[bytes]
+    commit: bytes
+    chunk: int | None
+
+
+class Audit:
+    """Verified aggregation for one member's run of one (round, phase).
+
+    ``call(peer, kind, msg, timeout=...)`` talks to a member; ``left()`` the seconds until the run's end.
+    """
+
+    def __init__(self, *, run: str, key: str, phase: int, me: str, members: Sequence[str],
+                 bounds: Sequence[tuple[int, int]], codec: Codec, rule: str, weight: float, identity: Identity,
+                 box: Mailbox, guard: Guard, call: Callable[..., Awaitable[tuple[dict[str, Any], float]]]) -> None:
+        self.run, self.key, self.phase, self.me_id = run, key, phase, me
+        self.members, self.me = list(members), list(members).index(me)
+        self.bounds, self.codec, self.rule, self.weight = bounds, codec, rule, float(weight)
+        self.identity, self.box, self.guard, self.call = identity, box, guard, call
+        self.sent: dict[int, _Sent] = {}
+        self.own_commit = b""
+        self.stats = AuditStats()
+
+    # ------------------------------------------------------------------ signing what leaves
+    def sign_own(self, own: torch.Tensor) -> bytes:
+        """Keep our own share of our part as signed evidence; the hash of its commitment, to announce."""
+        raw = _RAW.encode(own)
+        sig, self.own_commit = sign_contribution(self.identity, self.run, self.key, self.phase, self.me, self.weight,
+                                                 own.numel(), RAW, None, hashlib.sha256(raw).digest())
+        self.box.evidence[self.me_id] = Evidence(raw, self.weight, own.numel(), RAW, None, sig, self.identity.public)
+        return self.own_commit
+
+    def sign(self, part: int, pieces: list[bytes], numel: int, chunk: int | None) -> dict[str, bytes]:
+        """Sign our contribution to ``part`` (its payload ``pieces``, all of them written): the fields that carry
+        the signature."""
+        sha = hashlib.sha256(b"".join(pieces)).digest()
+        sig, commit = sign_contribution(self.identity, self.run, self.key, self.phase, part, self.weight, numel,
+                                        self.codec.name, chunk, sha)
+        self.sent[part] = _Sent(pieces, commit, chunk)
+        return {"sig": sig, "pk": self.identity.public}
+
+    # ------------------------------------------------------------------ our claims
+    def _result(self, part: int) -> tuple[bytes, torch.Tensor] | None:
+        """(digest, decoded values) of the result of ``part`` we hold, if it can be used."""
+        res = self.box.results.get(part)
+        if res is None:
+            return None
+        a, b = self.bounds[part]
+        if result_problem(res, part, b - a, self.codec, self.members, self.me_id) is not None:
+            return None
+        payload = b"".join(res["_pieces"]) if res.get("_pieces") is not None else res.get("data", b"")
+        values = res.get("_tensor")
+        if values is None:
+            try:
+                values = decode_chunked(self.codec, payload, b - a, res.get("chunk"))
+            except ValueError:
+                return None
+        if not bool(torch.isfinite(values).all()):
+            return None
+        return result_digest(res, payload), values
+
+    def entries(self, own: torch.Tensor) -> list[Entry]:
+        """Our claims about each part we contributed to (our own share of our part is ``own``)."""
+        judge = self._judge()
+        out = []
+        for j in range(len(self.members)):
+            if j == self.me:
+                values, commit = own, self.own_commit
+            elif j in self.sent:
+                a, b = self.bounds[j]
+                s = self.sent[j]
+                try:
+                    values = decode_chunked(self.codec, b"".join(s.pieces), b - a, s.chunk)
+                except ValueError:
+                    continue  # what we sent does not decode (a corrupt update of our own, tests): no claim
+                commit = s.commit
+            else:
+                continue
+            held = self._result(j)
+            res = self.box.results.get(j, {})
+            if held is None:
+                out.append(entry_for(j, values, commit, self.weight, None, None, None, 0.0, self.rule))
+            else:
+                digest, result = held
+                out.append(entry_for(j, values, commit, self.weight, judge.seed(j, digest), digest, result,
+                                     float(res.get("tau", 0.0)), self.rule))
+        return out
+
+    def message(self, entries: list[Entry], frame: bool) -> dict[str, Any]:
+        """Our check message (``frame``: fault injection, sketches that lie about our contributions)."""
+        wire = []
+        for e in entries:
+            w = e.to_wire()
+            for k in ("s", "c"):
+                t = getattr(e, k)
+                if t is not None:
+                    w[k] = sketch_bytes(t * (-3.0 if frame else 1.0))
+            wire.append(w)
+        return {"key": self.key, "phase": self.phase, "members": len(self.members), "entries": wire}
+
+    # ------------------------------------------------------------------ judging the others' parts
+    def _judge(self) -> Judge:
+        return Judge(run=self.run, key=self.key, phase=self.phase, members=self.members, codec=self.codec,
+                     rule=self.rule, own_commits=self.box.own_commits, checks=self.box.checks)
+
+    async def judge_all(self, until: float) -> None:
+        """Judge every part we hold a result of and did not own, then act on the verdicts: a replaced result
+        is swapped for our recomputation, a skipped one dropped (the assembly leaves it zero), every proven
+        liar banned."""
+        t0 = time.monotonic()
+        judge = self._judge()
+        parts = [j for j in range(len(self.members)) if j != self.me and j in self.box.results]
+        verdicts = await asyncio.gather(*(self._judge_part(judge, j, until) for j in parts))
+        for j, v in zip(parts, verdicts, strict=True):
+            owner = self.members[j]
+            if v.action != "use" or v.liars:
+                log.warning("event=verified part=%d owner=%s key=%s phase=%d action=%s liars=%s reason=%s", j,
+                            owner[-8:], self.key, self.phase, v.action, ",".join(p[-8:] for p in v.liars) or "-",
+                            v.reason)
+            if v.action == "replace":
+                assert v.values is not None
+                self.box.results[j] = {**self.box.results[j], "_tensor": v.values, "_pieces": None, "data": None}
+                self.stats.replaced += 1
+            elif v.action == "skip":
+                self.box.results.pop(j, None)
+                self.stats.skipped += 1
+            for p in v.liars:
+                if p != self.me_id:
+                    self.guard.ban(p, f"lied in round {self.key} phase {self.phase} ({v.reason})")
+                    self.stats.liars.append(p)
+        self.stats.bytes_received += judge.evidence_bytes
+        self.stats.seconds += time.monotonic() - t0
+
+    async def _judge_part(self, judge: Judge, j: int, until: float) -> Verdict:
+        owner = self.members[j]
+        res = self.box.results[j]
+        a, b = self.bounds[j]
+        direct = res.get("_from", owner) == owner
+
+        async def fetch(who: str) -> Fetched:
+            return await fetch_evidence(self.call, owner, self.key, self.phase, j, who,
+                                        max(0.1, until - time.monotonic()))
+
+        contributors = res.get("contributors")
+        if not isinstance(contributors, list) or not set(map(str, contributors)) <= set(self.members) \
+                or len(set(map(str, contributors))) != len(contributors):
+            return Verdict("skip", "the result names contributors outside the group, or twice",
+                           liars=(owner,) if direct else ())
+        problem = result_problem(res, j, b - a, self.codec, self.members, self.me_id)
+        if problem is not None and not problem[1]:
+            return Verdict("use")  # honest views of the round that differ: the assembly leaves it out
+        held = self._result(j)
+        payload = b"".join(res["_pieces"]) if res.get("_pieces") is not None else res.get("data") or b""
+        digest = result_digest(res, payload)
+        if held is None:
+            return await judge.settle(j, owner, res, digest, None, fetch, "a malformed or non-finite result", direct)
+        _, values = held
+        claims, missing = judge.claims(j, digest, [str(p) for p in contributors])
+        key = judge.seed(j, digest)
+        sketches = {p: (e.weight, e.inf, e.s, e.c) for p, e in claims.items()}
+        if missing:
+            evidence, stop = await judge.evidence(j, owner, missing, fetch)
+            if stop is not None:
+                return Verdict("skip", f"claims missing ({len(missing)}); {stop.reason}", liars=stop.liars)
+            for p, ev in evidence.items():
+                try:
+                    x = await asyncio.to_thread(ev.values)
+                except ValueError:
+                    return Verdict("skip", f"{p[-8:]}'s signed contribution does not decode", liars=(owner,))
+                e = await asyncio.to_thread(entry_for, j, x, b"", ev.weight, key, digest, values,
+                                            float(res.get("tau", 0.0)), self.rule)
+                sketches[p] = (ev.weight, e.inf, e.s, e.c)  # type: ignore[assignment]
+        why = await asyncio.to_thread(judge.test, res, values, sketches, key)  # type: ignore[arg-type]
+        if why is None:
+            return Verdict("use")
+        return await judge.settle(j, owner, res, digest, values, fetch, why, direct)

@@ -1,0 +1,404 @@
+"""Verified aggregation: every member checks every part's average against what its contributors sent.
+
+In the butterfly a part's owner averages the members' contributions and sends the average back; a guard on
+what it *receives* is half a guard. Here, after the all-gather, each member sends every other member one
+*check* message: for each part it contributed to, the digest of the owner's result it holds, the hash of
+its signed contribution, its weight, its contribution's largest magnitude and a sketch of it
+(collective/sketch.py) under a seed fixed by that result. A member then checks each part it did not own:
+
+1. the result's contributors and total weight against the contributors' own claims;
+2. no value beyond the largest magnitude any contributor sent (a mean, a trimmed mean and CenteredClip all
+   stay inside the contributions' range);
+3. the sketch of the result against the weighted sum of the contributors' sketches (the mean), or BTARD's
+   test that the clipped pulls cancel at the result (CenteredClip), within the codec's error bound.
+
+Every contribution travels with its contributor's signature (net/identity.py) over a commitment (run,
+round, phase, part, weight, size, codec and the payload's SHA-256), and every member announces the hash of
+the commitment of its own share of its own part with its first messages, before any result exists. When a
+check fails (or a contributor's claim is missing), the member asks the owner for the signed contributions
+(*evidence*) and decides by itself who lied:
+
+* evidence the owner cannot show, or that is not signed by the member it names: the owner lied;
+* a signed contribution that contradicts what its contributor claimed in its check: that contributor lied;
+* otherwise the member recomputes the aggregate from the evidence; if it differs from the owner's result
+  beyond the codec's rounding, the owner lied, and the member uses its own recomputation (what an honest
+  owner would have sent); if not, the result stands.
+
+A proven liar is banned at once (the guard), by every member that saw the proof. Trimmed means are checked
+by 1 and 2 and by evidence when a claim is missing; their sketch test needs the per-coordinate order, which
+a sketch does not keep (a lie within the contributions' range is not caught). An owner can always present
+its own share as it likes: it is one contribution among the others, which is what the aggregation rule
+is there to bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import struct
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..collective.aggregate import aggregate
+from ..collective.butterfly import chunk_bounds
+from ..collective.codecs import Codec, get_codec
+from ..collective.sketch import BUCKETS, clipped, mean_residual, passes, seed, sketch
+from .chunks import decode_chunked
+from .identity import Identity, verify_signature
+from .transport import RoundFailed
+from .wire import SCHEMA_ERRORS, encode_message
+
+__all__ = ["RAW", "Entry", "Evidence", "Fetched", "Judge", "Verdict", "commitment", "entry_for", "fetch_evidence",
+           "parse_checks", "payload_sha", "result_digest", "sign_contribution", "sketch_bytes"]
+
+log = logging.getLogger(__name__)
+
+#: The codec name of an owner's own share of its part: float32 values as they are (never encoded).
+RAW = "raw"
+_SKETCH_BYTES = 8 * BUCKETS
+_F32_ROUND = 2.0**-24  # the mean is summed in float64 and rounded once to float32
+
+
+def payload_sha(pieces: Sequence[bytes]) -> bytes:
+    h = hashlib.sha256()
+    for p in pieces:
+        h.update(p)
+    return h.digest()
+
+
+def commitment(run: str, key: str, phase: int, part: int, weight: float, numel: int, codec: str,
+               chunk: int | None, sha: bytes) -> bytes:
+    """The bytes a contributor signs for its contribution to ``part`` (its payload's SHA-256 is ``sha``)."""
+    return encode_message({"t": "p2ptrain/contribution/1", "run": run, "key": key, "phase": int(phase),
+                           "part": int(part), "w": float(weight), "numel": int(numel), "codec": codec,
+                           "chunk": chunk, "h": sha})
+
+
+def result_digest(res: Mapping[str, Any], payload: bytes) -> bytes:
+    """What a member's sketches of one part are bound to: the owner's result, header and payload."""
+    header = [res.get("key"), res.get("phase"), res.get("part"), res.get("numel"), res.get("codec"),
+              res.get("chunk"), sorted(str(p) for p in res.get("contributors") or []), res.get("total"),
+              res.get("tau", 0.0)]
+    return hashlib.sha256(encode_message({"h": header}) + hashlib.sha256(payload).digest()).digest()
+
+
+def sketch_bytes(t: torch.Tensor) -> bytes:
+    """A sketch on the wire: its float64 values, little-endian."""
+    return struct.pack(f"<{BUCKETS}d", *t.tolist())
+
+
+def _f64(data: bytes) -> torch.Tensor:
+    return torch.tensor(struct.unpack(f"<{BUCKETS}d", data), dtype=torch.float64)
+
+
+@dataclass
+class Evidence:
+    """A member's signed contribution to a part, as the part's owner keeps it to show to whoever asks."""
+
+    data: bytes  # the payload (a streamed one's chunk payloads joined)
+    weight: float
+    numel: int
+    codec: str  # a codec's name, or RAW
+    chunk: int | None
+    sig: bytes
+    pk: bytes = b""  # an RSA signer's public key (an Ed25519 id holds its own)
+
+    def commit(self, run: str, key: str, phase: int, part: int) -> bytes:
+        return commitment(run, key, phase, part, self.weight, self.numel, self.codec, self.chunk,
+                          hashlib.sha256(self.data).digest())
+
+    def signed_by(self, peer: str, run: str, key: str, phase: int, part: int) -> bool:
+        return verify_signature(peer, self.commit(run, key, phase, part), self.sig, self.pk)
+
+    def values(self) -> torch.Tensor:
+        """The contribution as its owner used it (ValueError if it does not decode)."""
+        if self.codec == RAW:
+            if len(self.data) != 4 * self.numel:
+                raise ValueError(f"raw share of {len(self.data)} bytes for {self.numel} values")
+            x = torch.frombuffer(bytearray(self.data), dtype=torch.float32).clone()
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError("raw share with non-finite values")
+            return x
+        return decode_chunked(get_codec(self.codec), self.data, self.numel, self.chunk)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"data": self.data, "w": self.weight, "numel": self.numel, "codec": self.codec, "chunk": self.chunk,
+                "sig": self.sig, "pk": self.pk}
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Evidence:
+        data, sig, pk, chunk = m["data"], m["sig"], m.get("pk", b""), m.get("chunk")
+        if not (isinstance(data, bytes) and isinstance(sig, bytes) and isinstance(pk, bytes)):
+            raise TypeError("evidence fields must be bytes")
+        if chunk is not None and not isinstance(chunk, int):
+            raise TypeError("chunk must be an integer")
+        return cls(data, float(m["w"]), int(m["numel"]), str(m["codec"]), chunk, sig, pk)
+
+
+@dataclass
+class Entry:
+    """One member's claim about its contribution to one part, in its check message."""
+
+    part: int
+    commit: bytes  # SHA-256 of its signed commitment
+    weight: float
+    inf: float  # the contribution's largest magnitude
+    digest: bytes | None = None  # of the result it holds for this part: its sketches are under that seed
+    s: torch.Tensor | None = None  # sketch of the contribution
+    c: torch.Tensor | None = None  # sketch of its clipped pull at the result (CenteredClip)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"part": self.part, "commit": self.commit, "w": self.weight, "inf": self.inf, "d": self.digest,
+                "s": None if self.s is None else sketch_bytes(self.s),
+                "c": None if self.c is None else sketch_bytes(self.c)}
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Entry:
+        """SCHEMA_ERRORS for anything malformed (the stream layer strikes the sender)."""
+        sketches = []
+        for k in ("s", "c"):
+            v = m.get(k)
+            if v is not None and (not isinstance(v, bytes) or len(v) != _SKETCH_BYTES):
+                raise ValueError(f"sketch {k} of {len(v) if isinstance(v, bytes) else '?'} bytes")
+            sketches.append(None if v is None else _f64(v))
+        commit, digest = m["commit"], m.get("d")
+        if not isinstance(commit, bytes) or (digest is not None and not isinstance(digest, bytes)):
+            raise TypeError("commit and digest must be bytes")
+        weight, inf = float(m["w"]), float(m["inf"])
+        if not (math.isfinite(weight) and weight > 0 and math.isfinite(inf) and inf >= 0):
+            raise ValueError("weight and magnitude must be finite, positive")
+        if any(s is not None and not bool(torch.isfinite(s).all()) for s in sketches):
+            raise ValueError("non-finite sketch")
+        return cls(int(m["part"]), commit, weight, inf, digest, sketches[0], sketches[1])
+
+
+def entry_for(part: int, values: torch.Tensor, commit_hash: bytes, weight: float, key: bytes | None,
+              digest: bytes | None, result: torch.Tensor | None, tau: float, rule: str) -> Entry:
+    """Our claim about our contribution ``values`` to ``part``, sketched under ``key`` (the seed of the result
+    ``result`` of digest ``digest`` we hold), or without sketches if we hold no result of that part."""
+    inf = float(values.abs().max()) if values.numel() else 0.0
+    if key is None or result is None:
+        return Entry(part, commit_hash, weight, inf)
+    c = sketch(clipped(values, result, tau), key) if rule == "centered-clip" and tau > 0 else None
+    return Entry(part, commit_hash, weight, inf, digest, sketch(values, key), c)
+
+
+def error_bound(values: torch.Tensor, codec: Codec, chunk: int | None, largest: float) -> torch.Tensor:
+    """How far each value of a decoded result may be from the exact aggregate (the codec's rounding, chunk by
+    chunk, and float32's), capped by what a value inside the contributions' range could be off by."""
+    n = values.numel()
+    eps = torch.empty(n, dtype=torch.float64)
+    for a, b in chunk_bounds(n, chunk) if chunk is not None else [(0, n)]:
+        eps[a:b] = codec.error_bound(values[a:b]).to(torch.float64)
+    eps += values.abs().to(torch.float64) * _F32_ROUND
+    return torch.minimum(eps, values.abs().to(torch.float64) + largest)
+
+
+@dataclass
+class Verdict:
+    """What to do with one part's result: ``use`` it, ``replace`` it with ``values`` (recomputed from the
+    evidence), or ``skip`` it (the round is partial); ``liars``: members proven to have lied."""
+
+    action: str
+    reason: str = ""
+    values: torch.Tensor | None = None
+    liars: tuple[str, ...] = ()
+
+
+@dataclass
+class Fetched:
+    """One member's signed contribution as the part's owner showed it: ``evidence`` (None if it did not),
+    ``answered`` (the owner replied: it is alive and said it has none), the payload bytes received."""
+
+    evidence: Evidence | None
+    answered: bool
+    nbytes: int = 0
+
+
+#: Fetches one member's signed contribution to the part from the part's owner.
+FetchEvidence = Callable[[str], Awaitable[Fetched]]
+
+
+class Judge:
+    """One member's judgement of the parts of one (round, phase).
+
+    ``run``, ``key``, ``phase``: what commitments and seeds are bound to; ``members``: the group; ``codec``:
+    the round's; ``rule``: the aggregation; ``own_commits``: member -> the hash of the commitment of its own
+    share of its own part, as it announced it; ``checks``: member -> its entries by part.
+    """
+
+    def __init__(self, *, run: str, key: str, phase: int, members: Sequence[str], codec: Codec, rule: str,
+                 own_commits: Mapping[str, bytes], checks: Mapping[str, Mapping[int, Entry]]) -> None:
+        self.run, self.key, self.phase, self.members = run, key, phase, list(members)
+        self.codec, self.rule, self.own_commits, self.checks = codec, rule, own_commits, checks
+        self.evidence_bytes = 0
+
+    def seed(self, part: int, digest: bytes) -> bytes:
+        return seed(self.run, self.key, self.phase, part, digest)
+
+    # ------------------------------------------------------------------ the checks
+    def claims(self, part: int, digest: bytes, contributors: Sequence[str]) -> tuple[dict[str, Entry], list[str]]:
+        """The contributors' usable claims about ``part`` (sketched under this result's seed), and the
+        contributors whose claim is missing or was made under another result (their evidence is needed)."""
+        usable, missing = {}, []
+        for p in contributors:
+            e = self.checks.get(p, {}).get(part)
+            if e is not None and e.digest == digest and e.s is not None \
+                    and (self.rule != "centered-clip" or e.c is not None):
+                usable[p] = e
+            else:
+                missing.append(p)
+        return usable, missing
+
+    def test(self, res: Mapping[str, Any], values: torch.Tensor, sketches: Mapping[str, tuple[float, float,
+             torch.Tensor, torch.Tensor | None]], key: bytes) -> str | None:
+        """Why the result ``values`` of ``res`` fails the checks against the contributors' (weight, magnitude,
+        sketch, clipped sketch), or None if it passes."""
+        total = math.fsum(w for w, _, _, _ in sketches.values())
+        claimed = float(res["total"])
+        if not math.isclose(total, claimed, rel_tol=1e-9, abs_tol=1e-12):
+            return f"total weight {claimed:.6g}, the contributors' weights sum to {total:.6g}"
+        largest = max((m for _, m, _, _ in sketches.values()), default=0.0)
+        eps = error_bound(values, self.codec, res.get("chunk"), largest)
+        over = values.abs().to(torch.float64) - eps - largest * (1 + 1e-6)
+        if values.numel() and float(over.max()) > 0:
+            return f"a value beyond every contribution's range (by {float(over.max()):.3g})"
+        bound_sq = float(eps.pow(2).sum())
+        scale = float(values.abs().sum()) + sum(float(s.abs().sum()) for _, _, s, _ in sketches.values())
+        if self.rule == "mean":
+            residual = mean_residual(sketch(values, key), [(w, s) for w, _, s, _ in sketches.values()])
+            if not passes(residual, bound_sq, scale):
+                return f"the sketch is {float(residual.norm()):.3g} off the contributions' (allowed {math.sqrt(bound_sq):.3g})"
+        elif self.rule == "centered-clip":
+            tau = float(res.get("tau", 0.0))
+            pull = torch.zeros(BUCKETS, dtype=torch.float64)
+            for w, _, _, c in sketches.values():
+                assert c is not None
+                pull += (w / total) * c
+            # At the fixed point the pulls cancel, up to the owner's stopping rule and the codec's rounding.
+            allowed = (math.sqrt(bound_sq) + 2e-4 * tau) ** 2
+            if not passes(pull, allowed, scale + tau):
+                return f"the clipped pulls sum to {float(pull.norm()):.3g} (allowed {math.sqrt(allowed):.3g})"
+        return None
+
+    # ------------------------------------------------------------------ disputes
+    def _check_evidence(self, who: str, part: int, owner: str, ev: Evidence) -> str | None:
+        """Why ``ev`` is not a valid signed contribution of ``who`` to ``part``, or None."""
+        if not ev.signed_by(who, self.run, self.key, self.phase, part):
+            return f"the contribution it shows for {who[-8:]} is not signed by it"
+        if (ev.codec == RAW) != (who == owner):
+            return f"the contribution it shows for {who[-8:]} is of the wrong kind ({ev.codec})"
+        return None
+
+    async def evidence(self, part: int, owner: str, who: Sequence[str], fetch: FetchEvidence
+                       ) -> tuple[dict[str, Evidence], Verdict | None]:
+        """Every member's of ``who`` signed contribution to ``part``, from its owner; or a verdict to skip the
+        part (the owner is gone or has none: no one is blamed; it showed a forged one: it lied)."""
+        fetched = await asyncio.gather(*(fetch(p) for p in who))
+        out: dict[str, Evidence] = {}
+        for p, f in zip(who, fetched, strict=True):
+            self.evidence_bytes += f.nbytes
+            if f.evidence is None:
+                said = "has none" if f.answered else "did not answer"
+                return out, Verdict("skip", f"the owner {said} of {p[-8:]}'s signed contribution")
+            why = self._check_evidence(p, part, owner, f.evidence)
+            if why is not None:
+                return out, Verdict("skip", why, liars=(owner,))
+            out[p] = f.evidence
+        return out, None
+
+    async def settle(self, part: int, owner: str, res: Mapping[str, Any], digest: bytes,
+                     values: torch.Tensor | None, fetch: FetchEvidence, first: str, blame: bool) -> Verdict:
+        """A dispute over ``part`` (``first``: why it began): fetch every contributor's signed contribution
+        from the owner, find who lied and, if the result is wrong, recompute it. ``blame``: the result came
+        from the owner itself (a relayed one may carry a lie its relayer could not see)."""
+        contributors = [str(p) for p in res.get("contributors") or []]
+        evidence, stop = await self.evidence(part, owner, contributors, fetch)
+        if stop is not None:
+            return Verdict("skip", f"{first}; {stop.reason}", liars=stop.liars)
+        liars: list[str] = []
+        xs: dict[str, torch.Tensor] = {}
+        for p, ev in evidence.items():
+            commit = hashlib.sha256(ev.commit(self.run, self.key, self.phase, part)).digest()
+            claim = self.checks.get(p, {}).get(part)
+            announced = self.own_commits.get(p) if p == owner else None
+            if announced is not None and announced != commit:
+                return Verdict("skip", f"{first}; the owner's own share is not the one it announced", liars=(owner,))
+            try:
+                xs[p] = await asyncio.to_thread(ev.values)
+            except ValueError as e:  # the owner took it: it could not have decoded it either
+                return Verdict("skip", f"{first}; {p[-8:]}'s signed contribution does not decode ({e})",
+                               liars=(owner,))
+            if claim is not None and claim.commit != commit:
+                liars.append(p)  # it signed one contribution and claims another
+            elif claim is not None and claim.digest == digest and claim.s is not None:
+                key = self.seed(part, digest)
+                mine = await asyncio.to_thread(sketch, xs[p], key)
+                if not passes(mine - claim.s, 0.0, float(mine.abs().sum()) + float(claim.s.abs().sum())):
+                    liars.append(p)  # its sketch is not the sketch of what it signed
+        if not xs:
+            return Verdict("skip", f"{first}; the result names no contributor", liars=(owner,) if blame else ())
+        honest = await asyncio.to_thread(self._recompute, xs, evidence, res)
+        if values is not None and honest.shape == values.shape:
+            largest = max(float(x.abs().max()) if x.numel() else 0.0 for x in xs.values())
+            eps = error_bound(honest, self.codec, res.get("chunk"), largest)
+            if bool(((values.to(torch.float64) - honest.to(torch.float64)).abs() <= 2 * eps + 1e-30).all()):
+                return Verdict("use", f"{first}; the owner's result holds", liars=tuple(liars))
+        return Verdict("replace", f"{first}; the result is not the aggregate of what was sent",
+                       values=honest, liars=(*liars, owner) if blame else tuple(liars))
+
+    def _recompute(self, xs: Mapping[str, torch.Tensor], evidence: Mapping[str, Evidence],
+                   res: Mapping[str, Any]) -> torch.Tensor:
+        """What an honest owner sends for these contributions: the aggregate, through the codec."""
+        use = sorted(xs)
+        ws = [evidence[p].weight for p in use]
+        tau = float(res.get("tau", 0.0))
+        avg = aggregate([xs[p] for p in use], ws, self.rule, tau=tau if tau > 0 else None).float()
+        chunk = res.get("chunk")
+        bounds = chunk_bounds(avg.numel(), chunk) if chunk is not None else [(0, avg.numel())]
+        out = torch.empty_like(avg)
+        for a, b in bounds:
+            out[a:b] = self.codec.decode(self.codec.encode(avg[a:b]), b - a)
+        return out
+
+
+def parse_checks(msg: Mapping[str, Any], members: int, max_entries: int) -> dict[int, Entry]:
+    """A check message's entries by part (SCHEMA_ERRORS if malformed)."""
+    entries = msg["entries"]
+    if not isinstance(entries, list) or len(entries) > max_entries:
+        raise ValueError("entries must be a list of at most one per part")
+    out = {}
+    for m in entries:
+        e = Entry.from_wire(m)
+        if not 0 <= e.part < members:
+            raise IndexError(f"part {e.part} of {members}")
+        out[e.part] = e
+    return out
+
+
+async def fetch_evidence(call: Callable[..., Awaitable[tuple[dict[str, Any], float]]], owner: str, key: str,
+                         phase: int, part: int, who: str, timeout: float) -> Fetched:
+    """``who``'s signed contribution to ``part``, as its owner shows it."""
+    try:
+        reply, _ = await call(owner, "evidence", {"key": key, "phase": phase, "part": part, "who": who},
+                              timeout=timeout)
+    except RoundFailed:
+        return Fetched(None, answered=False)
+    ev = reply.get("evidence")
+    try:
+        return Fetched(Evidence.from_wire(ev), answered=True, nbytes=len(ev["data"])) if isinstance(ev, dict) \
+            else Fetched(None, answered=True)
+    except SCHEMA_ERRORS:
+        return Fetched(None, answered=True)  # answered with something that is not a contribution
+
+
+def sign_contribution(identity: Identity, run: str, key: str, phase: int, part: int, weight: float, numel: int,
+                      codec: str, chunk: int | None, sha: bytes) -> tuple[bytes, bytes]:
+    """(signature, hash) of the commitment to one contribution."""
+    c = commitment(run, key, phase, part, weight, numel, codec, chunk, sha)
+    return identity.sign(c), hashlib.sha256(c).digest()

@@ -1,0 +1,133 @@
+"""Verified aggregation on real libp2p peers: a part owner that sends back a wrong average is caught by every
+honest member, banned, and the honest members end the round with the honest mean (recomputed from the signed
+contributions) or without that part; a member that lies about its own contribution to get an honest owner
+blamed is the one banned."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from p2ptrain.collective.butterfly import part_bounds
+from p2ptrain.collective.codecs import get_codec
+from p2ptrain.faults import LIES, FaultPlan
+from p2ptrain.net.guard import GuardConfig
+from p2ptrain.net.transport import JoinRequest, PeerInfo
+
+pytestmark = [pytest.mark.net, pytest.mark.timeout(240)]
+
+N = 5
+NUMEL = 1 << 14  # 16 Ki values: parts of ~3 Ki, small enough for a test, large enough to count bytes
+
+
+@asynccontextmanager
+async def swarm(faults: FaultPlan, bad: int, guard: GuardConfig | None = None,
+                run: str = "liar") -> AsyncIterator[list[Any]]:
+    """N libp2p peers on 127.0.0.1; peer ``bad`` injects ``faults``."""
+    from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
+
+    ts: list[Any] = []
+    try:
+        for i in range(N):
+            initial = await ts[0].visible_maddrs() if ts else []
+            ts.append(await HivemindTransport.create(SwarmConfig(
+                run_id=run, initial_peers=initial, join_window=1.0, ttl=30, guard=guard or GuardConfig(),
+                faults=faults if i == bad else FaultPlan())))
+        for t in ts:
+            await t.announce(PeerInfo(peer_id=t.peer_id))
+        for t in ts:
+            for _ in range(100):
+                if len(await t.peers()) == N:
+                    break
+                await asyncio.sleep(0.1)
+        yield ts
+    finally:
+        await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
+
+
+def update(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.ones(NUMEL) + 0.1 * torch.randn(NUMEL, generator=g)
+
+
+async def rounds(ts: list[Any], n: int, timeout: float = 12.0) -> list[list[Any]]:
+    out = []
+    for r in range(n):
+        async def one(i: int, t: Any, r: int = r) -> Any:
+            g = await t.form_group(JoinRequest(key=f"r{r}", peer_id=t.peer_id, weight=1.0 + i, fragment=0), None,
+                                   timeout=20)
+            return await t.allreduce(g, 0, [update(i)], 1.0 + i, get_codec("fp32"), timeout=timeout)
+
+        out.append(list(await asyncio.gather(*(one(i, t) for i, t in enumerate(ts)), return_exceptions=True)))
+    return out
+
+
+def weighted(ids: list[int]) -> torch.Tensor:
+    ws = torch.tensor([1.0 + i for i in ids], dtype=torch.float64)
+    return (torch.stack([update(i).double() for i in ids]) * ws[:, None]).sum(0) / ws.sum()
+
+
+@pytest.mark.parametrize("lie", LIES)
+def test_a_lying_owner_is_caught_banned_and_its_part_is_the_honest_mean(lie: str) -> None:
+    bad = N - 1
+
+    async def go() -> None:
+        async with swarm(FaultPlan(lie=lie), bad) as ts:
+            liar = ts[bad].peer_id
+            results = await rounds(ts, 3)
+            honest_ids = list(range(N))
+            for r, res in enumerate(results):
+                for i, x in enumerate(res):
+                    if i == bad:
+                        continue
+                    assert not isinstance(x, BaseException), (lie, r, i, x)
+                    got = x.tensors[0].double()
+                    if liar in x.members:  # every part, the liar's included: the mean of all five
+                        want = weighted(honest_ids)
+                        if liar in x.contributors:
+                            assert torch.allclose(got, want, rtol=0, atol=1e-6), (lie, r, i, float((got - want).abs().max()))
+                        else:  # its part was left out: every other part is exact
+                            lo, hi = part_bounds(NUMEL, len(x.members))[x.members.index(liar)]
+                            keep = torch.ones(NUMEL, dtype=torch.bool)
+                            keep[lo:hi] = False
+                            assert x.partial and torch.allclose(got[keep], want[keep], rtol=0, atol=1e-6)
+                    else:  # after the ban: a group of the four honest peers
+                        assert torch.allclose(got, weighted(honest_ids[:bad]), rtol=0, atol=1e-6), (lie, r, i)
+            for i, t in enumerate(ts[:bad]):
+                assert t.guard.is_banned(liar), (lie, i, dict(t.guard.strikes))
+                assert not (t.guard.banned - {liar}), (lie, i, t.guard.banned)  # no honest peer was banned
+            first = [x for x in results[0][:bad]]
+            assert all(liar in x.liars or t.guard.is_banned(liar) for x, t in zip(first, ts, strict=False))
+            # What verification cost the honest members in the round that caught the liar, and in one without it.
+            for label, res in (("caught", results[0]), ("after", results[2])):
+                for x in res[:bad]:
+                    print(f"{lie} {label}: round {x.bytes_sent + x.bytes_received} B, verification {x.verify_bytes} B "
+                          f"({x.verify_bytes / max(1, x.bytes_sent + x.bytes_received):.1%}), {x.verify_seconds:.3f} s of "
+                          f"{x.seconds:.3f} s")
+
+    asyncio.run(go())
+
+
+def test_a_member_that_lies_about_its_contribution_is_banned_not_the_owner() -> None:
+    """A contributor's claims contradict what it signed: every member that checks a part it contributed to
+    asks the owner for the signed contributions and finds the framer out; the round ends exact."""
+    bad = 1
+
+    async def go() -> None:
+        async with swarm(FaultPlan(frame=True), bad, run="framer") as ts:
+            framer = ts[bad].peer_id
+            results = await rounds(ts, 2)
+            for x in results[0]:
+                assert not isinstance(x, BaseException), x
+                assert torch.allclose(x.tensors[0].double(), weighted(list(range(N))), rtol=0, atol=1e-6)
+            for i, t in enumerate(ts):
+                if i != bad:
+                    assert t.guard.is_banned(framer), (i, t.guard.banned)
+                    assert t.guard.banned == {framer}, (i, t.guard.banned)
+
+    asyncio.run(go())
