@@ -148,7 +148,7 @@ class ButterflyRun:
             await self._await_results()
             await self._fetch_missing()
             if self.audit is not None:
-                sent += await self._verify(tg)
+                await self._verify(tg)  # its bytes are counted apart (ReduceResult.verify_bytes)
             sent += sum(done for done in [await t for t in results_out] if isinstance(done, int))
         return sent
 
@@ -297,8 +297,8 @@ class ButterflyRun:
                     break
 
     # 5. verified aggregation
-    async def _verify(self, tg: asyncio.TaskGroup) -> int:
-        """Send our claims to every member, wait for theirs, judge the parts we did not own; the bytes sent."""
+    async def _verify(self, tg: asyncio.TaskGroup) -> None:
+        """Send our claims to every member, wait for theirs, judge the parts we did not own."""
         audit = self.audit
         assert audit is not None
         lo, hi = self.bounds[self.me]
@@ -315,9 +315,7 @@ class ButterflyRun:
                 break
             await self.box.wait(min(deadline, time.monotonic() + 0.5))
         await audit.judge_all(self._until(1.0))
-        sent = sum(size for done in [await t for t in sends] if not isinstance(done, Exception))
-        audit.stats.bytes_sent += sent
-        return sent
+        audit.stats.bytes_sent += sum(size for done in [await t for t in sends] if not isinstance(done, Exception))
 
     # 6. assembly
     async def _assemble(self, sent: int) -> ReduceResult:
@@ -351,6 +349,5 @@ class ButterflyRun:
         if self.audit is not None:
             st = self.audit.stats
             result.verify_bytes, result.verify_seconds = st.bytes_sent + st.bytes_received, st.seconds
-            result.bytes_received += st.bytes_received
             result.liars = tuple(st.liars)
         return result

@@ -20,23 +20,22 @@ import torch
 
 from ..collective.codecs import Codec, get_codec
 from .chunks import decode_chunked
-from .guard import Guard
-from .identity import Identity
-from .mailbox import Mailbox
-from .parts import result_problem
-from .verify import (
+from .claims import (
     RAW,
     Entry,
     Evidence,
     Fetched,
-    Judge,
-    Verdict,
     entry_for,
     fetch_evidence,
     result_digest,
     sign_contribution,
     sketch_bytes,
 )
+from .guard import Guard
+from .identity import Identity
+from .mailbox import Mailbox
+from .parts import result_problem
+from .verify import Judge, Verdict
 
 __all__ = ["Audit", "AuditStats"]
 

@@ -24,10 +24,10 @@ import torch
 
 from ..collective.codecs import get_codec
 from .chunks import Refused, receive_chunks
+from .claims import Entry, Evidence, commitment, parse_checks, payload_sha
 from .guard import Guard
 from .identity import verify_signature
 from .parts import wire_result
-from .verify import Entry, Evidence, commitment, parse_checks, payload_sha
 
 __all__ = ["Contribution", "Mailbox", "Mailboxes"]
 

@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 class HivemindTransport(Transport):
     """A :class:`Transport` over hivemind's P2P daemon and DHT (create with :meth:`create`)."""
 
-    def __init__(self, cfg: SwarmConfig, p2p: Any, node: Any, identity: Identity) -> None:
+    def __init__(self, cfg: SwarmConfig, p2p: Any, node: Any, identity: Identity | None = None) -> None:
         self.cfg, self.p2p, self.node, self.identity = cfg, p2p, node, identity
         self.peer_id = str(p2p.peer_id)
         self._forming: dict[str, Forming] = {}
@@ -361,7 +361,7 @@ class HivemindTransport(Transport):
                         codec: Codec, *, timeout: float, fingerprint: Sequence[float] | None = None) -> ReduceResult:
         box = self.mailboxes.box(group.key, phase)
         audit = None
-        if self.cfg.verify:
+        if self.cfg.verify and self.identity is not None:
             audit = Audit(run=self.cfg.run_id, key=group.key, phase=phase, me=self.peer_id, members=group.members,
                           bounds=part_bounds(sum(t.numel() for t in tensors), len(group.members)), codec=codec,
                           rule=self.guard.cfg.aggregation, weight=weight, identity=self.identity, box=box,

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from p2ptrain.checkpoint import CheckpointError, state_from_bytes
 from p2ptrain.collective.codecs import CODECS, get_codec
+from p2ptrain.net.claims import Entry, Evidence, payload_sha, sign_contribution
+from p2ptrain.net.identity import Identity
 from p2ptrain.net.state_transfer import StateServer, fetch_chunked
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 from p2ptrain.net.transport import Group, JoinRequest, PeerInfo, RoundFailed
@@ -172,11 +174,56 @@ def test_state_bytes_parse_or_refuse(data: bytes) -> None:
         pass
 
 
-def test_a_well_formed_part_is_accepted() -> None:
-    """The fuzzed handlers do accept the real thing (the tests above are not vacuous)."""
+@FUZZ
+@given(_msg(["key", "phase", "members", "entries"])
+       | st.fixed_dictionaries({"key": st.text(max_size=4), "phase": st.integers(0, 2), "members": st.integers(-2, 9),
+                                "entries": st.lists(_msg(["part", "commit", "w", "inf", "d", "s", "c"]), max_size=3)}))
+def test_check_and_evidence_handlers(msg: dict[str, Any]) -> None:
+    """Verified aggregation's claims (net/verify.py): parsed or refused, never a crash."""
     t = _transport()
+    for handler in (t.mailboxes.accept_check, t.mailboxes.show_evidence):
+        reply = _handled(handler("peer", msg))
+        assert reply is None or isinstance(reply, dict)
+
+
+@FUZZ
+@given(_msg(["data", "w", "numel", "codec", "chunk", "sig", "pk"]))
+def test_evidence_parses_or_refuses_and_never_decodes_past_its_size(msg: dict[str, Any]) -> None:
+    try:
+        ev = Evidence.from_wire(msg)
+    except SCHEMA_ERRORS:
+        return
+    try:
+        assert ev.values().numel() == ev.numel
+    except (ValueError, KeyError):  # a payload that does not fit its size or codec, or no such codec
+        pass
+
+
+def _signed_part(ident: Identity, values: torch.Tensor) -> dict[str, Any]:
     codec = get_codec("fp32")
-    msg = {"key": "k", "phase": 0, "part": 0, "weight": 1.0, "fp": None, "codec": "fp32", "numel": 4,
-           "data": codec.encode(torch.ones(4))}
-    assert asyncio.run(t._on_part("peer", decode_message(encode_message(msg)))) == {"ok": True}
-    assert t._mail[("k", 0)].contribs["peer"][1].equal(torch.ones(4))
+    data = codec.encode(values)
+    sig, _ = sign_contribution(ident, "p2ptrain", "k", 0, 0, 1.0, values.numel(), "fp32", None, payload_sha([data]))
+    return {"key": "k", "phase": 0, "part": 0, "weight": 1.0, "fp": None, "codec": "fp32", "numel": values.numel(),
+            "data": data, "sig": sig, "pk": ident.public}
+
+
+def test_a_well_formed_part_is_accepted() -> None:
+    """The fuzzed handlers do accept the real thing (the tests above are not vacuous): a part signed by its
+    sender, kept as evidence; the same part under another sender's name, or with another payload, is not."""
+    t = _transport()
+    ident, other = Identity.generate(), Identity.generate()
+    msg = _signed_part(ident, torch.ones(4))
+    assert asyncio.run(t._on_part(ident.peer_id, decode_message(encode_message(msg)))) == {"ok": True}
+    assert t._mail[("k", 0)].contribs[ident.peer_id][1].equal(torch.ones(4))
+    assert t._mail[("k", 0)].evidence[ident.peer_id].values().equal(torch.ones(4))
+    assert "error" in asyncio.run(t._on_part(other.peer_id, msg))
+    forged = {**msg, "data": get_codec("fp32").encode(torch.zeros(4))}
+    assert "error" in asyncio.run(t._on_part(ident.peer_id, forged))
+    assert t.guard.strikes[other.peer_id] == 1 and t.guard.strikes[ident.peer_id] == 1
+    shown = asyncio.run(t.mailboxes.show_evidence("x", {"key": "k", "phase": 0, "who": ident.peer_id}))
+    assert Evidence.from_wire(shown["evidence"]).signed_by(ident.peer_id, "p2ptrain", "k", 0, 0)
+    entry = Entry(0, b"h" * 32, 1.0, 1.0, b"d" * 32, torch.arange(32, dtype=torch.float64), None)
+    check = {"key": "k", "phase": 0, "members": 2, "entries": [entry.to_wire()]}
+    assert asyncio.run(t.mailboxes.accept_check(ident.peer_id, decode_message(encode_message(check)))) == {"ok": True}
+    got = t._mail[("k", 0)].checks[ident.peer_id][0]
+    assert got.s is not None and got.s.equal(entry.s) and got.commit == entry.commit

@@ -131,3 +131,54 @@ def test_a_member_that_lies_about_its_contribution_is_banned_not_the_owner() -> 
                     assert t.guard.banned == {framer}, (i, t.guard.banned)
 
     asyncio.run(go())
+
+
+def test_an_owner_that_lies_to_half_the_members_leaves_every_honest_member_with_the_same_values() -> None:
+    """Equivocation: the members that got the lie recompute the part from the signed contributions, the
+    others got the truth: all end bitwise equal, and those that saw the lie ban the owner."""
+    bad = 0
+
+    async def go() -> None:
+        async with swarm(FaultPlan(lie="shift", lie_to_some=True), bad, run="equivocate") as ts:
+            liar = ts[bad].peer_id
+            [res] = await rounds(ts, 1)
+            honest = [x for i, x in enumerate(res) if i != bad]
+            assert all(not isinstance(x, BaseException) for x in honest), honest
+            for x in honest[1:]:
+                assert torch.equal(x.tensors[0], honest[0].tensors[0])
+            assert torch.allclose(honest[0].tensors[0].double(), weighted(list(range(N))), rtol=0, atol=1e-6)
+            assert any(t.guard.is_banned(liar) for t in ts[1:])
+            assert all(t.guard.banned <= {liar} for t in ts[1:])
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("lie", ["scale", "shift"])
+def test_centered_clip_holds_against_a_lying_owner_on_the_real_transport(lie: str) -> None:
+    """With a robust rule the members check BTARD's equation (the clipped pulls cancel at the result); a lie
+    fails it and the part is recomputed with the owner's radius τ. Contributions streamed in chunks (so their
+    signatures travel in trailer frames)."""
+    bad = 2
+
+    async def go() -> None:
+        from p2ptrain.collective.aggregate import centered_clip
+
+        async with swarm(FaultPlan(lie=lie), bad, guard=GuardConfig(aggregation="centered-clip"),
+                         run=f"clip-{lie}") as ts:
+            for t in ts:
+                t.cfg.chunk_values = 1024  # parts of ~3 Ki values travel in 4 chunks each
+            liar = ts[bad].peer_id
+            [res] = await rounds(ts, 1)
+            honest = [(i, x) for i, x in enumerate(res) if i != bad]
+            assert all(not isinstance(x, BaseException) for _, x in honest), honest
+            members = honest[0][1].members
+            for j, owner in enumerate(members):
+                lo, hi = part_bounds(NUMEL, len(members))[j]
+                ids = [k for k, t in enumerate(ts) if t.peer_id in honest[0][1].contributors]
+                # The owner's own share is raw; the others' went through fp32 (lossless): the same values.
+                want = centered_clip([update(k)[lo:hi] for k in ids], [1.0 + k for k in ids])
+                for _, x in honest:
+                    assert torch.allclose(x.tensors[0][lo:hi], want, rtol=1e-5, atol=1e-6), (lie, j, owner == liar)
+            assert all(t.guard.is_banned(liar) for i, t in enumerate(ts) if i != bad)
+
+    asyncio.run(go())

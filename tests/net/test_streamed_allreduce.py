@@ -11,6 +11,7 @@ import torch
 from p2ptrain.collective.butterfly import chunk_bounds
 from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.auth import SwarmKey
+from p2ptrain.net.claims import payload_sha, sign_contribution
 from p2ptrain.net.transport import JoinRequest, RoundFailed
 
 from .peers import announce_and_wait
@@ -117,8 +118,14 @@ def test_a_streamed_part_that_lies_about_its_chunks_is_refused() -> None:
             assert await refused({**msg, "chunk": 1, "chunks": 3000}, [1] * 3)
             assert a.guard.strikes[b.peer_id] > first
             assert ("x", 0) not in a._mail or b.peer_id not in a._mail[("x", 0)].contribs
-            # the honest stream is accepted
-            reply, _ = await b._call(a.peer_id, "part", msg, timeout=5, chunks=chunks([1024, 1024, 952]))
+            # the honest stream is accepted, once signed by its sender (the signature follows the chunks)
+            honest = [codec.encode(torch.ones(s)) for s in (1024, 1024, 952)]
+            sig, _ = sign_contribution(b.identity, a.cfg.run_id, "x", 0, 0, 1.0, 3000, "fp32", 1024, payload_sha(honest))
+            unsigned, _ = await b._call(a.peer_id, "part", msg, timeout=5, chunks=chunks([1024, 1024, 952]))
+            assert "error" in unsigned
+            reply, _ = await b._call(a.peer_id, "part", {**msg, "trailer": True}, timeout=5,
+                                     chunks=chunks([1024, 1024, 952]),
+                                     trailer=lambda: {"sig": sig, "pk": b.identity.public})
             assert reply == {"ok": True}
             assert torch.equal(a._mail[("x", 0)].contribs[b.peer_id][1], torch.ones(3000))
         finally:

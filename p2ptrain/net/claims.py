@@ -1,0 +1,204 @@
+"""What verified aggregation sends (net/verify.py): signed commitments, evidence, claims and their wire form.
+
+A contributor signs a *commitment* to each contribution it sends (run, round, phase, part, weight, size,
+codec, chunking and the payload's SHA-256) with the key behind its peer id (net/identity.py); the part's
+owner keeps the payload and signature as :class:`Evidence`. After the all-gather each member sends its
+*claims* (:class:`Entry`, one per part it contributed to) in a check message. Sketches travel as 32
+little-endian float64 values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..collective.codecs import get_codec
+from ..collective.sketch import BUCKETS, clipped, sketch
+from .chunks import decode_chunked
+from .identity import Identity, verify_signature
+from .transport import RoundFailed
+from .wire import SCHEMA_ERRORS, encode_message
+
+__all__ = ["RAW", "Entry", "Evidence", "Fetched", "commitment", "entry_for", "fetch_evidence", "parse_checks",
+           "payload_sha", "result_digest", "sign_contribution", "sketch_bytes"]
+
+#: The codec name of an owner's own share of its part: float32 values as they are (never encoded).
+RAW = "raw"
+_SKETCH_BYTES = 8 * BUCKETS
+
+
+def payload_sha(pieces: Sequence[bytes]) -> bytes:
+    h = hashlib.sha256()
+    for p in pieces:
+        h.update(p)
+    return h.digest()
+
+
+def commitment(run: str, key: str, phase: int, part: int, weight: float, numel: int, codec: str,
+               chunk: int | None, sha: bytes) -> bytes:
+    """The bytes a contributor signs for its contribution to ``part`` (its payload's SHA-256 is ``sha``)."""
+    return encode_message({"t": "p2ptrain/contribution/1", "run": run, "key": key, "phase": int(phase),
+                           "part": int(part), "w": float(weight), "numel": int(numel), "codec": codec,
+                           "chunk": chunk, "h": sha})
+
+
+def result_digest(res: Mapping[str, Any], payload: bytes) -> bytes:
+    """What a member's sketches of one part are bound to: the owner's result, header and payload."""
+    header = [res.get("key"), res.get("phase"), res.get("part"), res.get("numel"), res.get("codec"),
+              res.get("chunk"), sorted(str(p) for p in res.get("contributors") or []), res.get("total"),
+              res.get("tau", 0.0)]
+    return hashlib.sha256(encode_message({"h": header}) + hashlib.sha256(payload).digest()).digest()
+
+
+def sketch_bytes(t: torch.Tensor) -> bytes:
+    """A sketch on the wire: its float64 values, little-endian."""
+    return struct.pack(f"<{BUCKETS}d", *t.tolist())
+
+
+def _f64(data: bytes) -> torch.Tensor:
+    return torch.tensor(struct.unpack(f"<{BUCKETS}d", data), dtype=torch.float64)
+
+
+@dataclass
+class Evidence:
+    """A member's signed contribution to a part, as the part's owner keeps it to show to whoever asks."""
+
+    data: bytes  # the payload (a streamed one's chunk payloads joined)
+    weight: float
+    numel: int
+    codec: str  # a codec's name, or RAW
+    chunk: int | None
+    sig: bytes
+    pk: bytes = b""  # an RSA signer's public key (an Ed25519 id holds its own)
+
+    def commit(self, run: str, key: str, phase: int, part: int) -> bytes:
+        return commitment(run, key, phase, part, self.weight, self.numel, self.codec, self.chunk,
+                          hashlib.sha256(self.data).digest())
+
+    def signed_by(self, peer: str, run: str, key: str, phase: int, part: int) -> bool:
+        return verify_signature(peer, self.commit(run, key, phase, part), self.sig, self.pk)
+
+    def values(self) -> torch.Tensor:
+        """The contribution as its owner used it (ValueError if it does not decode)."""
+        if self.codec == RAW:
+            if len(self.data) != 4 * self.numel:
+                raise ValueError(f"raw share of {len(self.data)} bytes for {self.numel} values")
+            x = torch.frombuffer(bytearray(self.data), dtype=torch.float32).clone()
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError("raw share with non-finite values")
+            return x
+        return decode_chunked(get_codec(self.codec), self.data, self.numel, self.chunk)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"data": self.data, "w": self.weight, "numel": self.numel, "codec": self.codec, "chunk": self.chunk,
+                "sig": self.sig, "pk": self.pk}
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Evidence:
+        data, sig, pk, chunk = m["data"], m["sig"], m.get("pk", b""), m.get("chunk")
+        if not (isinstance(data, bytes) and isinstance(sig, bytes) and isinstance(pk, bytes)):
+            raise TypeError("evidence fields must be bytes")
+        if chunk is not None and not isinstance(chunk, int):
+            raise TypeError("chunk must be an integer")
+        return cls(data, float(m["w"]), int(m["numel"]), str(m["codec"]), chunk, sig, pk)
+
+
+@dataclass
+class Entry:
+    """One member's claim about its contribution to one part, in its check message."""
+
+    part: int
+    commit: bytes  # SHA-256 of its signed commitment
+    weight: float
+    inf: float  # the contribution's largest magnitude
+    digest: bytes | None = None  # of the result it holds for this part: its sketches are under that seed
+    s: torch.Tensor | None = None  # sketch of the contribution
+    c: torch.Tensor | None = None  # sketch of its clipped pull at the result (CenteredClip)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"part": self.part, "commit": self.commit, "w": self.weight, "inf": self.inf, "d": self.digest,
+                "s": None if self.s is None else sketch_bytes(self.s),
+                "c": None if self.c is None else sketch_bytes(self.c)}
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any]) -> Entry:
+        """SCHEMA_ERRORS for anything malformed (the stream layer strikes the sender)."""
+        sketches = []
+        for k in ("s", "c"):
+            v = m.get(k)
+            if v is not None and (not isinstance(v, bytes) or len(v) != _SKETCH_BYTES):
+                raise ValueError(f"sketch {k} of {len(v) if isinstance(v, bytes) else '?'} bytes")
+            sketches.append(None if v is None else _f64(v))
+        commit, digest = m["commit"], m.get("d")
+        if not isinstance(commit, bytes) or (digest is not None and not isinstance(digest, bytes)):
+            raise TypeError("commit and digest must be bytes")
+        weight, inf = float(m["w"]), float(m["inf"])
+        if not (math.isfinite(weight) and weight > 0 and math.isfinite(inf) and inf >= 0):
+            raise ValueError("weight and magnitude must be finite, positive")
+        if any(s is not None and not bool(torch.isfinite(s).all()) for s in sketches):
+            raise ValueError("non-finite sketch")
+        return cls(int(m["part"]), commit, weight, inf, digest, sketches[0], sketches[1])
+
+
+def entry_for(part: int, values: torch.Tensor, commit_hash: bytes, weight: float, key: bytes | None,
+              digest: bytes | None, result: torch.Tensor | None, tau: float, rule: str) -> Entry:
+    """Our claim about our contribution ``values`` to ``part``, sketched under ``key`` (the seed of the result
+    ``result`` of digest ``digest`` we hold), or without sketches if we hold no result of that part."""
+    inf = float(values.abs().max()) if values.numel() else 0.0
+    if key is None or result is None:
+        return Entry(part, commit_hash, weight, inf)
+    c = sketch(clipped(values, result, tau), key) if rule == "centered-clip" and tau > 0 else None
+    return Entry(part, commit_hash, weight, inf, digest, sketch(values, key), c)
+
+
+@dataclass
+class Fetched:
+    """One member's signed contribution as the part's owner showed it: ``evidence`` (None if it did not),
+    ``answered`` (the owner replied: it is alive and said it has none), the payload bytes received."""
+
+    evidence: Evidence | None
+    answered: bool
+    nbytes: int = 0
+
+
+def parse_checks(msg: Mapping[str, Any], members: int, max_entries: int) -> dict[int, Entry]:
+    """A check message's entries by part (SCHEMA_ERRORS if malformed)."""
+    entries = msg["entries"]
+    if not isinstance(entries, list) or len(entries) > max_entries:
+        raise ValueError("entries must be a list of at most one per part")
+    out = {}
+    for m in entries:
+        e = Entry.from_wire(m)
+        if not 0 <= e.part < members:
+            raise IndexError(f"part {e.part} of {members}")
+        out[e.part] = e
+    return out
+
+
+async def fetch_evidence(call: Callable[..., Awaitable[tuple[dict[str, Any], float]]], owner: str, key: str,
+                         phase: int, part: int, who: str, timeout: float) -> Fetched:
+    """``who``'s signed contribution to ``part``, as its owner shows it."""
+    try:
+        reply, _ = await call(owner, "evidence", {"key": key, "phase": phase, "part": part, "who": who},
+                              timeout=timeout)
+    except RoundFailed:
+        return Fetched(None, answered=False)
+    ev = reply.get("evidence")
+    try:
+        return Fetched(Evidence.from_wire(ev), answered=True, nbytes=len(ev["data"])) if isinstance(ev, dict) \
+            else Fetched(None, answered=True)
+    except SCHEMA_ERRORS:
+        return Fetched(None, answered=True)  # answered with something that is not a contribution
+
+
+def sign_contribution(identity: Identity, run: str, key: str, phase: int, part: int, weight: float, numel: int,
+                      codec: str, chunk: int | None, sha: bytes) -> tuple[bytes, bytes]:
+    """(signature, hash) of the commitment to one contribution."""
+    c = commitment(run, key, phase, part, weight, numel, codec, chunk, sha)
+    return identity.sign(c), hashlib.sha256(c).digest()
