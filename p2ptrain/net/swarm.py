@@ -344,9 +344,10 @@ class HivemindTransport(Transport):
         return self.mailboxes.boxes
 
     def _gone(self, key: str, phase: int) -> set[str]:
-        """Members not worth waiting for: our sends to them failed, or they announced their departure.
+        """Members not worth waiting for: our sends to them failed, they announced their departure, or we
+        banned them (their messages are dropped unread).
         (A member merely missing from our DHT view is still waited for: views are eventually consistent.)"""
-        return self.mailboxes.unreachable(key, phase) | self._left
+        return self.mailboxes.unreachable(key, phase) | self._left | self.guard.banned
 
     async def _on_part(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         return await self.mailboxes.accept_part(sender, msg)
