@@ -61,6 +61,8 @@ class Attack:
     kill: bool = False
     codec: str = "fp32"
     group: str = "owner"  # owner | member | contribution | fault
+    audit_rate: float = 0.1  # exact audits per part and round (the default)
+    norm_bound: float | None = None
 
 
 def attacks() -> list[Attack]:
@@ -72,9 +74,15 @@ def attacks() -> list[Attack]:
                  Attack(f"owner lies: sign flip{wire}", {"lie": "flip"}, codec=codec),
                  Attack(f"owner lies: +10% shift{wire}", {"lie": "shift"}, codec=codec),
                  Attack(f"owner lies to half the members{wire}", {"lie": "shift", "lie_to_some": True}, codec=codec)]
+    rows += [Attack("owner passes a +10% shift off as its own share", {"lie": "shift", "forge": True}),
+             Attack("owner passes a +10% shift off as its own share (audit rate 1)", {"lie": "shift", "forge": True},
+                    audit_rate=1.0),
+             Attack("owner lies: +10% shift (e3m0 wire, audit rate 1)", {"lie": "shift"}, codec="e3m0",
+                    audit_rate=1.0)]
     rows.append(Attack("member lies about its contribution", {"frame": True}, group="member"))
-    for kind in ("nan", "scale", "random", "shape", "truncate"):
-        rows.append(Attack(f"contribution: {kind}", {"corrupt": kind}, group="contribution"))
+    for kind in ("nan", "scale", "random", "shape", "truncate"):  # with the norm bound a hostile swarm sets
+        rows.append(Attack(f"contribution: {kind} (norm bound 10)", {"corrupt": kind}, group="contribution",
+                           norm_bound=10.0))
     rows.append(Attack("member SIGKILLed mid-round", {"kill_in_allreduce": 2}, kill=True, group="fault"))
     return rows
 
@@ -142,7 +150,8 @@ async def one_trial(attack: Attack, trial: int, rounds: int, row: Row, rng: rand
             plan = FaultPlan(**attack.faults) if i == bad else FaultPlan()
             ts.append(await HivemindTransport.create(SwarmConfig(
                 run_id=f"chaos-{trial}-{os.getpid()}", initial_peers=initial, join_window=1.0, ttl=30,
-                guard=GuardConfig(ban_after=2), faults=plan)))
+                guard=GuardConfig(ban_after=2, norm_bound=attack.norm_bound), audit_rate=attack.audit_rate,
+                faults=plan)))
         if attack.kill:  # dying is the daemon's SIGKILL: the member vanishes from the network mid-round
             pid = ts[bad].p2p._child.pid
             ts[bad].cfg.faults.kill = lambda: os.kill(pid, signal.SIGKILL)
@@ -171,7 +180,7 @@ async def one_trial(attack: Attack, trial: int, rounds: int, row: Row, rng: rand
             row.detected += int(refused and lost == 0)
         row.trials += 1
         lied_to = [i for i, t in enumerate(ts) if i != bad
-                   and not (attack.faults.get("lie_to_some") and sorted(ids).index(t.peer_id) % 2 == 1)]
+                   and not (attack.faults.get("lie_to_some") and sorted(ids).index(t.peer_id) % 2 == 0)]
         banned_by_all = all(ts[i].guard.is_banned(attacker) for i in lied_to)
         row.attacker_banned += int(banned_by_all)
         row.honest_banned += sum(len(t.guard.banned - {attacker}) for i, t in enumerate(ts) if i != bad)
@@ -223,9 +232,11 @@ def judge_round(honest: dict[int, Any], ids: dict[str, int], trial: int, codec: 
         seen = guard.is_banned(attacker) or guard.strikes[attacker] > 0 or attacker in x.liars
         if attack.kill:
             seen = ids[attacker] not in contributors or not x.partial
+        if attack.group == "contribution":  # refused: left out of the average (a strike, or dropped)
+            seen |= ids[attacker] not in contributors
         if attack.faults.get("lie_to_some") and attacker in x.members:
-            # It lies to the members at even places only (p2ptrain.faults); the others got the truth.
-            seen |= x.members.index(ts[i].peer_id) % 2 == 1
+            # It lies to the members at odd places only (net/allreduce.py); the others got the truth.
+            seen |= x.members.index(ts[i].peer_id) % 2 == 0
         refused &= seen or attacker not in x.members
     base = next(iter(values.values()), None)
     for i, v in values.items():  # honest peers agree wherever both hold a part

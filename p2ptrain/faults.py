@@ -64,6 +64,7 @@ class FaultPlan:
         lie: as a part's owner, send back a wrong average of this kind (:data:`LIES`), or the true one;
             lie_to_some: only to every other member (the rest get the true one).
         frame: send wrong sketches of this peer's contributions in the round's checks.
+        forge: a lying owner's claims pass its lie off as its own share (the sketches then add up).
         allreduces, checkpoints: all-reduce phases and checkpoint writes begun so far.
         armed: the checkpoint write under way is the one to die in.
         kill: what dying is (SIGKILL of this process; a test may record instead).
@@ -75,6 +76,7 @@ class FaultPlan:
     lie: str | None = None
     lie_to_some: bool = False
     frame: bool = False
+    forge: bool = False
     allreduces: int = 0
     checkpoints: int = 0
     armed: bool = False

@@ -81,23 +81,29 @@ class NetLoop:
             raise TimeoutError(f"network call did not finish within {timeout} s") from None
 
     def close(self, timeout: float = 10.0) -> None:
-        """Cancel what is left on the loop (awaiting the cancellations), stop it and join the thread
-        (idempotent)."""
+        """Refuse new work, cancel what is left on the loop (awaiting the cancellations, again until nothing
+        is left: a coroutine submitted just before the refusal), stop it and join the thread (idempotent).
+        Nothing submitted is left unawaited."""
         if self.closed or not self.loop.is_running():
             self.closed = True
             return
+        self.closed = True  # from now on submit() closes the coroutine it is given and raises
 
         async def _cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for _ in range(10):
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                if not tasks:
+                    return
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("NetLoop.close() from the loop thread would deadlock")
         try:
-            self.call(_cancel_all(), timeout)
-        except (TimeoutError, RuntimeError):
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(timeout)
+        except (concurrent.futures.TimeoutError, RuntimeError):
             log.warning("event=netloop_close status=timeout")
-        self.closed = True
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         if not self._thread.is_alive():

@@ -53,7 +53,7 @@ T = TypeVar("T")
 # the whole.
 GATHER = 0.5
 PLAIN = (0.8, 1.0, 1.0)  # RESULTS, RELAYS, CLAIMS
-VERIFIED = (0.7, 0.8, 0.9)
+VERIFIED = (0.65, 0.75, 0.85)
 
 
 class Call(Protocol):
@@ -99,6 +99,7 @@ class ButterflyRun:
         self.own: dict[str, Any] | None = None  # our averaged part's result message, once aggregated
         self.stream: EncodedStream | None = None  # our averaged part, streamed to every member
         self.lie: dict[str, Any] | None = None  # fault injection: the wrong result a lying owner sends
+        self.forged: torch.Tensor | None = None  # fault injection: the own share a lying owner claims
         self.audit = audit
         self.results_at, self.relays_at, self.claims_at = VERIFIED if audit is not None else PLAIN
         self.own_commit: bytes | None = None
@@ -240,6 +241,9 @@ class ButterflyRun:
             data, _ = corrupt_payload(self.codec, avg, "nan") if self.faults.lie == "nan" else \
                 (await asyncio.to_thread(self.codec.encode, lie_about(avg, self.faults.lie)), None)
             self.lie = {**own, "data": data}
+            if self.faults.forge and self.faults.lie != "nan":  # the share that makes the lie add up
+                told = await asyncio.to_thread(self.codec.decode, data, hi - lo)
+                self.forged = self.flat[lo:hi] + (total / self.weight) * (told - avg)
         if hi - lo > self.chunk and self.lie is None:  # streamed to every member while it is being encoded
             stream = self.stream = EncodedStream(self.codec, avg, self.chunk)
             own |= {"chunk": self.chunk, "chunks": len(stream.bounds)}
@@ -253,7 +257,8 @@ class ButterflyRun:
             tg.create_task(_settled(produce()))
         else:
             own["data"] = await asyncio.to_thread(self.codec.encode, avg)
-            self.box.results[self.me] = own
+            # (A forging liar holds its lie, so that its claims are made under the lie's seed.)
+            self.box.results[self.me] = own if self.forged is None else dict(self.lie or own)
 
     # 3. all-gather
     async def _send_result(self, j: int) -> int:
@@ -264,8 +269,14 @@ class ButterflyRun:
         msg = self.own
         if self.lie is not None and not (self.faults.lie_to_some and j % 2 == 0):
             msg = self.lie
-        reply, seconds = await self.call(self.members[j], "result", msg, timeout=max(0.1, self._left(self.results_at)),
-                                         chunks=self.stream.chunks if self.stream is not None else None)
+        try:
+            reply, seconds = await self.call(self.members[j], "result", msg,
+                                             timeout=max(0.1, self._left(self.results_at)),
+                                             chunks=self.stream.chunks if self.stream is not None else None)
+        except RoundFailed:  # not worth waiting for (its result, its claims)
+            self.box.unreachable.add(self.members[j])
+            self.box.poke()
+            raise
         self.links.update(self.members[j], size, seconds)
         return size if reply.get("ok") else 0
 
@@ -302,7 +313,8 @@ class ButterflyRun:
         audit = self.audit
         assert audit is not None
         lo, hi = self.bounds[self.me]
-        entries = await asyncio.to_thread(audit.entries, self.flat[lo:hi])
+        own = self.forged if self.forged is not None else self.flat[lo:hi]
+        entries = await asyncio.to_thread(audit.entries, own)
         msg = audit.message(entries, frame=self.faults.frame)
         size = len(encode_message(msg))
         sends = [tg.create_task(_settled(self.call(self.members[j], "check", msg,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ class AuditStats:
     seconds: float = 0.0
     replaced: int = 0
     skipped: int = 0
+    audits: int = 0
     liars: list[str] = field(default_factory=list)
 
 
@@ -67,12 +70,18 @@ class _Sent:
 class Audit:
     """Verified aggregation for one member's run of one (round, phase).
 
-    ``call(peer, kind, msg, timeout=...)`` talks to a member; ``left()`` the seconds until the run's end.
+    ``call(peer, kind, msg, timeout=...)`` talks to a member. ``audit_rate``: how many exact audits of each
+    part the group makes per round, on average, whatever the checks said: each member that judges a part
+    audits it with probability ``audit_rate / (members − 1)``, drawn on its own after the result came (the
+    owner cannot know who will). An audit fetches every signed contribution and recomputes the part, which
+    catches what sketches cannot: a lie within a lossy codec's rounding, and an owner that passes its lie
+    off as its own share (whose commitment it announced before any result existed).
     """
 
     def __init__(self, *, run: str, key: str, phase: int, me: str, members: Sequence[str],
                  bounds: Sequence[tuple[int, int]], codec: Codec, rule: str, weight: float, identity: Identity,
-                 box: Mailbox, guard: Guard, call: Callable[..., Awaitable[tuple[dict[str, Any], float]]]) -> None:
+                 box: Mailbox, guard: Guard, call: Callable[..., Awaitable[tuple[dict[str, Any], float]]],
+                 audit_rate: float = 0.0) -> None:
         self.run, self.key, self.phase, self.me_id = run, key, phase, me
         self.members, self.me = list(members), list(members).index(me)
         self.bounds, self.codec, self.rule, self.weight = bounds, codec, rule, float(weight)
@@ -80,6 +89,8 @@ class Audit:
         self.sent: dict[int, _Sent] = {}
         self.own_commit = b""
         self.stats = AuditStats()
+        self.audit_p = min(1.0, max(0.0, audit_rate) / max(1, len(self.members) - 1))
+        self._draw = random.Random(int.from_bytes(os.urandom(8), "big"))
 
     # ------------------------------------------------------------------ signing what leaves
     def sign_own(self, own: torch.Tensor) -> bytes:
@@ -232,5 +243,8 @@ class Audit:
                 sketches[p] = (ev.weight, e.inf, e.s, e.c)  # type: ignore[assignment]
         why = await asyncio.to_thread(judge.test, res, values, sketches, key)  # type: ignore[arg-type]
         if why is None:
-            return Verdict("use")
+            if self._draw.random() >= self.audit_p:
+                return Verdict("use")
+            self.stats.audits += 1
+            why = "a random audit"
         return await judge.settle(j, owner, res, digest, values, fetch, why, direct)

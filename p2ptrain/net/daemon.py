@@ -70,6 +70,8 @@ class SwarmConfig:
         swarm_key: a private swarm's shared key: records and messages are tagged and checked (net/auth.py).
         verify: verified aggregation (net/verify.py): contributions are signed, every member checks every
             part's average and a proven liar is banned. Every peer of a run must agree on it.
+        audit_rate: exact audits of each part per round, on average (net/audit.py): each costs the auditor
+            the part's contributions; 0.1 costs about 5% of a round's bytes.
         faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
             by default what the environment asks for (nothing, unless a test set its variables).
     """
@@ -94,9 +96,12 @@ class SwarmConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     swarm_key: SwarmKey | None = None
     verify: bool = True
+    audit_rate: float = 0.1
     faults: FaultPlan = field(default_factory=FaultPlan.from_env)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.audit_rate:
+            raise ValueError(f"audit_rate must be at least 0, got {self.audit_rate}")
         if self.chunk_values < MIN_CHUNK:
             raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
 

@@ -366,7 +366,7 @@ class HivemindTransport(Transport):
             audit = Audit(run=self.cfg.run_id, key=group.key, phase=phase, me=self.peer_id, members=group.members,
                           bounds=part_bounds(sum(t.numel() for t in tensors), len(group.members)), codec=codec,
                           rule=self.guard.cfg.aggregation, weight=weight, identity=self.identity, box=box,
-                          guard=self.guard, call=self._call)
+                          guard=self.guard, call=self._call, audit_rate=self.cfg.audit_rate)
         run = ButterflyRun(group=group, phase=phase, me=self.peer_id, tensors=tensors, weight=weight, codec=codec,
                            timeout=timeout, fingerprint=fingerprint, box=box, call=self._call,
                            gone=lambda: self._gone(group.key, phase), guard=self.guard, links=self.links,

@@ -27,7 +27,7 @@ NUMEL = 1 << 14  # 16 Ki values: parts of ~3 Ki, small enough for a test, large 
 
 @asynccontextmanager
 async def swarm(faults: FaultPlan, bad: int, guard: GuardConfig | None = None,
-                run: str = "liar") -> AsyncIterator[list[Any]]:
+                run: str = "liar", audit_rate: float = 0.1) -> AsyncIterator[list[Any]]:
     """N libp2p peers on 127.0.0.1; peer ``bad`` injects ``faults``."""
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 
@@ -37,7 +37,7 @@ async def swarm(faults: FaultPlan, bad: int, guard: GuardConfig | None = None,
             initial = await ts[0].visible_maddrs() if ts else []
             ts.append(await HivemindTransport.create(SwarmConfig(
                 run_id=run, initial_peers=initial, join_window=1.0, ttl=30, guard=guard or GuardConfig(),
-                faults=faults if i == bad else FaultPlan())))
+                audit_rate=audit_rate, faults=faults if i == bad else FaultPlan())))
         for t in ts:
             await t.announce(PeerInfo(peer_id=t.peer_id))
         for t in ts:
@@ -55,13 +55,13 @@ def update(i: int) -> torch.Tensor:
     return torch.ones(NUMEL) + 0.1 * torch.randn(NUMEL, generator=g)
 
 
-async def rounds(ts: list[Any], n: int, timeout: float = 12.0) -> list[list[Any]]:
+async def rounds(ts: list[Any], n: int, timeout: float = 12.0, codec: str = "fp32") -> list[list[Any]]:
     out = []
     for r in range(n):
         async def one(i: int, t: Any, r: int = r) -> Any:
             g = await t.form_group(JoinRequest(key=f"r{r}", peer_id=t.peer_id, weight=1.0 + i, fragment=0), None,
                                    timeout=20)
-            return await t.allreduce(g, 0, [update(i)], 1.0 + i, get_codec("fp32"), timeout=timeout)
+            return await t.allreduce(g, 0, [update(i)], 1.0 + i, get_codec(codec), timeout=timeout)
 
         out.append(list(await asyncio.gather(*(one(i, t) for i, t in enumerate(ts)), return_exceptions=True)))
     return out
@@ -180,5 +180,30 @@ def test_centered_clip_holds_against_a_lying_owner_on_the_real_transport(lie: st
                 for _, x in honest:
                     assert torch.allclose(x.tensors[0][lo:hi], want, rtol=1e-5, atol=1e-6), (lie, j, owner == liar)
             assert all(t.guard.is_banned(liar) for i, t in enumerate(ts) if i != bad)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("how", ["forged own share", "e3m0 wire"])
+def test_audits_catch_what_sketches_cannot(how: str) -> None:
+    """Two lies the sketches pass: an owner that passes its lie off as its own share (its claims add up), and a
+    shift of 10% within the 4-bit wire's rounding. An exact audit (every member audits here: a rate far above
+    the default) recomputes the part from the signed contributions, with the owner's own share as it announced
+    it before any result: the liar is banned and every honest member ends with the same, honest values."""
+    bad = 3
+    forge = how == "forged own share"
+    codec = "fp32" if forge else "e3m0"
+
+    async def go() -> None:
+        async with swarm(FaultPlan(lie="shift", forge=forge), bad, run=f"audit-{codec}", audit_rate=100.0) as ts:
+            liar = ts[bad].peer_id
+            [res] = await rounds(ts, 1, codec=codec)
+            honest = [x for i, x in enumerate(res) if i != bad]
+            assert all(not isinstance(x, BaseException) for x in honest), honest
+            for x in honest[1:]:
+                assert torch.equal(x.tensors[0], honest[0].tensors[0])
+            if forge:
+                assert torch.allclose(honest[0].tensors[0].double(), weighted(list(range(N))), rtol=0, atol=1e-6)
+            assert all(t.guard.banned == {liar} for i, t in enumerate(ts) if i != bad)
 
     asyncio.run(go())
