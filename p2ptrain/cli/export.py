@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from ..hf import DTYPES
 from .app import app
+from .choices import DTYPES
 from .options import LogOpt, fail
 
 __all__ = ["export"]

@@ -15,16 +15,13 @@ import typer
 
 from .. import __version__
 from .app import app
-from .config import JoinRun, join_config
 from .flags import JoinFlags
-from .launcher import launch_stages
 from .options import fail, failing, flags_command
-from .session import RunSession, report, shutdown_grace, visible_maddrs
-from .staged import run_staged
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the run's modules import torch and hivemind: only the command body imports them
     from ..peer import PeerBase, PeerSummary
     from ..trainer import Trainer
+    from .config import JoinRun
 
 __all__ = ["join", "run_peer"]
 
@@ -32,15 +29,21 @@ __all__ = ["join", "run_peer"]
 @flags_command(app, JoinFlags)
 def join(file: dict[str, Any], flags: JoinFlags) -> None:
     """Join a swarm (or start one, with no --initial-peers) and train until --steps."""
+    from .config import join_config
+
     with failing():
         run = join_config(file, flags)
     if run.stages is None:
         run_peer(run)
     elif run.stages.launch:
+        from .launcher import launch_stages
+
         if sys.argv[1:2] != ["join"]:
             raise fail("--pipeline-stages > 1 is launched from the `p2ptrain join` command line")
         raise typer.Exit(launch_stages(run.stages.pipeline_stages, sys.argv[1:]))
     else:
+        from .staged import run_staged
+
         run_staged(run)
 
 
@@ -80,6 +83,7 @@ def run_peer(run: JoinRun) -> None:
     from ..peer import make_peer
     from ..staged import data_rank
     from ..ui import console
+    from .session import RunSession, report, shutdown_grace, visible_maddrs
 
     trainer = _trainer(run)
     session = RunSession(run.method.name, run.peer.region)

@@ -13,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from ..metrics import DEFAULT_METRICS_PORT
-from ..model import PRESETS
+from .choices import PRESETS
 
 __all__ = ["AnnounceMaddrs", "BatchSizeOpt", "CodecOpt", "ConfigOpt", "DataOpt", "DeviceOpt", "HOpt", "HostMaddrs", "InitFromOpt",
            "InitialPeers", "JsonOpt", "LogOpt", "LrOpt", "MetricsPortOpt", "POpt", "PresetOpt", "QuietOpt", "SeqLenOpt",

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from .app import app
-from .config import SimulateRun, simulate_config
 from .flags import SimulateFlags
 from .options import fail, failing, flags_command
+
+if TYPE_CHECKING:  # the run's modules import torch: only the command body imports them (a fast --help)
+    from .config import SimulateRun
 
 __all__ = ["print_utilization_table", "run_simulation", "simulate"]
 
@@ -19,6 +21,8 @@ def simulate(file: dict[str, Any], flags: SimulateFlags) -> None:
     if flags.utilization_table:
         print_utilization_table()
         return
+    from .config import simulate_config
+
     with failing():
         run = simulate_config(file, flags)
     run_simulation(run)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
-from ..checkpoint import CheckpointError
 from .app import app
-from .config import TrainRun, train_config
 from .flags import TrainFlags
 from .options import fail, failing, flags_command
-from .session import report
+
+if TYPE_CHECKING:  # the run's modules import torch: only the command body imports them (a fast --help)
+    from .config import TrainRun
 
 __all__ = ["run_training", "train"]
 
@@ -18,6 +18,8 @@ __all__ = ["run_training", "train"]
 @flags_command(app, TrainFlags)
 def train(file: dict[str, Any], flags: TrainFlags) -> None:
     """Train one peer locally, no network: the single-worker baseline."""
+    from .config import train_config
+
     with failing():
         run = train_config(file, flags)
     run_training(run)
@@ -26,8 +28,10 @@ def train(file: dict[str, Any], flags: TrainFlags) -> None:
 def run_training(run: TrainRun) -> None:
     """Train with a progress bar, then print the summary (and write it as JSON with ``--json``). A checkpoint
     that does not fit the data, or data that cannot be read, fails with exit code 2; Ctrl-C with 130."""
+    from ..checkpoint import CheckpointError
     from ..single import run_train
     from ..ui import console, progress_bar
+    from .session import report
 
     start = None
     if run.init is not None:

@@ -60,3 +60,22 @@ def test_only_the_cli_imports_the_cli_and_its_modules_import_downward() -> None:
 def test_python_dash_m_runs_the_app() -> None:
     r = subprocess.run([sys.executable, "-m", "p2ptrain", "--version"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("p2ptrain "), r.stderr
+
+
+HEAVY = ("torch", "hivemind", "matplotlib", "numpy", "p2ptrain.model", "p2ptrain.trainer", "p2ptrain.peer")
+
+
+def test_help_imports_nothing_heavy() -> None:
+    """``--help`` of every command answers without importing torch, hivemind, matplotlib or the run's modules
+    (they cost seconds; bench/cli_speed.py times it)."""
+    script = ("import contextlib, io, sys\n"
+              "from p2ptrain.cli import run\n"
+              "for argv in sys.argv[1:]:\n"
+              "    sys.argv = ['p2ptrain', *argv.split()]\n"
+              "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+              "        run()\n"
+              f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))\n")
+    argvs = ["--help"] + [f"{c} --help" for c in ("train", "simulate", "export", "join", "bootstrap", "status", "keygen")]
+    r = subprocess.run([sys.executable, "-c", script, *argvs], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "", f"--help imported {r.stdout.strip()}"
