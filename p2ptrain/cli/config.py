@@ -19,6 +19,7 @@ from ..settings import ConfigError, build, merged
 from ..single import TrainJob
 from ..trainer import TrainerConfig
 from .flags import JoinFlags, SimulateFlags, TrainFlags
+from .maddrs import split_list
 
 if TYPE_CHECKING:
     from ..algo.methods import MethodConfig
@@ -283,8 +284,8 @@ def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> J
         "join_window": f.join_window, "min_step_seconds": f.min_step_seconds, "eval_every": f.eval_every,
         "checkpoint_dir": str(checkpoints) if checkpoints else None, "checkpoint_every": f.checkpoint_every}), "peer")
     swarm_cfg = SwarmConfig(
-        run_id=run_id, initial_peers=list(f.initial_peers or peer_file.get("initial_peers", [])),
-        host_maddrs=list(f.host_maddrs or ["/ip4/127.0.0.1/tcp/0"]), announce_maddrs=list(f.announce_maddrs or []),
+        run_id=run_id, initial_peers=split_list(f.initial_peers or peer_file.get("initial_peers", [])),
+        host_maddrs=split_list(f.host_maddrs) or ["/ip4/127.0.0.1/tcp/0"], announce_maddrs=split_list(f.announce_maddrs),
         identity_path=str(f.identity) if f.identity else None, client_mode=f.client_mode,
         use_relay=not f.no_relay, use_auto_relay=f.use_auto_relay, join_window=peer_cfg.join_window, ttl=peer_cfg.ttl,
         connect_attempts=f.connect_attempts, guard=GuardConfig(aggregation=f.aggregation, norm_bound=f.norm_bound),

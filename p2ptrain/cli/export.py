@@ -9,12 +9,13 @@ import typer
 
 from .app import app
 from .choices import DTYPES
-from .options import LogOpt, fail
+from .options import LogOpt, fail, with_env_vars
 
 __all__ = ["export"]
 
 
 @app.command()
+@with_env_vars
 def export(
     checkpoint: Annotated[Path, typer.Option("--checkpoint", help="A p2ptrain checkpoint file, or a folder of them (the newest is used).")],
     out: Annotated[Path, typer.Option("--out", help="Folder to write (must not exist or be empty).")],

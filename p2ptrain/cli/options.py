@@ -1,7 +1,14 @@
-"""What the commands share: ``Annotated`` options, clean failures, and commands made from a flags dataclass."""
+"""What the commands share: ``Annotated`` options, clean failures, commands made from a flags dataclass, and
+the environment variable of every option (``--initial-peers`` <- ``P2PTRAIN_INITIAL_PEERS``).
+
+Where a value comes from, first found wins: the flag, its ``P2PTRAIN_*`` variable, the TOML recipe
+(``--config``), the default. A variable is read as the flag would be (click checks it the same way); a list
+option's variable holds its values separated by spaces (or commas, for addresses).
+"""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import typing
@@ -17,12 +24,15 @@ from .choices import PRESETS
 
 __all__ = ["AnnounceMaddrs", "BatchSizeOpt", "CodecOpt", "ConfigOpt", "DataOpt", "DeviceOpt", "HOpt", "HostMaddrs", "InitFromOpt",
            "InitialPeers", "JsonOpt", "LogOpt", "LrOpt", "MetricsPortOpt", "POpt", "PresetOpt", "QuietOpt", "SeqLenOpt",
-           "SwarmKeyOpt", "TokenizerOpt", "fail", "failing", "flags_command"]
+           "SwarmKeyOpt", "TokenizerOpt", "env_var", "fail", "failing", "flags_command", "with_env", "with_env_vars"]
+
+#: Every option ``--some-name`` is also read from ``P2PTRAIN_SOME_NAME``.
+ENV_PREFIX = "P2PTRAIN_"
 
 F = TypeVar("F")
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file; flags override it.")]
-LogOpt = Annotated[str | None, typer.Option("--log-level", help="DEBUG/INFO/WARNING/ERROR (env P2PTRAIN_LOG_LEVEL).")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML recipe; flags and P2PTRAIN_* variables override it.")]
+LogOpt = Annotated[str | None, typer.Option("--log-level", help="DEBUG/INFO/WARNING/ERROR.")]
 PresetOpt = Annotated[str | None, typer.Option("--preset", "-p", help=f"Model preset: {', '.join(PRESETS)}.")]
 TokenizerOpt = Annotated[str | None, typer.Option("--tokenizer", help="A local tokenizer.json (or its folder) for text/.jsonl/.parquet data; default: bytes, or the --init-from folder's.")]
 InitFromOpt = Annotated[str | None, typer.Option("--init-from", help="Start from a local Llama checkpoint folder (config.json + safetensors); sets the architecture.")]
@@ -64,17 +74,51 @@ def failing(*errors: type[Exception], code: int = 2, prefix: str = "") -> Iterat
         raise fail(f"{prefix}{e}", code) from None
 
 
+def env_var(option: str) -> str:
+    """The environment variable of ``option`` (its long name): ``--initial-peers`` -> ``P2PTRAIN_INITIAL_PEERS``."""
+    return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
+
+
+def with_env(annotation: Any) -> Any:
+    """``Annotated[T, typer.Option(...)]`` with the option's ``P2PTRAIN_*`` variable set (a copy: the aliases
+    above are shared by several commands); anything else as it is."""
+    if typing.get_origin(annotation) is not Annotated:
+        return annotation
+    base, *meta = typing.get_args(annotation)
+    out = []
+    for info in meta:
+        if isinstance(info, typer.models.OptionInfo) and info.envvar is None:
+            # In ``Annotated``, typer.Option's first positional (``default``) is the first option name.
+            names = [info.default, *(info.param_decls or ())]
+            long = next(d for d in names if isinstance(d, str) and d.startswith("--"))
+            info = copy.copy(info)
+            info.envvar = env_var(long)
+        out.append(info)
+    return Annotated[(base, *out)]  # type: ignore[valid-type]
+
+
+def with_env_vars(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` (a typer command function) with every option readable from its ``P2PTRAIN_*`` variable."""
+    hints = typing.get_type_hints(command, include_extras=True)
+    sig = inspect.signature(command)
+    params = [p.replace(annotation=with_env(hints.get(p.name, p.annotation))) for p in sig.parameters.values()]
+    command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params} | {"return": None}
+    return command
+
+
 def flags_command(app: typer.Typer,
                   flags: type[F]) -> Callable[[Callable[[dict[str, Any], F], None]], Callable[..., None]]:
     """Register ``body(file, flags)`` on ``app`` as a command named after it, whose options are the fields
     of the dataclass ``flags`` (each ``Annotated`` with its typer option), then ``--config`` and
-    ``--log-level``. The command sets up logging, reads the config file (``{}`` without one) and calls the
+    ``--log-level``, each also read from its ``P2PTRAIN_*`` variable. The command sets up logging, reads the config file (``{}`` without one) and calls the
     body with both; a bad log level or config file fails with exit code 2 before the body runs."""
     hints = typing.get_type_hints(flags, include_extras=True)
-    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                annotation=with_env(hints[f.name]))
               for f in dataclasses.fields(flags)]  # type: ignore[arg-type]
-    params += [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOpt),
-               inspect.Parameter("log_level", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=LogOpt)]
+    params += [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=with_env(ConfigOpt)),
+               inspect.Parameter("log_level", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=with_env(LogOpt))]
 
     def register(body: Callable[[dict[str, Any], F], None]) -> Callable[..., None]:
         def command(**values: Any) -> None:

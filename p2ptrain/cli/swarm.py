@@ -11,12 +11,14 @@ import typer
 
 from .. import __version__
 from .app import app
-from .options import AnnounceMaddrs, HostMaddrs, InitialPeers, LogOpt, SwarmKeyOpt, fail
+from .maddrs import split_list
+from .options import AnnounceMaddrs, HostMaddrs, InitialPeers, LogOpt, SwarmKeyOpt, fail, with_env_vars
 
 __all__ = ["bootstrap", "keygen", "status"]
 
 
 @app.command()
+@with_env_vars
 def bootstrap(
     host_maddrs: HostMaddrs = None,
     announce_maddrs: AnnounceMaddrs = None,
@@ -32,9 +34,9 @@ def bootstrap(
     from ..ui import console, setup_logging
 
     setup_logging(log_level)
-    cfg = SwarmConfig(host_maddrs=list(host_maddrs or ["/ip4/0.0.0.0/tcp/31337"]),
-                      announce_maddrs=list(announce_maddrs or []), identity_path=str(identity) if identity else None,
-                      initial_peers=list(initial_peers or []))
+    cfg = SwarmConfig(host_maddrs=split_list(host_maddrs) or ["/ip4/0.0.0.0/tcp/31337"],
+                      announce_maddrs=split_list(announce_maddrs), identity_path=str(identity) if identity else None,
+                      initial_peers=split_list(initial_peers))
 
     async def main() -> None:
         p2p, node, _ = await start_p2p(cfg)
@@ -63,6 +65,7 @@ def bootstrap(
 
 
 @app.command()
+@with_env_vars
 def status(
     initial_peers: InitialPeers = None,
     run_id: Annotated[str, typer.Option("--run-id", help="The run to show.")] = "p2ptrain",
@@ -88,7 +91,7 @@ def status(
         key = SwarmKey.load(swarm_key_file) if swarm_key_file else None
     except ValueError as e:
         raise fail(str(e)) from None
-    cfg = SwarmConfig(run_id=run_id, initial_peers=list(initial_peers), client_mode=True, connect_attempts=3,
+    cfg = SwarmConfig(run_id=run_id, initial_peers=split_list(initial_peers), client_mode=True, connect_attempts=3,
                       swarm_key=key)
 
     def rows(peers: list[Any]) -> list[list[Any]]:
