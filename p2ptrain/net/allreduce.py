@@ -8,9 +8,11 @@
 3. all-gather: it sends its averaged part, encoded once, to every other member;
 4. it waits for the other parts' results (until 0.8 of the timeout), then asks the other members for
    any still missing (a relay, ``getpart``, until the timeout);
-5. with verified aggregation (an ``audit``, net/audit.py; the steps before then end at 0.7 and 0.8 of the
-   timeout): it sends every member its claims about its contributions, waits for theirs (until 0.9), and
-   judges every part it did not own, settling disputes with the owners' evidence (until the timeout);
+5. with verified aggregation (an ``audit``, net/audit.py; the steps before then end at 0.6 and 0.7 of the
+   timeout): it sends every member its claims about its contributions, waits for theirs (until 0.8), and
+   judges every part it did not own, settling disputes with the owners' evidence; then it tells every member
+   which parts it proved wrong, waits for their word (until 0.9) and settles those parts itself (until the
+   timeout), so that what one member's audit found, every member acts on;
 6. it assembles what it got (net/parts.py): a part nobody could average is zero and the result partial.
 
 A run owns every task it starts, in one TaskGroup: when the run ends, fails or its caller cancels it,
@@ -53,7 +55,8 @@ T = TypeVar("T")
 # the whole.
 GATHER = 0.5
 PLAIN = (0.8, 1.0, 1.0)  # RESULTS, RELAYS, CLAIMS
-VERIFIED = (0.65, 0.75, 0.85)
+VERIFIED = (0.6, 0.7, 0.8)
+VERDICTS = 0.9  # with verification, members' verdicts are waited for until then
 
 
 class Call(Protocol):
@@ -326,8 +329,21 @@ class ButterflyRun:
             if missing <= self.gone():
                 break
             await self.box.wait(min(deadline, time.monotonic() + 0.5))
-        await audit.judge_all(self._until(1.0))
+        await audit.judge_all(self._until(VERDICTS))
+        # Verdicts: what one member proved wrong (an audit drew it), every member checks for itself.
+        verdict = audit.verdict_message()
+        vsize = len(encode_message(verdict))
+        told = [tg.create_task(_settled(self.call(self.members[j], "verdict", verdict,
+                                                  timeout=max(0.1, self._left(VERDICTS)))))
+                for j in self._others()]
+        deadline = self._until(VERDICTS)
+        while (missing := set(self.members) - set(self.box.verdicts) - {self.me_id}) and time.monotonic() < deadline:
+            if missing <= self.gone():
+                break
+            await self.box.wait(min(deadline, time.monotonic() + 0.5))
+        await audit.reconcile(self._until(1.0))
         audit.stats.bytes_sent += sum(size for done in [await t for t in sends] if not isinstance(done, Exception))
+        audit.stats.bytes_sent += sum(vsize for done in [await t for t in told] if not isinstance(done, Exception))
 
     # 6. assembly
     async def _assemble(self, sent: int) -> ReduceResult:

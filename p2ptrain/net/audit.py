@@ -87,6 +87,7 @@ class Audit:
         self.bounds, self.codec, self.rule, self.weight = bounds, codec, rule, float(weight)
         self.identity, self.box, self.guard, self.call = identity, box, guard, call
         self.sent: dict[int, _Sent] = {}
+        self.replaced: set[int] = set()  # parts we proved wrong and recomputed
         self.own_commit = b""
         self.stats = AuditStats()
         self.audit_p = min(1.0, max(0.0, audit_rate) / max(1, len(self.members) - 1))
@@ -182,6 +183,44 @@ class Audit:
         judge = self._judge()
         parts = [j for j in range(len(self.members)) if j != self.me and j in self.box.results]
         verdicts = await asyncio.gather(*(self._judge_part(judge, j, until) for j in parts))
+        self._act(parts, verdicts)
+        self.stats.bytes_received += judge.evidence_bytes
+        self.stats.seconds += time.monotonic() - t0
+
+    def verdict_message(self) -> dict[str, Any]:
+        """The parts we proved wrong, for every member (they check them in turn: :meth:`reconcile`)."""
+        return {"key": self.key, "phase": self.phase, "replaced": sorted(self.replaced)}
+
+    async def reconcile(self, until: float) -> None:
+        """Other members proved parts wrong that we used (an audit drew them, or their copy of the result was
+        another): we settle those parts ourselves, from the owners' evidence, so that every honest member ends
+        with the same values. An accusation that does not hold is a strike against whoever made it."""
+        t0 = time.monotonic()
+        accused: dict[int, set[str]] = {}
+        for member, parts in self.box.verdicts.items():
+            if member in self.members and member != self.me_id:
+                for j in parts:
+                    if 0 <= j < len(self.members) and j != self.me and j not in self.replaced:
+                        accused.setdefault(j, set()).add(member)
+        parts = sorted(j for j in accused if j in self.box.results)
+        if not parts:
+            return
+        judge = self._judge()
+
+        async def settle(j: int) -> Verdict:
+            who = ",".join(sorted(p[-8:] for p in accused[j]))
+            return await self._settle_part(judge, j, until, f"proved wrong by {who}")
+
+        verdicts = await asyncio.gather(*(settle(j) for j in parts))
+        self._act(parts, verdicts)
+        for j, v in zip(parts, verdicts, strict=True):
+            if v.action == "use" and not v.liars:
+                for p in accused[j]:
+                    self.guard.strike(p, f"a false accusation of part {j} in round {self.key}")
+        self.stats.bytes_received += judge.evidence_bytes
+        self.stats.seconds += time.monotonic() - t0
+
+    def _act(self, parts: list[int], verdicts: list[Verdict]) -> None:
         for j, v in zip(parts, verdicts, strict=True):
             owner = self.members[j]
             if v.action != "use" or v.liars:
@@ -192,15 +231,14 @@ class Audit:
                 assert v.values is not None
                 self.box.results[j] = {**self.box.results[j], "_tensor": v.values, "_pieces": None, "data": None}
                 self.stats.replaced += 1
+                self.replaced.add(j)
             elif v.action == "skip":
                 self.box.results.pop(j, None)
                 self.stats.skipped += 1
             for p in v.liars:
-                if p != self.me_id:
+                if p != self.me_id and not self.guard.is_banned(p):
                     self.guard.ban(p, f"lied in round {self.key} phase {self.phase} ({v.reason})")
                     self.stats.liars.append(p)
-        self.stats.bytes_received += judge.evidence_bytes
-        self.stats.seconds += time.monotonic() - t0
 
     async def _judge_part(self, judge: Judge, j: int, until: float) -> Verdict:
         owner = self.members[j]
@@ -248,3 +286,17 @@ class Audit:
             self.stats.audits += 1
             why = "a random audit"
         return await judge.settle(j, owner, res, digest, values, fetch, why, direct)
+
+    async def _settle_part(self, judge: Judge, j: int, until: float, why: str) -> Verdict:
+        """A dispute over part ``j`` begun for ``why``: the owner's evidence decides (see Judge.settle)."""
+        owner = self.members[j]
+        res = self.box.results[j]
+        held = self._result(j)
+        payload = b"".join(res["_pieces"]) if res.get("_pieces") is not None else res.get("data") or b""
+
+        async def fetch(who: str) -> Fetched:
+            return await fetch_evidence(self.call, owner, self.key, self.phase, j, who,
+                                        max(0.1, until - time.monotonic()))
+
+        return await judge.settle(j, owner, res, result_digest(res, payload), None if held is None else held[1],
+                                  fetch, why, res.get("_from", owner) == owner)

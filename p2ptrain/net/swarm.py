@@ -98,7 +98,8 @@ class HivemindTransport(Transport):
         self = cls(cfg, p2p, node, identity)
         for kind, handler in (("join", self._on_join), ("part", self._on_part), ("result", self._on_result),
                               ("getpart", self._on_getpart), ("state", self._on_state),
-                              ("check", self.mailboxes.accept_check), ("evidence", self.mailboxes.show_evidence)):
+                              ("check", self.mailboxes.accept_check), ("evidence", self.mailboxes.show_evidence),
+                              ("verdict", self.mailboxes.accept_verdict)):
             await self.streams.serve(kind, handler)
         started = asyncio.Event()
         self._runner = asyncio.create_task(self._background(started))
