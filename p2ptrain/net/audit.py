@@ -87,7 +87,7 @@ class Audit:
         self.bounds, self.codec, self.rule, self.weight = bounds, codec, rule, float(weight)
         self.identity, self.box, self.guard, self.call = identity, box, guard, call
         self.sent: dict[int, _Sent] = {}
-        self.replaced: set[int] = set()  # parts we proved wrong and recomputed
+        self.replaced: dict[int, bytes] = {}  # parts we proved wrong and recomputed: the digest of what we held
         self.own_commit = b""
         self.stats = AuditStats()
         self.audit_p = min(1.0, max(0.0, audit_rate) / max(1, len(self.members) - 1))
@@ -188,8 +188,9 @@ class Audit:
         self.stats.seconds += time.monotonic() - t0
 
     def verdict_message(self) -> dict[str, Any]:
-        """The parts we proved wrong, for every member (they check them in turn: :meth:`reconcile`)."""
-        return {"key": self.key, "phase": self.phase, "replaced": sorted(self.replaced)}
+        """The parts we proved wrong, each with the digest of the result we held, for every member (they check
+        them in turn: :meth:`reconcile`)."""
+        return {"key": self.key, "phase": self.phase, "replaced": [[j, self.replaced[j]] for j in sorted(self.replaced)]}
 
     async def reconcile(self, until: float) -> None:
         """Other members proved parts wrong that we used (an audit drew them, or their copy of the result was
@@ -199,8 +200,11 @@ class Audit:
         accused: dict[int, set[str]] = {}
         for member, parts in self.box.verdicts.items():
             if member in self.members and member != self.me_id:
-                for j in parts:
-                    if 0 <= j < len(self.members) and j != self.me and j not in self.replaced:
+                for j, digest in parts:
+                    # Proved wrong about the result we hold: we check it. About another result (the owner
+                    # told members different things): ours may well be right, and nobody is to blame here.
+                    if 0 <= j < len(self.members) and j != self.me and j not in self.replaced \
+                            and digest == self._digest(j):
                         accused.setdefault(j, set()).add(member)
         parts = sorted(j for j in accused if j in self.box.results)
         if not parts:
@@ -229,9 +233,10 @@ class Audit:
                             v.reason)
             if v.action == "replace":
                 assert v.values is not None
+                digest = self._digest(j)
                 self.box.results[j] = {**self.box.results[j], "_tensor": v.values, "_pieces": None, "data": None}
                 self.stats.replaced += 1
-                self.replaced.add(j)
+                self.replaced[j] = digest
             elif v.action == "skip":
                 self.box.results.pop(j, None)
                 self.stats.skipped += 1
@@ -287,16 +292,20 @@ class Audit:
             why = "a random audit"
         return await judge.settle(j, owner, res, digest, values, fetch, why, direct)
 
+    def _digest(self, j: int) -> bytes:
+        res = self.box.results.get(j, {})
+        payload = b"".join(res["_pieces"]) if res.get("_pieces") is not None else res.get("data") or b""
+        return result_digest(res, payload)
+
     async def _settle_part(self, judge: Judge, j: int, until: float, why: str) -> Verdict:
         """A dispute over part ``j`` begun for ``why``: the owner's evidence decides (see Judge.settle)."""
         owner = self.members[j]
         res = self.box.results[j]
         held = self._result(j)
-        payload = b"".join(res["_pieces"]) if res.get("_pieces") is not None else res.get("data") or b""
 
         async def fetch(who: str) -> Fetched:
             return await fetch_evidence(self.call, owner, self.key, self.phase, j, who,
                                         max(0.1, until - time.monotonic()))
 
-        return await judge.settle(j, owner, res, result_digest(res, payload), None if held is None else held[1],
+        return await judge.settle(j, owner, res, self._digest(j), None if held is None else held[1],
                                   fetch, why, res.get("_from", owner) == owner)

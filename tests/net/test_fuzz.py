@@ -175,13 +175,13 @@ def test_state_bytes_parse_or_refuse(data: bytes) -> None:
 
 
 @FUZZ
-@given(_msg(["key", "phase", "members", "entries"])
+@given(_msg(["key", "phase", "members", "entries", "replaced", "who", "part"])
        | st.fixed_dictionaries({"key": st.text(max_size=4), "phase": st.integers(0, 2), "members": st.integers(-2, 9),
                                 "entries": st.lists(_msg(["part", "commit", "w", "inf", "d", "s", "c"]), max_size=3)}))
 def test_check_and_evidence_handlers(msg: dict[str, Any]) -> None:
     """Verified aggregation's claims (net/verify.py): parsed or refused, never a crash."""
     t = _transport()
-    for handler in (t.mailboxes.accept_check, t.mailboxes.show_evidence):
+    for handler in (t.mailboxes.accept_check, t.mailboxes.show_evidence, t.mailboxes.accept_verdict):
         reply = _handled(handler("peer", msg))
         assert reply is None or isinstance(reply, dict)
 
