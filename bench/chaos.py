@@ -14,7 +14,7 @@ contributions it names average to (the exact weighted mean; a part left out is z
   and ended the round;
 * data lost: honest results with a value that is not the honest aggregate, or that differ between honest
   peers where both hold a part (must be 0);
-* banned: attackers banned by every honest peer (that it lied to) / honest peers banned by anyone (must be 0);
+* banned: attackers banned by every honest peer / honest peers banned by anyone (must be 0);
 * cost: verification's bytes (claims sent, evidence received) per honest peer and round, against the round's.
 
 Each row runs with the fp32 wire; the lying owners also with the 4-bit E3M0 wire (streaming's), where a lie
@@ -179,9 +179,7 @@ async def one_trial(attack: Attack, trial: int, rounds: int, row: Row, rng: rand
             row.data_lost += lost
             row.detected += int(refused and lost == 0)
         row.trials += 1
-        lied_to = [i for i, t in enumerate(ts) if i != bad
-                   and not (attack.faults.get("lie_to_some") and sorted(ids).index(t.peer_id) % 2 == 0)]
-        banned_by_all = all(ts[i].guard.is_banned(attacker) for i in lied_to)
+        banned_by_all = all(t.guard.is_banned(attacker) for i, t in enumerate(ts) if i != bad)
         row.attacker_banned += int(banned_by_all)
         row.honest_banned += sum(len(t.guard.banned - {attacker}) for i, t in enumerate(ts) if i != bad)
     finally:
@@ -238,12 +236,13 @@ def judge_round(honest: dict[int, Any], ids: dict[str, int], trial: int, codec: 
             # It lies to the members at odd places only (net/allreduce.py); the others got the truth.
             seen |= x.members.index(ts[i].peer_id) % 2 == 0
         refused &= seen or attacker not in x.members
-    base = next(iter(values.values()), None)
-    for i, v in values.items():  # honest peers agree wherever both hold a part
-        if base is not None and i != next(iter(values)):
-            both = (v != 0) & (base != 0)
-            if not torch.equal(v[both], base[both]):
-                lost += 1
+    first: dict[tuple[str, ...], torch.Tensor] = {}
+    for i, v in values.items():  # honest peers of one group agree wherever both hold a part
+        members = honest[i].members
+        base = first.setdefault(members, v)
+        both = (v != 0) & (base != 0)
+        if not torch.equal(v[both], base[both]):
+            lost += 1
     return lost, refused
 
 

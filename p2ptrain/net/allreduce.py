@@ -244,6 +244,8 @@ class ButterflyRun:
             data, _ = corrupt_payload(self.codec, avg, "nan") if self.faults.lie == "nan" else \
                 (await asyncio.to_thread(self.codec.encode, lie_about(avg, self.faults.lie)), None)
             self.lie = {**own, "data": data}
+            if self.audit is not None:  # signed like the truth: a liar does not give itself away
+                self.lie["osig"] = self.audit.sign_result(self.lie, data)
             if self.faults.forge and self.faults.lie != "nan":  # the share that makes the lie add up
                 told = await asyncio.to_thread(self.codec.decode, data, hi - lo)
                 self.forged = self.flat[lo:hi] + (total / self.weight) * (told - avg)
@@ -254,12 +256,17 @@ class ButterflyRun:
             async def produce() -> None:
                 await stream.produce()
                 # Every member, this one included, uses the decoded payload: lossy codecs agree everywhere.
-                self.box.results[self.me] = {**own, "_tensor": stream.decoded, "_pieces": stream.payloads}
+                mine = {**own, "_tensor": stream.decoded, "_pieces": stream.payloads}
+                if self.audit is not None:
+                    mine["osig"] = self.audit.sign_result(own, b"".join(stream.payloads))
+                self.box.results[self.me] = mine
                 self.box.poke()
 
             tg.create_task(_settled(produce()))
         else:
             own["data"] = await asyncio.to_thread(self.codec.encode, avg)
+            if self.audit is not None:
+                own["osig"] = self.audit.sign_result(own, own["data"])
             # (A forging liar holds its lie, so that its claims are made under the lie's seed.)
             self.box.results[self.me] = own if self.forged is None else dict(self.lie or own)
 
@@ -272,10 +279,18 @@ class ButterflyRun:
         msg = self.own
         if self.lie is not None and not (self.faults.lie_to_some and j % 2 == 0):
             msg = self.lie
+        trailer = None
+        stream, audit = self.stream, self.audit
+        if stream is not None and audit is not None:  # signed once every chunk is known
+            msg = {**msg, "trailer": True}
+
+            def trailer() -> dict[str, Any]:
+                return {"osig": audit.sign_result(self.own or {}, b"".join(stream.payloads))}
+
         try:
             reply, seconds = await self.call(self.members[j], "result", msg,
                                              timeout=max(0.1, self._left(self.results_at)),
-                                             chunks=self.stream.chunks if self.stream is not None else None)
+                                             chunks=stream.chunks if stream is not None else None, trailer=trailer)
         except RoundFailed:  # not worth waiting for (its result, its claims)
             self.box.unreachable.add(self.members[j])
             self.box.poke()

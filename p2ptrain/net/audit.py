@@ -29,12 +29,13 @@ from .claims import (
     Fetched,
     entry_for,
     fetch_evidence,
+    result_commitment,
     result_digest,
     sign_contribution,
     sketch_bytes,
 )
 from .guard import Guard
-from .identity import Identity
+from .identity import Identity, verify_signature
 from .mailbox import Mailbox
 from .parts import result_problem
 from .verify import Judge, Verdict
@@ -87,7 +88,8 @@ class Audit:
         self.bounds, self.codec, self.rule, self.weight = bounds, codec, rule, float(weight)
         self.identity, self.box, self.guard, self.call = identity, box, guard, call
         self.sent: dict[int, _Sent] = {}
-        self.replaced: dict[int, bytes] = {}  # parts we proved wrong and recomputed: the digest of what we held
+        # Parts we proved wrong and recomputed: the digest of what we held, and its owner's signature on it.
+        self.replaced: dict[int, tuple[bytes, Any]] = {}
         self.own_commit = b""
         self.stats = AuditStats()
         self.audit_p = min(1.0, max(0.0, audit_rate) / max(1, len(self.members) - 1))
@@ -110,6 +112,15 @@ class Audit:
                                         self.codec.name, chunk, sha)
         self.sent[part] = _Sent(pieces, commit, chunk)
         return {"sig": sig, "pk": self.identity.public}
+
+    def sign_result(self, res: dict[str, Any], payload: bytes) -> bytes:
+        """Our signature over our part's result (its header and ``payload``)."""
+        return self.identity.sign(result_commitment(self.run, self.key, self.phase, self.me, result_digest(res, payload)))
+
+    def _signed(self, j: int, digest: bytes, osig: Any) -> bool:
+        """Whether ``osig`` is part ``j``'s owner's signature over a result of digest ``digest``."""
+        return isinstance(osig, bytes) and verify_signature(
+            self.members[j], result_commitment(self.run, self.key, self.phase, j, digest), osig)
 
     # ------------------------------------------------------------------ our claims
     def _result(self, part: int) -> tuple[bytes, torch.Tensor] | None:
@@ -190,7 +201,8 @@ class Audit:
     def verdict_message(self) -> dict[str, Any]:
         """The parts we proved wrong, each with the digest of the result we held, for every member (they check
         them in turn: :meth:`reconcile`)."""
-        return {"key": self.key, "phase": self.phase, "replaced": [[j, self.replaced[j]] for j in sorted(self.replaced)]}
+        return {"key": self.key, "phase": self.phase,
+                "replaced": [[j, d, o] for j, (d, o) in sorted(self.replaced.items())]}
 
     async def reconcile(self, until: float) -> None:
         """Other members proved parts wrong that we used (an audit drew them, or their copy of the result was
@@ -199,13 +211,21 @@ class Audit:
         t0 = time.monotonic()
         accused: dict[int, set[str]] = {}
         for member, parts in self.box.verdicts.items():
-            if member in self.members and member != self.me_id:
-                for j, digest in parts:
-                    # Proved wrong about the result we hold: we check it. About another result (the owner
-                    # told members different things): ours may well be right, and nobody is to blame here.
-                    if 0 <= j < len(self.members) and j != self.me and j not in self.replaced \
-                            and digest == self._digest(j):
-                        accused.setdefault(j, set()).add(member)
+            if member not in self.members or member == self.me_id:
+                continue
+            for j, digest, osig in parts:
+                if not (0 <= j < len(self.members)) or j == self.me or j in self.replaced or j not in self.box.results:
+                    continue
+                ours = self._digest(j)
+                if digest == ours:  # proved wrong about the result we hold: we check it ourselves
+                    accused.setdefault(j, set()).add(member)
+                elif self._signed(j, digest, osig) and self._signed(j, ours, self.box.results[j].get("osig")):
+                    # The owner signed two different results of one part: it told members different things.
+                    # Ours passed our checks; the owner is banned.
+                    owner = self.members[j]
+                    if not self.guard.is_banned(owner):
+                        self.guard.ban(owner, f"signed two different results of part {j} in round {self.key}")
+                        self.stats.liars.append(owner)
         parts = sorted(j for j in accused if j in self.box.results)
         if not parts:
             return
@@ -233,10 +253,10 @@ class Audit:
                             v.reason)
             if v.action == "replace":
                 assert v.values is not None
-                digest = self._digest(j)
-                self.box.results[j] = {**self.box.results[j], "_tensor": v.values, "_pieces": None, "data": None}
+                held = self.box.results[j]
+                self.replaced[j] = (self._digest(j), held.get("osig"))
+                self.box.results[j] = {**held, "_tensor": v.values, "_pieces": None, "data": None}
                 self.stats.replaced += 1
-                self.replaced[j] = digest
             elif v.action == "skip":
                 self.box.results.pop(j, None)
                 self.stats.skipped += 1
@@ -268,6 +288,8 @@ class Audit:
         digest = result_digest(res, payload)
         if held is None:
             return await judge.settle(j, owner, res, digest, None, fetch, "a malformed or non-finite result", direct)
+        if not self._signed(j, digest, res.get("osig")):
+            return await judge.settle(j, owner, res, digest, None, fetch, "a result its owner did not sign", direct)
         _, values = held
         claims, missing = judge.claims(j, digest, [str(p) for p in contributors])
         key = judge.seed(j, digest)

@@ -26,7 +26,7 @@ from .transport import RoundFailed
 from .wire import SCHEMA_ERRORS, encode_message
 
 __all__ = ["RAW", "Entry", "Evidence", "Fetched", "commitment", "entry_for", "fetch_evidence", "parse_checks",
-           "payload_sha", "result_digest", "sign_contribution", "sketch_bytes"]
+           "payload_sha", "result_commitment", "result_digest", "sign_contribution", "sketch_bytes"]
 
 #: The codec name of an owner's own share of its part: float32 values as they are (never encoded).
 RAW = "raw"
@@ -46,6 +46,13 @@ def commitment(run: str, key: str, phase: int, part: int, weight: float, numel: 
     return encode_message({"t": "p2ptrain/contribution/1", "run": run, "key": key, "phase": int(phase),
                            "part": int(part), "w": float(weight), "numel": int(numel), "codec": codec,
                            "chunk": chunk, "h": sha})
+
+
+def result_commitment(run: str, key: str, phase: int, part: int, digest: bytes) -> bytes:
+    """The bytes a part's owner signs for its result (its :func:`result_digest`): two different signed results of
+    one part prove that the owner told members different things."""
+    return encode_message({"t": "p2ptrain/result/1", "run": run, "key": key, "phase": int(phase), "part": int(part),
+                           "d": digest})
 
 
 def result_digest(res: Mapping[str, Any], payload: bytes) -> bytes:

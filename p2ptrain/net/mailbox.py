@@ -163,6 +163,10 @@ class Mailboxes:
                 self.guard.strike(sender, f"streamed result: {e}")
                 return {"error": "streamed result does not match its header"}
             res |= {"_tensor": x, "_pieces": pieces}
+            if "_trailer" in msg:  # the owner's signature over the result, once all of it is known
+                osig = (await msg["_trailer"]()).get("osig")
+                if isinstance(osig, bytes):
+                    res["osig"] = osig
         box.results.setdefault(part, {**res, "_from": sender})
         box.poke()
         return {"ok": True}

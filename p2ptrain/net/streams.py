@@ -82,6 +82,7 @@ class Streams:
                     frames = msg["_frames"] = self.chunk_frames(reader, sender, kind, int(msg["chunks"]))
                     if msg.get("trailer"):
                         msg["_trailer"] = lambda: self.trailer_frame(reader, sender, kind)
+                msg.pop("trailer", None)
                 reply = await handler(sender, msg)
                 if key is not None:
                     reply = key.seal(reply, self.peer_id, kind + "/reply", self.cfg.run_id)
