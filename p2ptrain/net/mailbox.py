@@ -45,7 +45,8 @@ class Mailbox:
     evidence: dict[str, Evidence] = field(default_factory=dict)  # signed contributions to our part, kept
     own_commits: dict[str, bytes] = field(default_factory=dict)  # member -> hash of its own share's commitment
     checks: dict[str, dict[int, Entry]] = field(default_factory=dict)  # member -> its claims, by part
-    verdicts: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)  # member -> (part, digest) it proved wrong
+    # member -> (part, digest, the owner's signature on it) of each result it proved wrong
+    verdicts: dict[str, list[tuple[int, bytes, bytes | None]]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None  # when our all-reduce of this (round, phase) returned or failed
@@ -192,10 +193,11 @@ class Mailboxes:
         """File the parts a member proved wrong (its first word on a round stays)."""
         parts = msg["replaced"]
         if not isinstance(parts, list) or len(parts) > 1 << 16 or not all(
-                isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], bytes) for p in parts):
-            raise ValueError("replaced must be a list of [part, digest]")
+                isinstance(p, list) and len(p) == 3 and isinstance(p[0], int) and isinstance(p[1], bytes)
+                and (p[2] is None or isinstance(p[2], bytes)) for p in parts):
+            raise ValueError("replaced must be a list of [part, digest, the owner's signature or None]")
         box = self.box(str(msg["key"]), int(msg["phase"]))
-        box.verdicts.setdefault(sender, [(int(j), bytes(d)) for j, d in parts])
+        box.verdicts.setdefault(sender, [(int(j), bytes(d), o) for j, d, o in parts])
         box.poke()
         return {"ok": True}
 

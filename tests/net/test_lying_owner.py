@@ -27,7 +27,7 @@ NUMEL = 1 << 14  # 16 Ki values: parts of ~3 Ki, small enough for a test, large 
 
 @asynccontextmanager
 async def swarm(faults: FaultPlan, bad: int, guard: GuardConfig | None = None,
-                run: str = "liar", audit_rate: float = 0.1) -> AsyncIterator[list[Any]]:
+                run: str = "liar", audit_rate: float | list[float] = 0.1) -> AsyncIterator[list[Any]]:
     """N libp2p peers on 127.0.0.1; peer ``bad`` injects ``faults``."""
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 
@@ -37,7 +37,8 @@ async def swarm(faults: FaultPlan, bad: int, guard: GuardConfig | None = None,
             initial = await ts[0].visible_maddrs() if ts else []
             ts.append(await HivemindTransport.create(SwarmConfig(
                 run_id=run, initial_peers=initial, join_window=1.0, ttl=30, guard=guard or GuardConfig(),
-                audit_rate=audit_rate, faults=faults if i == bad else FaultPlan())))
+                audit_rate=audit_rate[i] if isinstance(audit_rate, list) else audit_rate,
+                faults=faults if i == bad else FaultPlan())))
         for t in ts:
             await t.announce(PeerInfo(peer_id=t.peer_id))
         for t in ts:
@@ -204,6 +205,25 @@ def test_audits_catch_what_sketches_cannot(how: str) -> None:
                 assert torch.equal(x.tensors[0], honest[0].tensors[0])
             if forge:
                 assert torch.allclose(honest[0].tensors[0].double(), weighted(list(range(N))), rtol=0, atol=1e-6)
+            assert all(t.guard.banned == {liar} for i, t in enumerate(ts) if i != bad)
+
+    asyncio.run(go())
+
+
+def test_what_one_members_audit_proves_every_member_acts_on() -> None:
+    """Only one member audits (the others' rate is 0): it proves the forged lie, tells the others in its verdict,
+    they settle the part from the owner's evidence themselves, and all ban the liar and end with the same values."""
+    bad, auditor = 2, 4
+    rates = [100.0 if i == auditor else 0.0 for i in range(N)]
+
+    async def go() -> None:
+        async with swarm(FaultPlan(lie="shift", forge=True), bad, run="one-audit", audit_rate=rates) as ts:
+            liar = ts[bad].peer_id
+            [res] = await rounds(ts, 1)
+            honest = [x for i, x in enumerate(res) if i != bad]
+            assert all(not isinstance(x, BaseException) for x in honest), honest
+            for x in honest:
+                assert torch.allclose(x.tensors[0].double(), weighted(list(range(N))), rtol=0, atol=1e-6)
             assert all(t.guard.banned == {liar} for i, t in enumerate(ts) if i != bad)
 
     asyncio.run(go())
