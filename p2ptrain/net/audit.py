@@ -307,6 +307,10 @@ class Audit:
                                             float(res.get("tau", 0.0)), self.rule)
                 sketches[p] = (ev.weight, e.inf, e.s, e.c)  # type: ignore[assignment]
         why = await asyncio.to_thread(judge.test, res, values, sketches, key)  # type: ignore[arg-type]
+        mine = self.box.checks.get(owner, {}).get(j)
+        if why is None and direct and mine is not None and mine.digest is not None and mine.digest != digest:
+            # An honest owner holds exactly the result it sends: its claims about another one are a dispute.
+            why = "the owner's claims are about another result than the one it sent"
         if why is None:
             if self._draw.random() >= self.audit_p:
                 return Verdict("use")
