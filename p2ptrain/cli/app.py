@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -34,6 +35,33 @@ def main(
     """p2ptrain: train language models across regions, clouds and volunteer GPUs, no coordinator."""
 
 
-def run() -> None:
-    """The console-script entry point: run the app on ``sys.argv`` (it exits with the command's code)."""
-    app()
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """The exceptions a bad flag, value or variable raises: click's, or those of the click typer carries."""
+    found: list[type[Exception]] = [typer.TyperException] if hasattr(typer, "TyperException") else []
+    try:
+        import click
+
+        found.append(click.ClickException)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+def run(argv: list[str] | None = None) -> None:
+    """The console-script entry point: run the app on ``argv`` (default ``sys.argv[1:]``) and exit with the
+    command's code. A bad flag, value or variable is one line, ``error: ...``, on stderr and exit code 2, like
+    the errors the commands raise themselves (``options.fail``); bare ``p2ptrain`` prints the help."""
+    try:
+        code = app(args=sys.argv[1:] if argv is None else argv, prog_name="p2ptrain", standalone_mode=False)
+    except _usage_errors() as e:
+        code = getattr(e, "exit_code", 2)
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()  # type: ignore[attr-defined]
+        else:
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+            message = (e.format_message() if hasattr(e, "format_message") else str(e)).replace("Value error, ", "")
+            print(f"error: {' '.join(message.split())}{hint}", file=sys.stderr)
+    except typer.Abort:  # Ctrl-C or end of input at a prompt
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)

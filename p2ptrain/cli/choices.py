@@ -15,7 +15,7 @@ Codec = Literal["fp32", "fp16", "bf16", "uint8", "fp8", "e3m0"]
 Aggregation = Literal["mean", "trimmed-mean", "centered-clip"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Schedule = Literal["1f1b", "gpipe"]
-LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 PRESETS: tuple[str, ...] = get_args(Preset)
 METHODS: tuple[str, ...] = get_args(Method)

@@ -19,7 +19,8 @@ from ..settings import ConfigError, build, merged
 from ..single import TrainJob
 from ..trainer import TrainerConfig
 from .flags import JoinFlags, SimulateFlags, TrainFlags
-from .maddrs import split_list
+from .netargs import check_identity, host_maddrs, initial_peers
+from .paths import input_path, output_dir, output_file
 
 if TYPE_CHECKING:
     from ..algo.methods import MethodConfig
@@ -155,7 +156,27 @@ def model_and_trainer(file: dict[str, Any], preset_name: str | None, model_flags
         raise ConfigError(f"[model]: {e}") from None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return name, model_cfg, build(TrainerConfig, merged(file.get("trainer"), trainer_flags), "trainer")
+    trainer_cfg = build(TrainerConfig, merged(file.get("trainer"), trainer_flags), "trainer")
+    _check_device(trainer_cfg.device)
+    return name, model_cfg, trainer_cfg
+
+
+def _check_device(name: str) -> None:
+    """ConfigError unless ``name`` is a device this machine has (``auto`` always is)."""
+    from ..trainer import pick_device
+
+    try:
+        pick_device(name)
+    except RuntimeError:  # torch's own: not a device string at all
+        raise ConfigError(f"--device {name!r} is not a device: auto, cpu, cuda or cuda:N") from None
+    except ValueError as e:
+        raise ConfigError(f"--device: {e}") from None
+
+
+def _check_data(data: DataConfig, flag_path: str | None, flag_tokenizer: str | None) -> None:
+    """ConfigError naming the flag (or the recipe's key) when the data or tokenizer path does not exist."""
+    input_path("--data" if flag_path else "[data] path", data.path)
+    input_path("--tokenizer" if flag_tokenizer else "[data] tokenizer", data.tokenizer)
 
 
 def open_init_from(file: dict[str, Any], preset_name: str | None, init_from: str | None,
@@ -195,12 +216,16 @@ def train_config(file: dict[str, Any], flags: TrainFlags | Mapping[str, Any]) ->
          "total_steps": file.get("trainer", {}).get("total_steps", total)})
     data_cfg = build(DataConfig, merged(file.get("data"), {"path": f.data, "seed": f.seed, "tokenizer": f.tokenizer}),
                      "data")
+    _check_data(data_cfg, f.data, f.tokenizer)
+    output_file("--json", f.json_out)
     if init is not None:
         from ..hf_run import data_for
 
         data_cfg, model_cfg = data_for(init, data_cfg), init.model_config
     job = build(TrainJob, {**job_vals, "steps": total, "model": model_cfg, "trainer": trainer_cfg, "data": data_cfg,
                            "resume": f.resume}, "job")
+    if not job.resume:  # a folder to resume from is checked by the run (it says when nothing is there)
+        output_dir("--checkpoint-dir", job.checkpoint_dir)
     return TrainRun(job=job, init=init, preset=None if init else name, json_out=f.json_out, quiet=f.quiet)
 
 
@@ -218,6 +243,9 @@ def simulate_config(file: dict[str, Any], flags: SimulateFlags | Mapping[str, An
         {"batch_size": f.batch_size, "lr": f.lr, "seed": f.seed,
          "total_steps": file.get("trainer", {}).get("total_steps", total)})
     data_cfg = build(DataConfig, merged(file.get("data"), {"path": f.data, "seed": f.seed}), "data")
+    _check_data(data_cfg, f.data, None)
+    output_file("--json", f.json_out)
+    output_dir("--plot-dir", f.plot_dir)
     step_time = str(f.step_time if f.step_time is not None else sim_file.get("step_time", 0.1))
     sim_cfg = build(SimConfig, merged({k: v for k, v in sim_file.items() if k != "step_time"}, {
         "peers": f.peers, "steps": total, "regions": f.regions, "bandwidth": f.bandwidth,
@@ -256,8 +284,9 @@ def _stages(f: JoinFlags) -> Stages | None:
 
 def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> JoinRun:
     """The ``join`` run from ``[peer]``, ``[method]``, the model sections and the flags. Bad stage flags
-    fail here, once, before any stage process starts; so do an unreadable ``--swarm-key``, ``--init-from``
-    or checkpoints with a staged peer (neither is supported yet)."""
+    fail here, once, before any stage process starts; so do an address that does not parse, an unreadable
+    ``--swarm-key`` or ``--identity``, and ``--init-from`` or checkpoints with a staged peer (neither is
+    supported yet)."""
     from ..algo.methods import method_config
     from ..net.auth import SwarmKey
     from ..net.guard import GuardConfig
@@ -284,12 +313,18 @@ def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> J
         "join_window": f.join_window, "min_step_seconds": f.min_step_seconds, "eval_every": f.eval_every,
         "checkpoint_dir": str(checkpoints) if checkpoints else None, "checkpoint_every": f.checkpoint_every}), "peer")
     swarm_cfg = SwarmConfig(
-        run_id=run_id, initial_peers=split_list(f.initial_peers or peer_file.get("initial_peers", [])),
-        host_maddrs=split_list(f.host_maddrs) or ["/ip4/127.0.0.1/tcp/0"], announce_maddrs=split_list(f.announce_maddrs),
+        run_id=run_id, initial_peers=initial_peers(f.initial_peers) if f.initial_peers else
+        initial_peers(peer_file.get("initial_peers", []), "[peer] initial_peers"),
+        host_maddrs=host_maddrs(f.host_maddrs) or ["/ip4/127.0.0.1/tcp/0"],
+        announce_maddrs=host_maddrs(f.announce_maddrs, announce=True),
         identity_path=str(f.identity) if f.identity else None, client_mode=f.client_mode,
         use_relay=not f.no_relay, use_auto_relay=f.use_auto_relay, join_window=peer_cfg.join_window, ttl=peer_cfg.ttl,
         connect_attempts=f.connect_attempts, guard=GuardConfig(aggregation=f.aggregation, norm_bound=f.norm_bound),
         swarm_key=SwarmKey.load(f.swarm_key_file) if f.swarm_key_file else None)
+    check_identity(f.identity)
+    _check_data(data_cfg, f.data, f.tokenizer)
+    output_file("--json", f.json_out)
+    output_file("--maddrs-file", f.maddrs_file)
     stages = _stages(f)
     if stages is not None:
         if init is not None:
@@ -299,6 +334,8 @@ def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> J
         if checkpoints:
             raise ConfigError("checkpoints of staged peers (S_run > 1 or --pipeline-stages > 1) are not supported "
                               "yet: run without --checkpoint-dir/--resume (a late joiner takes θ from the swarm)")
+    if f.resume is None:  # a folder to resume from is checked by the run (it says when nothing is there)
+        output_dir("--checkpoint-dir", peer_cfg.checkpoint_dir)
     if init is not None:  # every peer that loads the same folder starts from the same θ
         from ..hf_run import data_for
 

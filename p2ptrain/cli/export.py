@@ -8,8 +8,9 @@ from typing import Annotated
 import typer
 
 from .app import app
-from .choices import DTYPES
-from .options import LogOpt, fail, with_env_vars
+from .choices import Dtype
+from .options import LogOpt, fail, failing, with_env_vars
+from .paths import input_path
 
 __all__ = ["export"]
 
@@ -20,7 +21,7 @@ def export(
     checkpoint: Annotated[Path, typer.Option("--checkpoint", help="A p2ptrain checkpoint file, or a folder of them (the newest is used).")],
     out: Annotated[Path, typer.Option("--out", help="Folder to write (must not exist or be empty).")],
     template: Annotated[Path | None, typer.Option("--template", help="The checkpoint folder the run started from (--init-from): its config keys, tensor dtypes and tokenizer files are kept.")] = None,
-    dtype: Annotated[str | None, typer.Option("--dtype", help=f"{', '.join(DTYPES)} (default: the template's, else float32).")] = None,
+    dtype: Annotated[Dtype | None, typer.Option("--dtype", help="The tensors' dtype (default: the template's, else float32).")] = None,
     log_level: LogOpt = None,
 ) -> None:
     """Write a checkpoint's trained θ as a Llama checkpoint folder (config.json + model.safetensors)."""
@@ -30,7 +31,9 @@ def export(
     from ..ui import console, setup_logging
 
     setup_logging(log_level)
-    try:
+    with failing(CheckpointError, ValueError):
+        input_path("--template", template)
+    with failing(CheckpointError, ValueError, prefix="--checkpoint "):
         if checkpoint.is_dir():
             found = CheckpointDir(checkpoint).latest()
             if found is None:
@@ -39,8 +42,7 @@ def export(
         else:
             path, state = checkpoint, read_checkpoint(checkpoint)
         params, cfg = read_params(state)
+    with failing(HFError, ValueError):
         written = export_hf(out, params, cfg, dtype=dtype, template=template)
-    except (CheckpointError, HFError, ValueError) as e:
-        raise fail(str(e)) from None
     which = "outer parameters θ" if state.get("outer") else "model parameters"
     console.print(f"exported the {which} of {path} (step {state['trainer']['step']}) to {written}", highlight=False)

@@ -117,7 +117,7 @@ class JoinFlags:
     client_mode: Annotated[bool, typer.Option("--client-mode", help="Behind NAT: dial out only, reached through relays.")] = False
     use_auto_relay: Annotated[bool, typer.Option("--use-auto-relay", help="Look for libp2p relays to become reachable.")] = False
     no_relay: Annotated[bool, typer.Option("--no-relay", help="Disable libp2p circuit relays.")] = False
-    connect_attempts: Annotated[int, typer.Option("--connect-attempts", help="Tries (with backoff) when initial peers are unreachable.")] = 5
+    connect_attempts: Annotated[int, typer.Option("--connect-attempts", min=1, help="Tries (with backoff) when initial peers are unreachable.")] = 5
     join_window: Annotated[float | None, typer.Option("--join-window", help="Seconds a round leader waits for peers.")] = None
     min_step_seconds: Annotated[float | None, typer.Option("--min-step-seconds", help="Pad each inner step to this long (emulate a slower device).")] = None
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="Evaluate θ every this many inner steps during the run (logged in --json as val_log; 0: only at the end).")] = None

@@ -20,7 +20,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from ..metrics import DEFAULT_METRICS_PORT
-from .choices import PRESETS
+from .choices import PRESETS, LogLevel
 
 __all__ = ["AnnounceMaddrs", "BatchSizeOpt", "CodecOpt", "ConfigOpt", "DataOpt", "DeviceOpt", "HOpt", "HostMaddrs", "InitFromOpt",
            "InitialPeers", "JsonOpt", "LogOpt", "LrOpt", "MetricsPortOpt", "POpt", "PresetOpt", "QuietOpt", "SeqLenOpt",
@@ -32,7 +32,7 @@ ENV_PREFIX = "P2PTRAIN_"
 F = TypeVar("F")
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML recipe; flags and P2PTRAIN_* variables override it.")]
-LogOpt = Annotated[str | None, typer.Option("--log-level", help="DEBUG/INFO/WARNING/ERROR.")]
+LogOpt = Annotated[LogLevel | None, typer.Option("--log-level", case_sensitive=False, help="How much to log on stderr.")]
 PresetOpt = Annotated[str | None, typer.Option("--preset", "-p", help=f"Model preset: {', '.join(PRESETS)}.")]
 TokenizerOpt = Annotated[str | None, typer.Option("--tokenizer", help="A local tokenizer.json (or its folder) for text/.jsonl/.parquet data; default: bytes, or the --init-from folder's.")]
 InitFromOpt = Annotated[str | None, typer.Option("--init-from", help="Start from a local Llama checkpoint folder (config.json + safetensors); sets the architecture.")]
@@ -50,7 +50,7 @@ POpt = Annotated[int | None, typer.Option("--P", help="Fragments (streaming, coc
 CodecOpt = Annotated[str | None, typer.Option("--codec", help="Wire codec: fp32, fp16, bf16, uint8, fp8, e3m0.")]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the summary as JSON here.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or live status line.")]
-MetricsPortOpt = Annotated[int | None, typer.Option("--metrics-port", help=f"Serve Prometheus metrics here (0: any free port, -1: off; default {DEFAULT_METRICS_PORT}, or the next free one when several peers share a machine).")]
+MetricsPortOpt = Annotated[int | None, typer.Option("--metrics-port", min=-1, max=65535, help=f"Serve Prometheus metrics here (0: any free port, -1: off; default {DEFAULT_METRICS_PORT}, or the next free one when several peers share a machine).")]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -59,7 +59,8 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
     from ..ui import console
 
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    # One line, however long (a log collector or a test reads it as one record).
+    console.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -11,8 +11,9 @@ import typer
 
 from .. import __version__
 from .app import app
-from .maddrs import split_list
-from .options import AnnounceMaddrs, HostMaddrs, InitialPeers, LogOpt, SwarmKeyOpt, fail, with_env_vars
+from .netargs import check_identity, host_maddrs, initial_peers
+from .options import AnnounceMaddrs, HostMaddrs, InitialPeers, LogOpt, SwarmKeyOpt, fail, failing, with_env_vars
+from .paths import output_file
 
 __all__ = ["bootstrap", "keygen", "status"]
 
@@ -20,10 +21,10 @@ __all__ = ["bootstrap", "keygen", "status"]
 @app.command()
 @with_env_vars
 def bootstrap(
-    host_maddrs: HostMaddrs = None,
-    announce_maddrs: AnnounceMaddrs = None,
+    listen: HostMaddrs = None,
+    announce: AnnounceMaddrs = None,
     identity: Annotated[Path | None, typer.Option("--identity", help="Private key file (created if missing): a stable address across restarts.")] = None,
-    initial_peers: InitialPeers = None,
+    initial: InitialPeers = None,
     maddrs_file: Annotated[Path | None, typer.Option("--maddrs-file", help="Write the multiaddrs here once listening.")] = None,
     log_level: LogOpt = None,
 ) -> None:
@@ -34,9 +35,12 @@ def bootstrap(
     from ..ui import console, setup_logging
 
     setup_logging(log_level)
-    cfg = SwarmConfig(host_maddrs=split_list(host_maddrs) or ["/ip4/0.0.0.0/tcp/31337"],
-                      announce_maddrs=split_list(announce_maddrs), identity_path=str(identity) if identity else None,
-                      initial_peers=split_list(initial_peers))
+    with failing():
+        check_identity(identity)
+        output_file("--maddrs-file", maddrs_file)
+        cfg = SwarmConfig(host_maddrs=host_maddrs(listen) or ["/ip4/0.0.0.0/tcp/31337"],
+                          announce_maddrs=host_maddrs(announce, announce=True),
+                          identity_path=str(identity) if identity else None, initial_peers=initial_peers(initial))
 
     async def main() -> None:
         p2p, node, _ = await start_p2p(cfg)
@@ -67,11 +71,11 @@ def bootstrap(
 @app.command()
 @with_env_vars
 def status(
-    initial_peers: InitialPeers = None,
+    initial: InitialPeers = None,
     run_id: Annotated[str, typer.Option("--run-id", help="The run to show.")] = "p2ptrain",
     json_mode: Annotated[bool, typer.Option("--json", help="Print the peers as JSON once and exit.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh the table until Ctrl-C.")] = False,
-    interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")] = 2.0,
+    interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes.")] = 2.0,
     swarm_key_file: SwarmKeyOpt = None,
     log_level: LogOpt = None,
 ) -> None:
@@ -85,14 +89,12 @@ def status(
     from ..ui import out, setup_logging, table
 
     setup_logging(log_level)
-    if not initial_peers:
-        raise fail("status needs --initial-peers of a live peer or bootstrap node")
-    try:
+    with failing():
+        targets = initial_peers(initial)
         key = SwarmKey.load(swarm_key_file) if swarm_key_file else None
-    except ValueError as e:
-        raise fail(str(e)) from None
-    cfg = SwarmConfig(run_id=run_id, initial_peers=split_list(initial_peers), client_mode=True, connect_attempts=3,
-                      swarm_key=key)
+    if not targets:
+        raise fail("status needs --initial-peers of a live peer or bootstrap node")
+    cfg = SwarmConfig(run_id=run_id, initial_peers=targets, client_mode=True, connect_attempts=3, swarm_key=key)
 
     def rows(peers: list[Any]) -> list[list[Any]]:
         return [[p.peer_id[-12:], p.region or "-", p.method or "-", p.step, p.loss, round(p.tokens_per_second),

@@ -21,4 +21,4 @@ def test_choices_are_the_registries() -> None:
     assert choices.AGGREGATIONS == tuple(AGGREGATIONS)
     assert choices.DTYPES == tuple(DTYPES)
     assert choices.SCHEDULES == typing.get_args(typing.get_type_hints(PipelineConfig)["schedule"])
-    assert all(isinstance(logging.getLevelName(name), int) for name in choices.LOG_LEVELS)
+    assert all(isinstance(logging.getLevelName(name.upper()), int) for name in choices.LOG_LEVELS)

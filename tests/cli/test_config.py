@@ -10,6 +10,8 @@ from p2ptrain.cli.config import Stages, join_config, simulate_config, steps_of, 
 from p2ptrain.cli.flags import JoinFlags, TrainFlags
 from p2ptrain.settings import ConfigError
 
+PEER1 = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWAupgdBAYgxcu6EbnoP2EGJvaFrwAo795BwSsmnG11agR"
+PEER2 = "/ip4/127.0.0.1/tcp/2/p2p/QmUcCwXRJwDi6TxHmE181nq7Uidkn2HSwgRRBFiWnzMz9D"
 FILE = {"preset": "tiny", "steps": 7, "model": {"n_layers": 1}, "trainer": {"batch_size": 2, "lr": 1e-3}}
 
 
@@ -83,17 +85,17 @@ def test_simulate_flags_override_the_simulate_section() -> None:
 
 def test_join_flags_override_the_file() -> None:
     file = {**FILE, "method": {"name": "streaming", "H": 8}, "peer": {"run_id": "demo", "steps": 11,
-                                                                      "initial_peers": ["/ip4/127.0.0.1/tcp/1"]}}
+                                                                      "initial_peers": [PEER1]}}
     run = join_config(file, {})
     assert run.method.name == "streaming" and run.method.H == 8
     assert run.peer.run_id == "demo" == run.swarm.run_id and run.peer.steps == 11 == run.trainer.total_steps
-    assert run.swarm.initial_peers == ["/ip4/127.0.0.1/tcp/1"] and run.swarm.host_maddrs == ["/ip4/127.0.0.1/tcp/0"]
+    assert run.swarm.initial_peers == [PEER1] and run.swarm.host_maddrs == ["/ip4/127.0.0.1/tcp/0"]
     assert run.stages is None and run.init is None and run.preset == "tiny" and run.metrics_port is None
     run = join_config(file, JoinFlags(method="diloco", H=4, run_id="other", steps=2, region="eu",
-                                      initial_peers=["/ip4/127.0.0.1/tcp/2"], checkpoint_dir=Path("ck")))
+                                      initial_peers=[PEER2], checkpoint_dir=Path("ck")))
     assert run.method.name == "diloco" and run.method.H == 4
     assert run.peer.run_id == "other" == run.swarm.run_id and run.peer.steps == 2 and run.peer.region == "eu"
-    assert run.swarm.initial_peers == ["/ip4/127.0.0.1/tcp/2"] and run.peer.checkpoint_dir == "ck"
+    assert run.swarm.initial_peers == [PEER2] and run.peer.checkpoint_dir == "ck"
     assert join_config({}, {"resume": Path("old")}).peer.checkpoint_dir == "old"  # resume keeps writing there
     assert join_config({}, {}).method.name == "streaming"
 

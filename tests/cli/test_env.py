@@ -11,11 +11,11 @@ from typer.testing import CliRunner
 
 import p2ptrain.cli.join as join_module
 from p2ptrain.cli import app
-from p2ptrain.cli.maddrs import split_list
+from p2ptrain.cli.netargs import split_list
 from p2ptrain.cli.options import env_var
 
 A = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWAupgdBAYgxcu6EbnoP2EGJvaFrwAo795BwSsmnG11agR"
-B = "/ip4/127.0.0.1/tcp/31338/p2p/QmUhcQqYBXw5z4SA8Z9Tcm4iBnS8Tyvg4mC6DRtNn4Bqnk"
+B = "/ip4/127.0.0.1/tcp/31338/p2p/QmUcCwXRJwDi6TxHmE181nq7Uidkn2HSwgRRBFiWnzMz9D"
 
 
 def test_every_option_of_every_command_reads_its_variable_and_help_says_so() -> None:
