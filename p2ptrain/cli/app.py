@@ -47,12 +47,33 @@ def _usage_errors() -> tuple[type[Exception], ...]:
     return tuple(found)
 
 
+def old_spellings(argv: list[str]) -> list[str]:
+    """``argv`` with the old spellings that no longer parse rewritten to today's: ``join --resume DIR`` (now
+    ``--checkpoint-dir DIR --resume``, as in ``train``) and a bare ``status --json`` (now ``--json -``: like
+    every ``--json``, it names a file, ``-`` for standard output). Unambiguous: a switch takes no value, and
+    ``--json`` always needs one."""
+    command, out = argv[:1], []
+    rest = argv[1:]
+    for i, arg in enumerate(rest):
+        before, after = rest[i - 1] if i else None, rest[i + 1] if i + 1 < len(rest) else None
+        if command == ["join"] and arg.startswith("--resume="):
+            out += ["--checkpoint-dir", arg.split("=", 1)[1], "--resume"]
+        elif command == ["join"] and before == "--resume" and not arg.startswith("-"):
+            out[-1:] = ["--checkpoint-dir", arg, "--resume"]
+        elif command == ["status"] and arg == "--json" and (after is None or (after.startswith("-") and after != "-")):
+            out += ["--json", "-"]
+        else:
+            out.append(arg)
+    return command + out
+
+
 def run(argv: list[str] | None = None) -> None:
     """The console-script entry point: run the app on ``argv`` (default ``sys.argv[1:]``) and exit with the
     command's code. A bad flag, value or variable is one line, ``error: ...``, on stderr and exit code 2, like
     the errors the commands raise themselves (``options.fail``); bare ``p2ptrain`` prints the help."""
     try:
-        code = app(args=sys.argv[1:] if argv is None else argv, prog_name="p2ptrain", standalone_mode=False)
+        args = old_spellings(sys.argv[1:] if argv is None else argv)
+        code = app(args=args, prog_name="p2ptrain", standalone_mode=False)
     except _usage_errors() as e:
         code = getattr(e, "exit_code", 2)
         if type(e).__name__ == "NoArgsIsHelpError":

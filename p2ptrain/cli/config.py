@@ -18,7 +18,7 @@ from ..model import PRESETS, ModelConfig, preset
 from ..settings import ConfigError, build, merged
 from ..single import TrainJob
 from ..trainer import TrainerConfig
-from .flags import JoinFlags, SimulateFlags, TrainFlags
+from .flags import SIM_METHODS, JoinFlags, SimulateFlags, TrainFlags
 from .netargs import check_identity, host_maddrs, initial_peers
 from .paths import input_path, output_dir, output_file
 
@@ -224,8 +224,7 @@ def train_config(file: dict[str, Any], flags: TrainFlags | Mapping[str, Any]) ->
         data_cfg, model_cfg = data_for(init, data_cfg), init.model_config
     job = build(TrainJob, {**job_vals, "steps": total, "model": model_cfg, "trainer": trainer_cfg, "data": data_cfg,
                            "resume": f.resume}, "job")
-    if not job.resume:  # a folder to resume from is checked by the run (it says when nothing is there)
-        output_dir("--checkpoint-dir", job.checkpoint_dir)
+    output_dir("--checkpoint-dir", job.checkpoint_dir)
     return TrainRun(job=job, init=init, preset=None if init else name, json_out=f.json_out, quiet=f.quiet)
 
 
@@ -254,7 +253,8 @@ def simulate_config(file: dict[str, Any], flags: SimulateFlags | Mapping[str, An
     sim_cfg.step_time = None if step_time == "measured" else parse_duration(step_time)
     knobs = merged(file.get("method"), {"H": f.H, "P": f.P, "tau": f.tau, "codec": f.codec, "outer_lr": f.outer_lr})
     per_method = {k: v for k, v in file.get("methods", {}).items() if isinstance(v, dict)}
-    specs = build_specs([m.strip() for m in f.methods.split(",") if m.strip()], knobs, per_method)
+    names = f.method or f.methods or SIM_METHODS  # --methods: the old spelling
+    specs = build_specs([m.strip() for m in names.split(",") if m.strip()], knobs, per_method)
     return SimulateRun(model=model_cfg, trainer=trainer_cfg, data=data_cfg, sim=sim_cfg, specs=specs,
                        json_out=f.json_out, plot_dir=f.plot_dir, quiet=f.quiet)
 
@@ -307,7 +307,9 @@ def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> J
                                          "timeout": f.timeout})
     method_cfg = method_config(method, **knobs)
     run_id = f.run_id or peer_file.get("run_id") or "p2ptrain"
-    checkpoints = f.checkpoint_dir or f.resume
+    checkpoints = f.checkpoint_dir or peer_file.get("checkpoint_dir")
+    if f.resume and not checkpoints:
+        raise ConfigError("--resume needs --checkpoint-dir (the folder to continue from and keep writing to)")
     peer_cfg = build(PeerConfig, merged({k: v for k, v in peer_file.items() if k != "initial_peers"}, {
         "run_id": run_id, "region": f.region, "steps": total, "step_seconds": f.step_seconds,
         "join_window": f.join_window, "min_step_seconds": f.min_step_seconds, "eval_every": f.eval_every,
@@ -334,13 +336,12 @@ def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> J
         if checkpoints:
             raise ConfigError("checkpoints of staged peers (S_run > 1 or --pipeline-stages > 1) are not supported "
                               "yet: run without --checkpoint-dir/--resume (a late joiner takes θ from the swarm)")
-    if f.resume is None:  # a folder to resume from is checked by the run (it says when nothing is there)
-        output_dir("--checkpoint-dir", peer_cfg.checkpoint_dir)
+    output_dir("--checkpoint-dir", peer_cfg.checkpoint_dir)
     if init is not None:  # every peer that loads the same folder starts from the same θ
         from ..hf_run import data_for
 
         data_cfg, model_cfg = data_for(init, data_cfg), init.model_config
     return JoinRun(model=model_cfg, trainer=trainer_cfg, data=data_cfg, method=method_cfg, peer=peer_cfg,
-                   swarm=swarm_cfg, stages=stages, init=init, preset=None if init else name, resume=f.resume,
+                   swarm=swarm_cfg, stages=stages, init=init, preset=None if init else name, resume=Path(checkpoints) if f.resume and checkpoints else None,
                    json_out=f.json_out, maddrs_file=f.maddrs_file, metrics_port=f.metrics_port,
                    metrics_host=f.metrics_host, quiet=f.quiet)

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from .choices import METHODS, Aggregation, Method, Schedule
 from .options import (
     AnnounceMaddrs,
     BatchSizeOpt,
@@ -20,7 +21,6 @@ from .options import (
     DataOpt,
     DeviceOpt,
     HOpt,
-    HostMaddrs,
     InitFromOpt,
     InitialPeers,
     JsonOpt,
@@ -29,12 +29,16 @@ from .options import (
     POpt,
     PresetOpt,
     QuietOpt,
+    ResumeOpt,
     SeqLenOpt,
     SwarmKeyOpt,
     TokenizerOpt,
 )
 
-__all__ = ["JoinFlags", "SimulateFlags", "TrainFlags"]
+__all__ = ["SIM_METHODS", "JoinFlags", "SimulateFlags", "TrainFlags"]
+
+#: What ``simulate`` compares without ``--method``.
+SIM_METHODS = "single,diloco,streaming,cocodc"
 
 
 @dataclass(kw_only=True)
@@ -42,17 +46,17 @@ class TrainFlags:
     """``p2ptrain train``: one peer, local, no network."""
 
     preset_name: PresetOpt = None
-    steps: Annotated[int | None, typer.Option("--steps", "-n", help="Total inner steps.")] = None
+    steps: Annotated[int | None, typer.Option("--steps", "-n", show_default="300", help="Total inner steps.")] = None
     data: DataOpt = None
     tokenizer: TokenizerOpt = None
     init_from: InitFromOpt = None
     seq_len: SeqLenOpt = None
     checkpoint_dir: Annotated[str | None, typer.Option("--checkpoint-dir", help="Where to write checkpoints.")] = None
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --checkpoint-dir.")] = False
+    resume: ResumeOpt = False
     batch_size: BatchSizeOpt = None
     lr: LrOpt = None
-    seed: Annotated[int | None, typer.Option("--seed", help="Seed of model init and data stream.")] = None
-    eval_every: Annotated[int | None, typer.Option("--eval-every", help="Inner steps between validation evaluations.")] = None
+    seed: Annotated[int | None, typer.Option("--seed", show_default="0", help="Seed of model init and data stream.")] = None
+    eval_every: Annotated[int | None, typer.Option("--eval-every", show_default="100", help="Inner steps between validation evaluations (0: only at the end).")] = None
     device: DeviceOpt = None
     json_out: JsonOpt = None
     quiet: QuietOpt = False
@@ -62,14 +66,15 @@ class TrainFlags:
 class SimulateFlags:
     """``p2ptrain simulate``: several methods on M virtual peers with a virtual WAN clock."""
 
-    methods: Annotated[str, typer.Option("--methods", "-m", help="Comma-separated: single, ddp, diloco, streaming, eager, cocodc, dilocox.")] = "single,diloco,streaming,cocodc"
-    peers: Annotated[int | None, typer.Option("--peers", "-M", help="Virtual peers (unless --regions).")] = None
-    steps: Annotated[int | None, typer.Option("--steps", "-n", help="Inner steps per peer.")] = None
+    method: Annotated[str | None, typer.Option("--method", "-m", show_default=SIM_METHODS, help=f"The methods to compare, comma-separated: single (one peer, no sync), {', '.join(METHODS)}.")] = None
+    methods: Annotated[str | None, typer.Option("--methods", hidden=True, help="The old spelling of --method.")] = None
+    peers: Annotated[int | None, typer.Option("--peers", "-M", show_default="4", help="Virtual peers (unless --regions).")] = None
+    steps: Annotated[int | None, typer.Option("--steps", "-n", show_default="300", help="Inner steps per peer.")] = None
     preset_name: PresetOpt = None
     data: DataOpt = None
-    step_time: Annotated[str | None, typer.Option("--step-time", help="Virtual seconds per inner step, or 'measured'.")] = None
+    step_time: Annotated[str | None, typer.Option("--step-time", show_default="0.1s", help="Virtual time per inner step (e.g. 100ms), or 'measured'.")] = None
     regions: Annotated[str | None, typer.Option("--regions", help="NAME:PEERS:BANDWIDTH,... e.g. us:2:1gbit,eu:2:100mbit")] = None
-    bandwidth: Annotated[str | None, typer.Option("--bandwidth", help="Per-peer bandwidth without --regions (e.g. 1gbit).")] = None
+    bandwidth: Annotated[str | None, typer.Option("--bandwidth", show_default="1gbit", help="Per-peer bandwidth without --regions (e.g. 100mbit).")] = None
     rtt: Annotated[str | None, typer.Option("--rtt", help="Round-trip time between regions, e.g. 120ms.")] = None
     H: HOpt = None
     P: POpt = None
@@ -78,10 +83,10 @@ class SimulateFlags:
     outer_lr: Annotated[float | None, typer.Option("--outer-lr", help="Outer learning rate η for every method.")] = None
     batch_size: BatchSizeOpt = None
     lr: LrOpt = None
-    seed: Annotated[int | None, typer.Option("--seed")] = None
-    eval_every: Annotated[int | None, typer.Option("--eval-every", help="Inner steps between evaluations of θ.")] = None
+    seed: Annotated[int | None, typer.Option("--seed", show_default="0", help="Seed of model init and data streams.")] = None
+    eval_every: Annotated[int | None, typer.Option("--eval-every", show_default="25", help="Inner steps between evaluations of θ.")] = None
     target_loss: Annotated[float | None, typer.Option("--target-loss", help="Report steps/time to reach this validation loss.")] = None
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write all results as JSON here.")] = None
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write all results as JSON to this file (-: standard output, the table goes to stderr).")] = None
     plot_dir: Annotated[Path | None, typer.Option("--plot-dir", help="Write PNG plots here.")] = None
     utilization_table: Annotated[bool, typer.Option("--utilization-table", help="Only print the bandwidth each method needs for 50–99% compute utilization (paper setting), no training.")] = False
     quiet: QuietOpt = False
@@ -92,50 +97,50 @@ class JoinFlags:
     """``p2ptrain join``: a swarm peer (one process, the whole model in stage namespaces, or pipeline stages)."""
 
     initial_peers: InitialPeers = None
-    run_id: Annotated[str | None, typer.Option("--run-id", help="The run to join (peers of one run find each other by it).")] = None
+    run_id: Annotated[str | None, typer.Option("--run-id", show_default="p2ptrain", help="The run to join (peers of one run find each other by it).")] = None
     region: Annotated[str | None, typer.Option("--region", help="A label for this peer's location (shown by status).")] = None
-    method: Annotated[str | None, typer.Option("--method", "-m", help="ddp, diloco, streaming, eager, cocodc, dilocox (default: streaming).")] = None
+    method: Annotated[Method | None, typer.Option("--method", "-m", show_default="streaming", help="The outer-loop method (every peer of a run runs the same).")] = None
     preset_name: PresetOpt = None
-    steps: Annotated[int | None, typer.Option("--steps", "-n", help="Leave cleanly after this many inner steps.")] = None
-    step_seconds: Annotated[float | None, typer.Option("--step-seconds", help="Round pacing: seconds per logical step (default: the swarm's, or measured).")] = None
+    steps: Annotated[int | None, typer.Option("--steps", "-n", show_default="300", help="Leave cleanly after this many inner steps.")] = None
+    step_seconds: Annotated[float | None, typer.Option("--step-seconds", show_default="the swarm's, or measured", help="Round pacing: seconds per logical step.")] = None
     H: HOpt = None
     P: POpt = None
-    tau: Annotated[int | None, typer.Option("--tau", help="Overlap τ in logical steps.")] = None
+    tau: Annotated[int | None, typer.Option("--tau", show_default="the method's", help="Overlap τ in logical steps.")] = None
     codec: CodecOpt = None
-    timeout: Annotated[float | None, typer.Option("--round-timeout", help="Seconds a round may take.")] = None
+    timeout: Annotated[float | None, typer.Option("--round-timeout", show_default="the method's", help="Seconds a round may take.")] = None
     data: DataOpt = None
     tokenizer: TokenizerOpt = None
     init_from: InitFromOpt = None
     seq_len: SeqLenOpt = None
     batch_size: BatchSizeOpt = None
     lr: LrOpt = None
-    seed: Annotated[int | None, typer.Option("--seed", help="Model-init seed (identical on every peer).")] = None
+    seed: Annotated[int | None, typer.Option("--seed", show_default="0", help="Model-init seed (the same on every peer).")] = None
     device: DeviceOpt = None
-    host_maddrs: HostMaddrs = None
+    host_maddrs: Annotated[list[str] | None, typer.Option("--host-maddrs", show_default="/ip4/127.0.0.1/tcp/0", help="Listen address(es); /ip4/0.0.0.0/tcp/PORT to be reached from other machines.")] = None
     announce_maddrs: AnnounceMaddrs = None
     identity: Annotated[Path | None, typer.Option("--identity", help="Private key file: a stable peer id and address.")] = None
     client_mode: Annotated[bool, typer.Option("--client-mode", help="Behind NAT: dial out only, reached through relays.")] = False
     use_auto_relay: Annotated[bool, typer.Option("--use-auto-relay", help="Look for libp2p relays to become reachable.")] = False
     no_relay: Annotated[bool, typer.Option("--no-relay", help="Disable libp2p circuit relays.")] = False
     connect_attempts: Annotated[int, typer.Option("--connect-attempts", min=1, help="Tries (with backoff) when initial peers are unreachable.")] = 5
-    join_window: Annotated[float | None, typer.Option("--join-window", help="Seconds a round leader waits for peers.")] = None
+    join_window: Annotated[float | None, typer.Option("--join-window", show_default="2.0", help="Seconds a round leader waits for peers.")] = None
     min_step_seconds: Annotated[float | None, typer.Option("--min-step-seconds", help="Pad each inner step to this long (emulate a slower device).")] = None
-    eval_every: Annotated[int | None, typer.Option("--eval-every", help="Evaluate θ every this many inner steps during the run (logged in --json as val_log; 0: only at the end).")] = None
+    eval_every: Annotated[int | None, typer.Option("--eval-every", show_default="0", help="Evaluate θ every this many inner steps during the run (logged in --json as val_log; 0: only at the end).")] = None
     metrics_port: MetricsPortOpt = None
     metrics_host: Annotated[str, typer.Option("--metrics-host", help="Address of the metrics endpoint.")] = "127.0.0.1"
     swarm_key_file: SwarmKeyOpt = None
-    aggregation: Annotated[str, typer.Option("--aggregation", help="How this peer averages what it receives: mean, trimmed-mean, centered-clip.")] = "mean"
+    aggregation: Annotated[Aggregation, typer.Option("--aggregation", help="How this peer averages what it receives (the robust ones need 3 contributions).")] = "mean"
     norm_bound: Annotated[float | None, typer.Option("--norm-bound", help="Refuse updates with a norm over this many times the round's median (off by default).")] = None
     checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write checkpoints here (every --checkpoint-every rounds and on leave).")] = None
-    checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every", help="Applied rounds between checkpoints.")] = None
-    resume: Annotated[Path | None, typer.Option("--resume", help="Continue from the newest checkpoint in this folder (and keep writing there).")] = None
+    checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every", show_default="10", help="Applied rounds between checkpoints.")] = None
+    resume: ResumeOpt = False
     json_out: JsonOpt = None
     maddrs_file: Annotated[Path | None, typer.Option("--maddrs-file", help="Write this peer's multiaddrs here once listening.")] = None
     quiet: QuietOpt = False
     run_stages: Annotated[int | None, typer.Option("--run-stages", help="S_run: the run's stage groups of the model, each synced in its own namespace (every peer of the run gives the same; default: --pipeline-stages).")] = None
     pipeline_stages: Annotated[int, typer.Option("--pipeline-stages", help="S: pipeline processes of this peer (one GPU each); S must divide S_run.")] = 1
-    microbatches: Annotated[int, typer.Option("--micro-batches", help="M: micro-batches per batch in the pipeline (default S).")] = 0
-    pipeline_schedule: Annotated[str, typer.Option("--pipeline-schedule", help="1f1b or gpipe.")] = "1f1b"
+    microbatches: Annotated[int, typer.Option("--micro-batches", min=0, show_default="S", help="M: micro-batches per batch in the pipeline (0: S).")] = 0
+    pipeline_schedule: Annotated[Schedule, typer.Option("--pipeline-schedule", help="The pipeline's schedule of micro-batches.")] = "1f1b"
     pipeline_timeout: Annotated[float, typer.Option("--pipeline-timeout", help="Seconds a collective between this peer's stages may wait (a dead stage fails the others after it).")] = 600.0
     compile_blocks: Annotated[bool, typer.Option("--compile", help="Compile the transformer blocks with torch.compile (worth it on a GPU).")] = False
     untie_embeddings: Annotated[bool, typer.Option("--untie-embeddings", help="Separate input embedding and output head (needed for S_run > 1).")] = False

@@ -59,17 +59,20 @@ def _trainer(run: JoinRun) -> Trainer:
         return make_trainer(run.model, run.trainer, run.data)
 
 
-def _resume(peer: PeerBase, trainer: Trainer, folder: Path) -> int:
+def _resume(peer: PeerBase, trainer: Trainer, folder: Path) -> int | None:
     """Restore ``peer`` (and so its ``trainer``) from the newest checkpoint in ``folder``; the inner step it
-    resumes at. Exit code 2 when there is none, or it cannot be read or does not fit this peer."""
+    resumes at, or None when the folder has none yet (a first start: the peer starts afresh, so a restarting
+    container can always pass --resume). Exit code 2 when the checkpoints there cannot be read or do not fit
+    this peer."""
     from ..checkpoint import CheckpointError
     from ..peer_checkpoint import PeerCheckpoints
     from ..ui import console
 
-    with failing(CheckpointError, ValueError, KeyError, prefix=f"--resume {folder}: "):
+    with failing(CheckpointError, ValueError, KeyError, prefix=f"--resume from {folder}: "):
         found = PeerCheckpoints(folder).latest()
         if found is None:
-            raise fail(f"--resume {folder}: no checkpoint there")
+            console.print(f"no checkpoint in {folder} yet: starting afresh", highlight=False)
+            return None
         PeerCheckpoints.restore(peer, found[1])
     step = trainer.step_count
     console.print(f"resuming from {found[0].name} (inner step {step})", highlight=False)

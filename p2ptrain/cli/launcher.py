@@ -38,7 +38,7 @@ def offset_port(maddr: str, k: int) -> str:
 
 def per_rank(path: Path | None, rank: int, world: int) -> Path | None:
     """A stage process's own output file: ``name.rankR.ext`` (unchanged for one process)."""
-    if path is None or world == 1:
+    if path is None or world == 1 or str(path) == "-":  # standard output is every stage's
         return path
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 

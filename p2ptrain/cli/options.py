@@ -20,10 +20,10 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from ..metrics import DEFAULT_METRICS_PORT
-from .choices import PRESETS, LogLevel
+from .choices import Codec, LogLevel, Preset
 
 __all__ = ["AnnounceMaddrs", "BatchSizeOpt", "CodecOpt", "ConfigOpt", "DataOpt", "DeviceOpt", "HOpt", "HostMaddrs", "InitFromOpt",
-           "InitialPeers", "JsonOpt", "LogOpt", "LrOpt", "MetricsPortOpt", "POpt", "PresetOpt", "QuietOpt", "SeqLenOpt",
+           "InitialPeers", "JsonOpt", "LogOpt", "LrOpt", "MetricsPortOpt", "POpt", "PresetOpt", "QuietOpt", "ResumeOpt", "SeqLenOpt",
            "SwarmKeyOpt", "TokenizerOpt", "env_var", "fail", "failing", "flags_command", "with_env", "with_env_vars"]
 
 #: Every option ``--some-name`` is also read from ``P2PTRAIN_SOME_NAME``.
@@ -33,7 +33,7 @@ F = TypeVar("F")
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML recipe; flags and P2PTRAIN_* variables override it.")]
 LogOpt = Annotated[LogLevel | None, typer.Option("--log-level", case_sensitive=False, help="How much to log on stderr.")]
-PresetOpt = Annotated[str | None, typer.Option("--preset", "-p", help=f"Model preset: {', '.join(PRESETS)}.")]
+PresetOpt = Annotated[Preset | None, typer.Option("--preset", "-p", show_default="tiny", help="Model preset (its architecture).")]
 TokenizerOpt = Annotated[str | None, typer.Option("--tokenizer", help="A local tokenizer.json (or its folder) for text/.jsonl/.parquet data; default: bytes, or the --init-from folder's.")]
 InitFromOpt = Annotated[str | None, typer.Option("--init-from", help="Start from a local Llama checkpoint folder (config.json + safetensors); sets the architecture.")]
 SeqLenOpt = Annotated[int | None, typer.Option("--seq-len", help="Context length in tokens (caps an --init-from checkpoint's max_position_embeddings).")]
@@ -41,14 +41,15 @@ InitialPeers = Annotated[list[str] | None, typer.Option("--initial-peers", "-i",
 HostMaddrs = Annotated[list[str] | None, typer.Option("--host-maddrs", help="Listen address(es), e.g. /ip4/0.0.0.0/tcp/31337.")]
 AnnounceMaddrs = Annotated[list[str] | None, typer.Option("--announce-maddrs", help="Address(es) others should dial (public IP, explicit port).")]
 SwarmKeyOpt = Annotated[Path | None, typer.Option("--swarm-key", help="A private swarm's shared key file (see `p2ptrain keygen`): only peers holding it are accepted.")]
-DataOpt = Annotated[str | None, typer.Option("--data", help="Text file, folder, .jsonl/.parquet, or uint16 .bin tokens (default: built-in corpus).")]
-BatchSizeOpt = Annotated[int | None, typer.Option("--batch-size", help="Sequences per micro-batch.")]
-LrOpt = Annotated[float | None, typer.Option("--lr", help="Peak inner learning rate.")]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")]
-HOpt = Annotated[int | None, typer.Option("--H", help="Inner steps per round.")]
-POpt = Annotated[int | None, typer.Option("--P", help="Fragments (streaming, cocodc).")]
-CodecOpt = Annotated[str | None, typer.Option("--codec", help="Wire codec: fp32, fp16, bf16, uint8, fp8, e3m0.")]
-JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the summary as JSON here.")]
+DataOpt = Annotated[str | None, typer.Option("--data", show_default="the built-in corpus", help="Text file, folder, .jsonl/.parquet, or uint16 .bin tokens.")]
+BatchSizeOpt = Annotated[int | None, typer.Option("--batch-size", show_default="16", help="Sequences per inner step.")]
+LrOpt = Annotated[float | None, typer.Option("--lr", show_default="0.002", help="Peak inner learning rate (AdamW; warm-up, then cosine).")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", show_default="auto", help="Where the model trains: auto (cuda when present, else cpu), cpu, cuda, cuda:N.")]
+HOpt = Annotated[int | None, typer.Option("--H", show_default="the method's", help="H: inner steps per round.")]
+POpt = Annotated[int | None, typer.Option("--P", show_default="the method's", help="P: fragments synced in turn (streaming, cocodc).")]
+CodecOpt = Annotated[Codec | None, typer.Option("--codec", show_default="the method's", help="Wire codec of the all-reduce.")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the summary as JSON to this file (-: standard output, the table goes to stderr).")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --checkpoint-dir (start afresh when it has none).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or live status line.")]
 MetricsPortOpt = Annotated[int | None, typer.Option("--metrics-port", min=-1, max=65535, help=f"Serve Prometheus metrics here (0: any free port, -1: off; default {DEFAULT_METRICS_PORT}, or the next free one when several peers share a machine).")]
 

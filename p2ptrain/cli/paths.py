@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..settings import ConfigError
 
-__all__ = ["STDOUT", "input_path", "output_dir", "output_file"]
+__all__ = ["STDOUT", "input_path", "output_dir", "output_file", "write_json"]
 
 #: ``--json -`` writes to standard output.
 STDOUT = Path("-")
@@ -44,3 +44,11 @@ def output_dir(flag: str, path: str | Path | None) -> None:
         raise ConfigError(f"{flag} {p}: {nearest} is a file, not a folder")
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {p}: {nearest} is not writable")
+
+
+def write_json(path: Path, text: str) -> None:
+    """Write ``text`` (JSON) to file ``path``, or to standard output for ``-``."""
+    if path == STDOUT:
+        print(text, flush=True)
+    else:
+        path.write_text(text)

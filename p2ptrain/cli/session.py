@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..metrics import DEFAULT_METRICS_PORT, PeerMetrics
 from .options import fail
+from .paths import STDOUT, write_json
 
 if TYPE_CHECKING:
     from ..peer import PeerBase
@@ -162,9 +163,10 @@ def visible_maddrs(peers: Sequence[PeerBase], path: Path | None) -> list[str]:
 
 def report(title: str, rows: Sequence[Sequence[Any]], path: Path | None,
            record: Callable[[], dict[str, Any]]) -> None:
-    """Print the run's summary ``rows`` as a table on stdout; with a ``path``, write ``record()`` there as JSON."""
-    from ..ui import out, table
+    """Print the run's summary ``rows`` as a table on stdout; with a ``path``, write ``record()`` there as JSON
+    (``-``: on stdout, and the table on stderr, so that stdout is the JSON alone)."""
+    from ..ui import console, out, table
 
-    out.print(table(title, ["", "value"], rows))
+    (console if path == STDOUT else out).print(table(title, ["", "value"], rows))
     if path is not None:
-        path.write_text(json.dumps(record(), indent=2))
+        write_json(path, json.dumps(record(), indent=2))

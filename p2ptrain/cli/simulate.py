@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from .app import app
 from .flags import SimulateFlags
 from .options import fail, failing, flags_command
+from .paths import STDOUT
 
 if TYPE_CHECKING:  # the run's modules import torch: only the command body imports them (a fast --help)
     from .config import SimulateRun
@@ -32,7 +34,7 @@ def run_simulation(run: SimulateRun) -> None:
     """Run every method with a progress bar, print the results table, and write the JSON and plots asked
     for. A corpus that cannot be read fails with exit code 2; Ctrl-C with 130."""
     from ..data import load_corpus
-    from ..sim.report import COLUMNS, plot_runs, plot_utilization, summary_rows, write_json
+    from ..sim.report import COLUMNS, plot_runs, plot_utilization, results_json, summary_rows, write_json
     from ..sim.runner import Simulator, replay_utilization
     from ..ui import console, out, progress_bar, table
 
@@ -54,11 +56,14 @@ def run_simulation(run: SimulateRun) -> None:
     except KeyboardInterrupt:
         raise fail("interrupted", 130) from None
     target = sim.target_loss
-    out.print(table(f"p2ptrain simulate: {sim.num_peers} peers, {sim.steps} steps", COLUMNS,
-                    summary_rows(results, target)))
+    (console if run.json_out == STDOUT else out).print(  # stdout is the JSON alone with --json -
+        table(f"p2ptrain simulate: {sim.num_peers} peers, {sim.steps} steps", COLUMNS, summary_rows(results, target)))
     if run.json_out:
-        write_json(run.json_out, results, target, {"sim": vars(sim), "model": run.model.to_dict(),
-                                                   "trainer": repr(run.trainer), "data": repr(run.data)})
+        meta = {"sim": vars(sim), "model": run.model.to_dict(), "trainer": repr(run.trainer), "data": repr(run.data)}
+        if run.json_out == STDOUT:
+            print(json.dumps(results_json(results, target, meta), indent=2), flush=True)
+        else:
+            write_json(run.json_out, results, target, meta)
     if run.plot_dir:
         plot_runs(results, run.plot_dir, target)
         step_time = sim.step_time or 0.1

@@ -13,7 +13,7 @@ from .. import __version__
 from .app import app
 from .netargs import check_identity, host_maddrs, initial_peers
 from .options import AnnounceMaddrs, HostMaddrs, InitialPeers, LogOpt, SwarmKeyOpt, fail, failing, with_env_vars
-from .paths import output_file
+from .paths import output_file, write_json
 
 __all__ = ["bootstrap", "keygen", "status"]
 
@@ -73,7 +73,7 @@ def bootstrap(
 def status(
     initial: InitialPeers = None,
     run_id: Annotated[str, typer.Option("--run-id", help="The run to show.")] = "p2ptrain",
-    json_mode: Annotated[bool, typer.Option("--json", help="Print the peers as JSON once and exit.")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the peers as JSON to this file (-: standard output) once and exit.")] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh the table until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes.")] = 2.0,
     swarm_key_file: SwarmKeyOpt = None,
@@ -91,6 +91,7 @@ def status(
     setup_logging(log_level)
     with failing():
         targets = initial_peers(initial)
+        output_file("--json", json_out)
         key = SwarmKey.load(swarm_key_file) if swarm_key_file else None
     if not targets:
         raise fail("status needs --initial-peers of a live peer or bootstrap node")
@@ -106,13 +107,14 @@ def status(
     async def main() -> None:
         async with await HivemindTransport.create(cfg) as t:
             peers = [p for p in await t.peers() if p.peer_id != t.peer_id]
-            if json_mode:
-                print(json.dumps([{"peer_id": p.peer_id, "region": p.region, "method": p.method, "step": p.step,
-                                   "logical_step": p.logical_step, "loss": p.loss,
-                                   "tokens_per_second": p.tokens_per_second,
-                                   "bandwidth_bytes_per_second": p.bandwidth, "maddrs": p.maddrs,
-                                   "expires": p.expires, "last_seen_seconds": p.last_seen}
-                                  for p in peers], indent=2))
+            if json_out is not None:
+                text = json.dumps([{"peer_id": p.peer_id, "region": p.region, "method": p.method, "step": p.step,
+                                    "logical_step": p.logical_step, "loss": p.loss,
+                                    "tokens_per_second": p.tokens_per_second,
+                                    "bandwidth_bytes_per_second": p.bandwidth, "maddrs": p.maddrs,
+                                    "expires": p.expires, "last_seen_seconds": p.last_seen}
+                                   for p in peers], indent=2)
+                write_json(json_out, text)
                 return
             if not watch:
                 out.print(table(f"run {run_id}: {len(peers)} peers", cols, rows(peers)))

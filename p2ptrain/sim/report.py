@@ -30,11 +30,15 @@ def summary_rows(results: Sequence[RunResult], target: float | None) -> list[lis
     return rows
 
 
+def results_json(results: Sequence[RunResult], target: float | None, meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` and every run's results, as JSON values."""
+    return json.loads(json.dumps({**meta, "runs": [r.to_dict(target) for r in results]}, default=_jsonable))
+
+
 def write_json(path: str | Path, results: Sequence[RunResult], target: float | None,
                meta: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({**meta, "runs": [r.to_dict(target) for r in results]}, indent=2,
-                                     default=_jsonable))
+    Path(path).write_text(json.dumps(results_json(results, target, meta), indent=2))
 
 
 def _jsonable(v: Any) -> Any:

@@ -12,6 +12,8 @@ import typer
 
 import p2ptrain
 from p2ptrain.cli import app
+from p2ptrain.cli.app import old_spellings
+from p2ptrain.cli.config import steps_of
 from p2ptrain.cli.flags import JoinFlags, SimulateFlags, TrainFlags
 
 PACKAGE = Path(p2ptrain.__file__).parent
@@ -79,3 +81,44 @@ def test_help_imports_nothing_heavy() -> None:
     r = subprocess.run([sys.executable, "-c", script, *argvs], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "", f"--help imported {r.stdout.strip()}"
+
+
+def test_old_spellings_are_rewritten_to_today_s() -> None:
+    assert old_spellings(["join", "--resume", "ck", "-q"]) == ["join", "--checkpoint-dir", "ck", "--resume", "-q"]
+    assert old_spellings(["join", "--resume=ck"]) == ["join", "--checkpoint-dir", "ck", "--resume"]
+    assert old_spellings(["join", "--checkpoint-dir", "ck", "--resume", "-q"]) == [
+        "join", "--checkpoint-dir", "ck", "--resume", "-q"]  # today's spelling: as it is
+    assert old_spellings(["status", "--json"]) == ["status", "--json", "-"]
+    assert old_spellings(["status", "--json", "--run-id", "r"]) == ["status", "--json", "-", "--run-id", "r"]
+    assert old_spellings(["status", "--json", "peers.json"]) == ["status", "--json", "peers.json"]
+    assert old_spellings(["train", "--resume", "-q"]) == ["train", "--resume", "-q"]
+    assert old_spellings([]) == []
+
+
+def test_defaults_shown_in_help_are_the_configs() -> None:
+    """``--help`` shows the defaults of options left None (the recipe may set them): they are the configs'."""
+    from p2ptrain.net.swarm import SwarmConfig
+    from p2ptrain.peer import PeerConfig
+    from p2ptrain.sim.runner import SimConfig
+    from p2ptrain.single import TrainJob
+    from p2ptrain.trainer import TrainerConfig
+
+    commands = {c.name: c for c in typer.main.get_command(app).commands.values()}  # type: ignore[attr-defined]
+    shown = {(name, p.name): p.show_default for name, c in commands.items() for p in c.params}
+    trainer = TrainerConfig()
+    for command in ("train", "join", "simulate"):
+        assert shown[command, "batch_size"] == str(trainer.batch_size)
+        assert shown[command, "lr"] == str(trainer.lr)
+        assert shown[command, "seed"] == str(trainer.seed)
+        assert shown[command, "steps"] == str(steps_of(None)) == str(PeerConfig().steps) == str(SimConfig().steps)
+        assert shown[command, "preset_name"] == "tiny"
+    assert shown["train", "device"] == shown["join", "device"] == trainer.device
+    assert shown["train", "eval_every"] == str(TrainJob.__dataclass_fields__["eval_every"].default)
+    peer = PeerConfig()
+    assert shown["join", "run_id"] == peer.run_id and shown["join", "join_window"] == str(peer.join_window)
+    assert shown["join", "checkpoint_every"] == str(peer.checkpoint_every)
+    assert shown["join", "eval_every"] == str(peer.eval_every)
+    assert shown["join", "host_maddrs"] == SwarmConfig().host_maddrs[0]
+    sim = SimConfig()
+    assert shown["simulate", "peers"] == str(sim.peers) and shown["simulate", "eval_every"] == str(sim.eval_every)
+    assert shown["simulate", "bandwidth"] == sim.bandwidth and shown["simulate", "step_time"] == f"{sim.step_time}s"

@@ -96,7 +96,10 @@ def test_join_flags_override_the_file() -> None:
     assert run.method.name == "diloco" and run.method.H == 4
     assert run.peer.run_id == "other" == run.swarm.run_id and run.peer.steps == 2 and run.peer.region == "eu"
     assert run.swarm.initial_peers == [PEER2] and run.peer.checkpoint_dir == "ck"
-    assert join_config({}, {"resume": Path("old")}).peer.checkpoint_dir == "old"  # resume keeps writing there
+    resumed = join_config({}, {"resume": True, "checkpoint_dir": Path("old")})
+    assert resumed.peer.checkpoint_dir == "old" and resumed.resume == Path("old")  # resume keeps writing there
+    assert join_config({"peer": {"checkpoint_dir": "rec"}}, {"resume": True}).resume == Path("rec")
+    assert join_config({}, {"checkpoint_dir": Path("new")}).resume is None
     assert join_config({}, {}).method.name == "streaming"
 
 
@@ -105,6 +108,7 @@ def test_join_flags_override_the_file() -> None:
     ({"aggregation": "median-of-means"}, "unknown aggregation 'median-of-means'"),
     ({"norm_bound": 0.5}, "norm_bound must be above 1"),
     ({"method": "adam"}, "adam"),
+    ({"resume": True}, "--resume needs --checkpoint-dir"),
     ({"swarm_key_file": Path("/nonexistent/p2ptrain.key")}, "swarm key /nonexistent/p2ptrain.key: cannot read it"),
     ({"run_stages": 0}, "--run-stages and --pipeline-stages must be at least 1"),
     ({"pipeline_stages": 2}, "set [model] tie_embeddings = false"),
