@@ -195,7 +195,7 @@ class ButterflyRun:
                 msg["trailer"] = True
 
                 def trailer() -> dict[str, Any]:
-                    return audit.sign(j, pieces, hi - lo, self.chunk)
+                    return audit.sign(j, pieces, hi - lo, self.chunk, values=mine if codec.name == "fp32" else None)
 
             reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout,
                                              chunks=source, trailer=trailer)
@@ -206,7 +206,8 @@ class ButterflyRun:
                 data, mine = corrupt_payload(codec, mine, corrupt)
             msg |= {"numel": mine.numel(), "data": data}
             if audit is not None:
-                msg |= audit.sign(j, [data], mine.numel(), None)
+                lossless = corrupt is None and codec.name == "fp32"
+                msg |= audit.sign(j, [data], mine.numel(), None, values=mine if lossless else None)
             size = len(data)
             reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout)
         if "error" in reply:
@@ -245,7 +246,7 @@ class ButterflyRun:
                 (await asyncio.to_thread(self.codec.encode, lie_about(avg, self.faults.lie)), None)
             self.lie = {**own, "data": data}
             if self.audit is not None:  # signed like the truth: a liar does not give itself away
-                self.lie["osig"] = self.audit.sign_result(self.lie, data)
+                self.lie["osig"] = self.audit.sign_result(self.lie, [data])
             if self.faults.forge and self.faults.lie != "nan":  # the share that makes the lie add up
                 told = await asyncio.to_thread(self.codec.decode, data, hi - lo)
                 self.forged = self.flat[lo:hi] + (total / self.weight) * (told - avg)
@@ -258,7 +259,7 @@ class ButterflyRun:
                 # Every member, this one included, uses the decoded payload: lossy codecs agree everywhere.
                 mine = {**own, "_tensor": stream.decoded, "_pieces": stream.payloads}
                 if self.audit is not None:
-                    mine["osig"] = self.audit.sign_result(own, b"".join(stream.payloads))
+                    mine["osig"] = self.audit.sign_result(own, stream.payloads)
                 self.box.results[self.me] = mine
                 self.box.poke()
 
@@ -266,7 +267,7 @@ class ButterflyRun:
         else:
             own["data"] = await asyncio.to_thread(self.codec.encode, avg)
             if self.audit is not None:
-                own["osig"] = self.audit.sign_result(own, own["data"])
+                own["osig"] = self.audit.sign_result(own, [own["data"]])
             # (A forging liar holds its lie, so that its claims are made under the lie's seed.)
             self.box.results[self.me] = own if self.forged is None else dict(self.lie or own)
 
@@ -285,7 +286,7 @@ class ButterflyRun:
             msg = {**msg, "trailer": True}
 
             def trailer() -> dict[str, Any]:
-                return {"osig": audit.sign_result(self.own or {}, b"".join(stream.payloads))}
+                return {"osig": audit.sign_result(self.own or {}, stream.payloads)}
 
         try:
             reply, seconds = await self.call(self.members[j], "result", msg,

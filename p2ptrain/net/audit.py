@@ -9,7 +9,6 @@ and says per part whether to use the result, replace it with its own recomputati
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import random
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..collective.codecs import Codec, get_codec
+from ..collective.codecs import Codec
 from .chunks import decode_chunked
 from .claims import (
     RAW,
@@ -29,8 +28,11 @@ from .claims import (
     Fetched,
     entry_for,
     fetch_evidence,
+    payload_sha,
+    raw_sha,
     result_commitment,
     result_digest,
+    result_pieces,
     sign_contribution,
     sketch_bytes,
 )
@@ -43,9 +45,6 @@ from .verify import Judge, Verdict
 __all__ = ["Audit", "AuditStats"]
 
 log = logging.getLogger(__name__)
-
-_RAW = get_codec("fp32")  # an owner's own share is kept as its float32 values
-
 
 @dataclass
 class AuditStats:
@@ -66,6 +65,7 @@ class _Sent:
     pieces: list[bytes]
     commit: bytes
     chunk: int | None
+    values: torch.Tensor | None = None  # what the pieces decode to, if known without decoding
 
 
 class Audit:
@@ -90,6 +90,7 @@ class Audit:
         self.sent: dict[int, _Sent] = {}
         # Parts we proved wrong and recomputed: the digest of what we held, and its owner's signature on it.
         self.replaced: dict[int, tuple[bytes, Any]] = {}
+        self._digests: dict[int, tuple[Any, bytes]] = {}  # part -> (the result object, its digest)
         self.own_commit = b""
         self.stats = AuditStats()
         self.audit_p = min(1.0, max(0.0, audit_rate) / max(1, len(self.members) - 1))
@@ -97,25 +98,27 @@ class Audit:
 
     # ------------------------------------------------------------------ signing what leaves
     def sign_own(self, own: torch.Tensor) -> bytes:
-        """Keep our own share of our part as signed evidence; the hash of its commitment, to announce."""
-        raw = _RAW.encode(own)
+        """Keep our own share of our part as signed evidence (the tensor itself: its bytes are made only if it is
+        shown); the hash of its commitment, to announce."""
+        sha = raw_sha(own)
         sig, self.own_commit = sign_contribution(self.identity, self.run, self.key, self.phase, self.me, self.weight,
-                                                 own.numel(), RAW, None, hashlib.sha256(raw).digest())
-        self.box.evidence[self.me_id] = Evidence(raw, self.weight, own.numel(), RAW, None, sig, self.identity.public)
+                                                 own.numel(), RAW, None, sha)
+        self.box.evidence[self.me_id] = Evidence((), self.weight, own.numel(), RAW, None, sig, self.identity.public,
+                                                 sha=sha, raw=own)
         return self.own_commit
 
-    def sign(self, part: int, pieces: list[bytes], numel: int, chunk: int | None) -> dict[str, bytes]:
-        """Sign our contribution to ``part`` (its payload ``pieces``, all of them written): the fields that carry
-        the signature."""
-        sha = hashlib.sha256(b"".join(pieces)).digest()
+    def sign(self, part: int, pieces: list[bytes], numel: int, chunk: int | None,
+             values: torch.Tensor | None = None) -> dict[str, bytes]:
+        """Sign our contribution to ``part`` (its payload ``pieces``, all of them written; ``values``: what they
+        decode to, when known without decoding: a lossless codec): the fields that carry the signature."""
         sig, commit = sign_contribution(self.identity, self.run, self.key, self.phase, part, self.weight, numel,
-                                        self.codec.name, chunk, sha)
-        self.sent[part] = _Sent(pieces, commit, chunk)
+                                        self.codec.name, chunk, payload_sha(pieces))
+        self.sent[part] = _Sent(pieces, commit, chunk, values)
         return {"sig": sig, "pk": self.identity.public}
 
-    def sign_result(self, res: dict[str, Any], payload: bytes) -> bytes:
-        """Our signature over our part's result (its header and ``payload``)."""
-        return self.identity.sign(result_commitment(self.run, self.key, self.phase, self.me, result_digest(res, payload)))
+    def sign_result(self, res: dict[str, Any], pieces: list[bytes]) -> bytes:
+        """Our signature over our part's result (its header and payload ``pieces``)."""
+        return self.identity.sign(result_commitment(self.run, self.key, self.phase, self.me, result_digest(res, pieces)))
 
     def _signed(self, j: int, digest: bytes, osig: Any) -> bool:
         """Whether ``osig`` is part ``j``'s owner's signature over a result of digest ``digest``."""
@@ -124,23 +127,26 @@ class Audit:
 
     # ------------------------------------------------------------------ our claims
     def _result(self, part: int) -> tuple[bytes, torch.Tensor] | None:
-        """(digest, decoded values) of the result of ``part`` we hold, if it can be used."""
+        """(digest, decoded values) of the result of ``part`` we hold, if it can be used (decoded once: the
+        values are kept in the result for the assembly)."""
         res = self.box.results.get(part)
         if res is None:
             return None
         a, b = self.bounds[part]
         if result_problem(res, part, b - a, self.codec, self.members, self.me_id) is not None:
             return None
-        payload = b"".join(res["_pieces"]) if res.get("_pieces") is not None else res.get("data", b"")
         values = res.get("_tensor")
         if values is None:
+            pieces = result_pieces(res)
             try:
-                values = decode_chunked(self.codec, payload, b - a, res.get("chunk"))
+                values = decode_chunked(self.codec, pieces[0] if len(pieces) == 1 else b"".join(pieces), b - a,
+                                        res.get("chunk"))
             except ValueError:
                 return None
+            res["_tensor"] = values
         if not bool(torch.isfinite(values).all()):
             return None
-        return result_digest(res, payload), values
+        return self._digest(part), values
 
     def entries(self, own: torch.Tensor) -> list[Entry]:
         """Our claims about each part we contributed to (our own share of our part is ``own``)."""
@@ -153,7 +159,8 @@ class Audit:
                 a, b = self.bounds[j]
                 s = self.sent[j]
                 try:
-                    values = decode_chunked(self.codec, b"".join(s.pieces), b - a, s.chunk)
+                    values = s.values if s.values is not None else \
+                        decode_chunked(self.codec, b"".join(s.pieces), b - a, s.chunk)
                 except ValueError:
                     continue  # what we sent does not decode (a corrupt update of our own, tests): no claim
                 commit = s.commit
@@ -284,8 +291,7 @@ class Audit:
         if problem is not None and not problem[1]:
             return Verdict("use")  # honest views of the round that differ: the assembly leaves it out
         held = self._result(j)
-        payload = b"".join(res["_pieces"]) if res.get("_pieces") is not None else res.get("data") or b""
-        digest = result_digest(res, payload)
+        digest = self._digest(j)
         if held is None:
             return await judge.settle(j, owner, res, digest, None, fetch, "a malformed or non-finite result", direct)
         if not self._signed(j, digest, res.get("osig")):
@@ -319,9 +325,14 @@ class Audit:
         return await judge.settle(j, owner, res, digest, values, fetch, why, direct)
 
     def _digest(self, j: int) -> bytes:
+        """The digest of the result of part ``j`` we hold (hashed once per result object)."""
         res = self.box.results.get(j, {})
-        payload = b"".join(res["_pieces"]) if res.get("_pieces") is not None else res.get("data") or b""
-        return result_digest(res, payload)
+        cached = self._digests.get(j)
+        if cached is not None and cached[0] is res:
+            return cached[1]
+        digest = result_digest(res, result_pieces(res))
+        self._digests[j] = (res, digest)
+        return digest
 
     async def _settle_part(self, judge: Judge, j: int, until: float, why: str) -> Verdict:
         """A dispute over part ``j`` begun for ``why``: the owner's evidence decides (see Judge.settle)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +26,40 @@ from .identity import Identity, verify_signature
 from .transport import RoundFailed
 from .wire import SCHEMA_ERRORS, encode_message
 
-__all__ = ["RAW", "Entry", "Evidence", "Fetched", "commitment", "entry_for", "fetch_evidence", "parse_checks",
-           "payload_sha", "result_commitment", "result_digest", "sign_contribution", "sketch_bytes"]
+__all__ = [
+    "RAW",
+    "Entry",
+    "Evidence",
+    "Fetched",
+    "commitment",
+    "entry_for",
+    "fetch_evidence",
+    "parse_checks",
+    "payload_sha",
+    "raw_bytes",
+    "raw_sha",
+    "result_commitment",
+    "result_digest",
+    "result_pieces",
+    "sign_contribution",
+    "sketch_bytes",
+]
 
 #: The codec name of an owner's own share of its part: float32 values as they are (never encoded).
 RAW = "raw"
 _SKETCH_BYTES = 8 * BUCKETS
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A raw share's payload: its float32 values, little-endian (the fp32 codec's layout)."""
+    return get_codec("fp32").encode(t)
+
+
+def raw_sha(t: torch.Tensor) -> bytes:
+    """SHA-256 of :func:`raw_bytes` of ``t``, without copying ``t`` on a little-endian host."""
+    if sys.byteorder != "little":
+        return hashlib.sha256(raw_bytes(t)).digest()
+    return hashlib.sha256(t.detach().float().contiguous().cpu().numpy().data).digest()
 
 
 def payload_sha(pieces: Sequence[bytes]) -> bytes:
@@ -55,12 +84,22 @@ def result_commitment(run: str, key: str, phase: int, part: int, digest: bytes) 
                            "d": digest})
 
 
-def result_digest(res: Mapping[str, Any], payload: bytes) -> bytes:
-    """What a member's sketches of one part are bound to: the owner's result, header and payload."""
+def result_pieces(res: Mapping[str, Any]) -> list[bytes]:
+    """A stored result's payload: its chunks' payloads (streamed), or its one payload."""
+    pieces = res.get("_pieces")
+    if pieces is not None:
+        return list(pieces)
+    data = res.get("data")
+    return [data] if isinstance(data, bytes) else []
+
+
+def result_digest(res: Mapping[str, Any], pieces: Sequence[bytes]) -> bytes:
+    """What a member's sketches of one part are bound to: the owner's result, header and payload (``pieces``,
+    hashed in place: never joined)."""
     header = [res.get("key"), res.get("phase"), res.get("part"), res.get("numel"), res.get("codec"),
               res.get("chunk"), sorted(str(p) for p in res.get("contributors") or []), res.get("total"),
               res.get("tau", 0.0)]
-    return hashlib.sha256(encode_message({"h": header}) + hashlib.sha256(payload).digest()).digest()
+    return hashlib.sha256(encode_message({"h": header}) + payload_sha(pieces)).digest()
 
 
 def sketch_bytes(t: torch.Tensor) -> bytes:
@@ -74,25 +113,42 @@ def _f64(data: bytes) -> torch.Tensor:
 
 @dataclass
 class Evidence:
-    """A member's signed contribution to a part, as the part's owner keeps it to show to whoever asks."""
+    """A member's signed contribution to a part, as the part's owner keeps it to show to whoever asks.
 
-    data: bytes  # the payload (a streamed one's chunk payloads joined)
+    ``pieces``: the payload as it came (a streamed one's chunk payloads; never joined until shown), or
+    ``raw``: an owner's own share, kept as the float32 tensor it is (its bytes are made only when shown);
+    ``sha``: the payload's SHA-256 (computed once; from the bytes themselves for evidence from the wire)."""
+
+    pieces: tuple[bytes, ...]
     weight: float
     numel: int
     codec: str  # a codec's name, or RAW
     chunk: int | None
     sig: bytes
     pk: bytes = b""  # an RSA signer's public key (an Ed25519 id holds its own)
+    sha: bytes = b""
+    raw: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not self.sha:
+            self.sha = payload_sha(self.pieces)
+
+    @property
+    def data(self) -> bytes:
+        if self.raw is not None:
+            return raw_bytes(self.raw)
+        return self.pieces[0] if len(self.pieces) == 1 else b"".join(self.pieces)
 
     def commit(self, run: str, key: str, phase: int, part: int) -> bytes:
-        return commitment(run, key, phase, part, self.weight, self.numel, self.codec, self.chunk,
-                          hashlib.sha256(self.data).digest())
+        return commitment(run, key, phase, part, self.weight, self.numel, self.codec, self.chunk, self.sha)
 
     def signed_by(self, peer: str, run: str, key: str, phase: int, part: int) -> bool:
         return verify_signature(peer, self.commit(run, key, phase, part), self.sig, self.pk)
 
     def values(self) -> torch.Tensor:
         """The contribution as its owner used it (ValueError if it does not decode)."""
+        if self.raw is not None:
+            return self.raw
         if self.codec == RAW:
             if len(self.data) != 4 * self.numel:
                 raise ValueError(f"raw share of {len(self.data)} bytes for {self.numel} values")
@@ -113,7 +169,7 @@ class Evidence:
             raise TypeError("evidence fields must be bytes")
         if chunk is not None and not isinstance(chunk, int):
             raise TypeError("chunk must be an integer")
-        return cls(data, float(m["w"]), int(m["numel"]), str(m["codec"]), chunk, sig, pk)
+        return cls((data,), float(m["w"]), int(m["numel"]), str(m["codec"]), chunk, sig, pk)
 
 
 @dataclass

@@ -141,7 +141,8 @@ class Mailboxes:
             if not (isinstance(sig, bytes) and isinstance(pk, bytes) and verify_signature(sender, c, sig, pk)):
                 self.guard.strike(sender, "part without a valid signature of its sender")
                 return {"error": "part without a valid signature"}
-            box.evidence[sender] = Evidence(b"".join(pieces), float(msg["weight"]), numel, codec.name, chunk, sig, pk)
+            box.evidence[sender] = Evidence(tuple(pieces), float(msg["weight"]), numel, codec.name, chunk, sig, pk,
+                                            sha=sha)
             if isinstance(own, bytes) and len(own) == 32:
                 box.own_commits.setdefault(sender, own)
         box.contribs[sender] = (part, x, float(msg["weight"]), None if fp is None else [float(v) for v in fp])
