@@ -129,10 +129,9 @@ def main() -> None:
 
 def _plot(curves: dict[str, list[tuple[float, int, float]]], events: list[tuple[float, str, int]], path: Path,
           method: str) -> None:
-    import matplotlib
+    from p2ptrain.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(9, 5))
     for name, pts in curves.items():

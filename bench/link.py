@@ -229,10 +229,9 @@ def run_case(tb: Testbed, system: str, k: int, size: float, repeats: int, rate: 
 
 
 def _plot(cases: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from p2ptrain.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for system, style in (("p2ptrain", "-o"), ("hivemind", "--s")):

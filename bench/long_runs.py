@@ -247,10 +247,9 @@ def report(record: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
 
 def plot(record: dict[str, Any], png: Path) -> None:
     """Validation loss of θ against the inner step, the mean over seeds of each run (the tail, where they part)."""
-    import matplotlib
+    from p2ptrain.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     by: dict[str, list[list[list[float]]]] = {}
     for r in record["runs"].values():

@@ -147,10 +147,9 @@ def main() -> None:
 
 
 def _plot(sims: list[dict[str, Any]], reals: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from p2ptrain.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4))
     if sims:

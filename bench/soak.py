@@ -112,10 +112,9 @@ def main() -> None:
 
 
 def _plot(samples: list[list[float]], path: Path, args: argparse.Namespace) -> None:
-    import matplotlib
+    from p2ptrain.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for i in range(len(samples[0]) - 1):

@@ -147,10 +147,9 @@ def main() -> None:
 
 
 def _plot(report: dict[str, dict[str, Any]], path: Path, a: argparse.Namespace) -> None:
-    import matplotlib
+    from p2ptrain.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [m for m, s in report.items() if s.get("peers")]
     if not names:

@@ -208,10 +208,9 @@ def main() -> None:
 
 
 def _plot(report: dict[str, dict[str, Any]], target: float, path: Path) -> None:
-    import matplotlib
+    from p2ptrain.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

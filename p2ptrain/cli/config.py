@@ -245,6 +245,11 @@ def simulate_config(file: dict[str, Any], flags: SimulateFlags | Mapping[str, An
     _check_data(data_cfg, f.data, None)
     output_file("--json", f.json_out)
     output_dir("--plot-dir", f.plot_dir)
+    if f.plot_dir is not None:
+        from ..plot import PLOT_EXTRA, available
+
+        if not available():
+            raise ConfigError(f"--plot-dir needs matplotlib, an optional extra: {PLOT_EXTRA}")
     step_time = str(f.step_time if f.step_time is not None else sim_file.get("step_time", 0.1))
     sim_cfg = build(SimConfig, merged({k: v for k, v in sim_file.items() if k != "step_time"}, {
         "peers": f.peers, "steps": total, "regions": f.regions, "bandwidth": f.bandwidth,

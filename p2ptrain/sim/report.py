@@ -50,10 +50,9 @@ def _jsonable(v: Any) -> Any:
 def plot_runs(results: Sequence[RunResult], out_dir: str | Path, target: float | None = None,
               title: str = "") -> list[Path]:
     """loss vs step and loss vs simulated time, one line per run."""
-    import matplotlib
+    from ..plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,10 +82,9 @@ def plot_runs(results: Sequence[RunResult], out_dir: str | Path, target: float |
 def plot_utilization(curves: dict[str, list[tuple[float, float]]], out_dir: str | Path,
                      fname: str = "utilization_vs_bandwidth.png") -> Path:
     """Compute utilization vs bandwidth (bits/s on a log axis), one line per method."""
-    import matplotlib
+    from ..plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for label, pts in curves.items():
