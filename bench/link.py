@@ -66,7 +66,7 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
     from p2ptrain.net.transport import JoinRequest, PeerInfo
 
     cfg = SwarmConfig(run_id=a.run_id, initial_peers=initial, host_maddrs=[a.listen], announce_maddrs=[a.announce],
-                      join_window=60.0, ttl=3600.0, recontact_every=3600.0)
+                      join_window=60.0, ttl=3600.0, recontact_every=3600.0, muxer=a.muxer)
     tr = await HivemindTransport.create(cfg)
     try:
         if a.rank == 0:
@@ -152,13 +152,14 @@ def _worker(argv: list[str]) -> None:
     for name, kind in (("system", str), ("rank", int), ("k", int), ("size", float), ("repeats", int),
                        ("ideal", float), ("listen", str), ("announce", str), ("maddrs", str), ("run_id", str)):
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, required=True)
+    ap.add_argument("--muxer", default="yamux")
     a = ap.parse_args(argv)
     initial: list[str] = []
     if a.rank > 0:
         from p2ptrain.procs import wait_lines
 
         initial = wait_lines(Path(a.maddrs), 120)
-    if a.system == "p2ptrain":
+    if a.system.startswith("p2ptrain"):
         import uvloop
 
         uvloop.run(_p2ptrain_worker(a, initial))
@@ -181,7 +182,8 @@ def run_case(tb: Testbed, system: str, k: int, size: float, repeats: int, rate: 
         listen, announce = tb.maddrs(host, port)
         log = work / f"{run_id}.{rank}.log"
         logs.append(log)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--system", system, "--rank", str(rank),
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--system", system,
+               "--muxer", system.split("-", 1)[1] if system.startswith("p2ptrain-") else "yamux", "--rank", str(rank),
                "--k", str(k), "--size", str(size), "--repeats", str(repeats), "--ideal", str(ideal),
                "--listen", listen[0], "--announce", announce[0], "--maddrs", str(maddrs), "--run-id", run_id]
         procs.append(tb.run(host, cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env))
@@ -234,7 +236,7 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for system, style in (("p2ptrain", "-o"), ("hivemind", "--s")):
+    for system, style in (("p2ptrain", "-o"), ("p2ptrain-mplex", ":^"), ("hivemind", "--s")):
         for k in sorted({c["peers"] for c in cases}):
             pts = sorted((c["size_mb"], c["goodput"]) for c in cases
                          if c["system"] == system and c["peers"] == k and "goodput" in c)
@@ -278,8 +280,8 @@ def main() -> None:
     peers = [int(x) for x in args.peers.split(",")]
     sizes = [float(x) for x in args.sizes.split(",")]
     systems = [s for s in args.systems.split(",") if s]
-    if bad := set(systems) - {"p2ptrain", "hivemind"}:
-        raise SystemExit(f"unknown systems {sorted(bad)}: p2ptrain, hivemind")
+    if bad := set(systems) - {"p2ptrain", "p2ptrain-mplex", "hivemind"}:
+        raise SystemExit(f"unknown systems {sorted(bad)}: p2ptrain, p2ptrain-mplex (the daemon's mplex muxer), hivemind")
     if min(peers) < 2 or args.repeats < 1:
         raise SystemExit("--peers must be ≥ 2 and --repeats ≥ 1")
     plan = [(k, s) for k in peers for s in sizes if k * s <= args.max_total_mb]

@@ -72,6 +72,8 @@ class SwarmConfig:
             part's average and a proven liar is banned. Every peer of a run must agree on it.
         audit_rate: exact audits of each part per round, on average (net/audit.py): each costs the auditor
             the part's contributions; 0.1 costs about 5% of a round's bytes.
+        muxer: the daemon's stream multiplexer on every connection: ``yamux`` (libp2p's default: per-stream
+            flow-control windows) or ``mplex`` (no windows). Every peer of a run must support the other's.
         faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
             by default what the environment asks for (nothing, unless a test set its variables).
     """
@@ -97,19 +99,40 @@ class SwarmConfig:
     swarm_key: SwarmKey | None = None
     verify: bool = True
     audit_rate: float = 0.1
+    muxer: str = "yamux"
     faults: FaultPlan = field(default_factory=FaultPlan.from_env)
 
     def __post_init__(self) -> None:
+        if self.muxer not in MUXERS:
+            raise ValueError(f"unknown muxer {self.muxer!r}: choose one of {', '.join(MUXERS)}")
         if not 0.0 <= self.audit_rate:
             raise ValueError(f"audit_rate must be at least 0, got {self.audit_rate}")
         if self.chunk_values < MIN_CHUNK:
             raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
 
 
+MUXERS = ("yamux", "mplex")
+
+
+def _daemon_class(muxer: str) -> Any:
+    """hivemind's P2P, starting its daemon with ``-muxer=muxer`` (P2P.create has no option for it)."""
+    from hivemind.p2p import P2P
+
+    if muxer == "yamux":
+        return P2P
+
+    class WithMuxer(P2P):  # type: ignore[misc]
+        @staticmethod
+        def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+            return [*P2P._make_process_args(*args, **kwargs), f"-muxer={muxer}"]
+
+    return WithMuxer
+
+
 async def _create_p2p(cfg: SwarmConfig, identity: Identity | None) -> Any:
     """The daemon, with the identity file the user gave or, without one, with ``identity`` (a key drawn here,
     handed over in a private temporary file)."""
-    from hivemind.p2p import P2P
+    P2P = _daemon_class(cfg.muxer)
 
     kwargs: dict[str, Any] = dict(
         initial_peers=cfg.initial_peers or None, host_maddrs=cfg.host_maddrs,
