@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..data import DataConfig
+from ..explog import LogTarget, parse_targets
 from ..model import PRESETS, ModelConfig, preset
 from ..settings import ConfigError, build, merged
 from ..single import TrainJob
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from ..sim.runner import RunSpec, SimConfig
     from ..stages import StagePlan
 
-__all__ = ["JoinRun", "SimulateRun", "Stages", "TrainRun", "join_config", "model_and_trainer", "open_init_from",
+__all__ = ["JoinRun", "SimulateRun", "Stages", "TrainRun", "join_config", "log_targets", "model_and_trainer", "open_init_from",
            "simulate_config", "steps_of", "train_config"]
 
 F = TypeVar("F")
@@ -46,6 +47,7 @@ class TrainRun:
     preset: str | None
     json_out: Path | None
     quiet: bool
+    log_to: tuple[LogTarget, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class JoinRun:
     metrics_port: int | None
     metrics_host: str
     quiet: bool
+    log_to: tuple[LogTarget, ...] = ()
 
 
 def _flags(cls: type[F], flags: F | Mapping[str, Any]) -> F:
@@ -173,6 +176,15 @@ def _check_device(name: str) -> None:
         raise ConfigError(f"--device: {e}") from None
 
 
+def log_targets(specs: list[str] | None) -> tuple[LogTarget, ...]:
+    """``--log-to``: parsed, its packages looked for and its folders writable (ValueError naming the value)."""
+    targets = parse_targets(specs)
+    for t in targets:
+        if t.kind == "tensorboard":
+            output_dir(f"--log-to tensorboard:{t.where}", t.where)
+    return targets
+
+
 def _check_data(data: DataConfig, flag_path: str | None, flag_tokenizer: str | None) -> None:
     """ConfigError naming the flag (or the recipe's key) when the data or tokenizer path does not exist."""
     input_path("--data" if flag_path else "[data] path", data.path)
@@ -225,7 +237,8 @@ def train_config(file: dict[str, Any], flags: TrainFlags | Mapping[str, Any]) ->
     job = build(TrainJob, {**job_vals, "steps": total, "model": model_cfg, "trainer": trainer_cfg, "data": data_cfg,
                            "resume": f.resume}, "job")
     output_dir("--checkpoint-dir", job.checkpoint_dir)
-    return TrainRun(job=job, init=init, preset=None if init else name, json_out=f.json_out, quiet=f.quiet)
+    return TrainRun(job=job, init=init, preset=None if init else name, json_out=f.json_out, quiet=f.quiet,
+                    log_to=log_targets(f.log_to))
 
 
 def simulate_config(file: dict[str, Any], flags: SimulateFlags | Mapping[str, Any]) -> SimulateRun:
@@ -349,4 +362,4 @@ def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> J
     return JoinRun(model=model_cfg, trainer=trainer_cfg, data=data_cfg, method=method_cfg, peer=peer_cfg,
                    swarm=swarm_cfg, stages=stages, init=init, preset=None if init else name, resume=Path(checkpoints) if f.resume and checkpoints else None,
                    json_out=f.json_out, maddrs_file=f.maddrs_file, metrics_port=f.metrics_port,
-                   metrics_host=f.metrics_host, quiet=f.quiet)
+                   metrics_host=f.metrics_host, quiet=f.quiet, log_to=log_targets(f.log_to))

@@ -24,6 +24,7 @@ from .options import (
     InitFromOpt,
     InitialPeers,
     JsonOpt,
+    LogToOpt,
     LrOpt,
     MetricsPortOpt,
     POpt,
@@ -59,6 +60,7 @@ class TrainFlags:
     eval_every: Annotated[int | None, typer.Option("--eval-every", show_default="100", help="Inner steps between validation evaluations (0: only at the end).")] = None
     device: DeviceOpt = None
     json_out: JsonOpt = None
+    log_to: LogToOpt = None
     quiet: QuietOpt = False
 
 
@@ -135,6 +137,7 @@ class JoinFlags:
     checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every", show_default="10", help="Applied rounds between checkpoints.")] = None
     resume: ResumeOpt = False
     json_out: JsonOpt = None
+    log_to: LogToOpt = None
     maddrs_file: Annotated[Path | None, typer.Option("--maddrs-file", help="Write this peer's multiaddrs here once listening.")] = None
     quiet: QuietOpt = False
     run_stages: Annotated[int | None, typer.Option("--run-stages", help="S_run: the run's stage groups of the model, each synced in its own namespace (every peer of the run gives the same; default: --pipeline-stages).")] = None

@@ -86,7 +86,7 @@ def run_peer(run: JoinRun) -> None:
     from ..peer import make_peer
     from ..staged import data_rank
     from ..ui import console
-    from .session import RunSession, report, shutdown_grace, visible_maddrs
+    from .session import RunSession, open_experiment_log, report, shutdown_grace, visible_maddrs
 
     trainer = _trainer(run)
     session = RunSession(run.method.name, run.peer.region)
@@ -112,7 +112,8 @@ def run_peer(run: JoinRun) -> None:
     console.print("another machine joins with:\n  p2ptrain join " + " ".join(f"--initial-peers {a}" for a in maddrs)
                   + f" --run-id {rid} --method {method} {model}", highlight=False, soft_wrap=True)
     session.stop_on_signals(peer, shutdown_grace(run))
-    summary, val = session.run(peer, run.quiet, lambda s: trainer.evaluate(s.outer_params or None).loss)
+    log = open_experiment_log(run, peer.peer_id)
+    summary, val = session.run(peer, run.quiet, lambda s: trainer.evaluate(s.outer_params or None).loss, log)
     rows = [("peer", summary.peer_id), ("inner steps", summary.steps), ("val loss of θ", f"{val:.4f}"),
             ("rounds complete / partial / failed", f"{summary.rounds_complete} / {summary.rounds_partial} / "
                                                    f"{summary.rounds_failed}"),

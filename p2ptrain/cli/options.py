@@ -23,7 +23,7 @@ from ..metrics import DEFAULT_METRICS_PORT
 from .choices import Codec, LogLevel, Preset
 
 __all__ = ["AnnounceMaddrs", "BatchSizeOpt", "CodecOpt", "ConfigOpt", "DataOpt", "DeviceOpt", "HOpt", "HostMaddrs", "InitFromOpt",
-           "InitialPeers", "JsonOpt", "LogOpt", "LrOpt", "MetricsPortOpt", "POpt", "PresetOpt", "QuietOpt", "ResumeOpt", "SeqLenOpt",
+           "InitialPeers", "JsonOpt", "LogOpt", "LogToOpt", "LrOpt", "MetricsPortOpt", "POpt", "PresetOpt", "QuietOpt", "ResumeOpt", "SeqLenOpt",
            "SwarmKeyOpt", "TokenizerOpt", "env_var", "fail", "failing", "flags_command", "with_env", "with_env_vars"]
 
 #: Every option ``--some-name`` is also read from ``P2PTRAIN_SOME_NAME``.
@@ -49,6 +49,7 @@ HOpt = Annotated[int | None, typer.Option("--H", show_default="the method's", he
 POpt = Annotated[int | None, typer.Option("--P", show_default="the method's", help="P: fragments synced in turn (streaming, cocodc).")]
 CodecOpt = Annotated[Codec | None, typer.Option("--codec", show_default="the method's", help="Wire codec of the all-reduce.")]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write the summary as JSON to this file (-: standard output, the table goes to stderr).")]
+LogToOpt = Annotated[list[str] | None, typer.Option("--log-to", help="Also log the curves to tensorboard:DIR, wandb or wandb:PROJECT (repeatable; extras [tensorboard], [wandb]; WANDB_MODE=offline needs no network).")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --checkpoint-dir (start afresh when it has none).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or live status line.")]
 MetricsPortOpt = Annotated[int | None, typer.Option("--metrics-port", min=-1, max=65535, help=f"Serve Prometheus metrics here (0: any free port, -1: off; default {DEFAULT_METRICS_PORT}, or the next free one when several peers share a machine).")]

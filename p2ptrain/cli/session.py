@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..metrics import DEFAULT_METRICS_PORT, PeerMetrics
-from .options import fail
+from .options import fail, failing
 from .paths import STDOUT, write_json
 
 if TYPE_CHECKING:
+    from ..explog import ExperimentLog
     from ..peer import PeerBase
 
-__all__ = ["METRICS_PORTS", "RunSession", "SessionPeer", "report", "shutdown_grace", "visible_maddrs"]
+__all__ = ["METRICS_PORTS", "RunSession", "SessionPeer", "open_experiment_log", "report", "shutdown_grace",
+           "visible_maddrs"]
 
 #: How many ports from DEFAULT_METRICS_PORT (plus a stage's rank) are tried when none is given.
 METRICS_PORTS = 16
@@ -56,6 +58,7 @@ class RunSession:
     def __init__(self, method: str, region: str) -> None:
         self.metrics = PeerMetrics(method=method, region=region)
         self._watchdog: threading.Timer | None = None  # armed by the first signal, disarmed once the peer left
+        self.last_step = 0  # the inner step of the last status (what the final evaluation is logged at)
 
     def serve_metrics(self, requested: int | None, host: str, offset: int = 0) -> int | None:
         """Serve ``/metrics`` on ``host`` and print where; the port, or None when ``requested`` is negative
@@ -135,21 +138,65 @@ class RunSession:
             peer.close()
             raise fail(str(e), 1) from None
 
-    def run(self, peer: SessionPeer[R], quiet: bool, evaluate: Callable[[R], float]) -> tuple[R, float]:
+    def run(self, peer: SessionPeer[R], quiet: bool, evaluate: Callable[[R], float],
+            log: ExperimentLog | None = None) -> tuple[R, float]:
         """Run ``peer`` to the end with a live status line (none when ``quiet``), then the validation loss
-        of θ by ``evaluate(result)``; the result and that loss. The metrics endpoint closes either way."""
+        of θ by ``evaluate(result)``; the result and that loss. With a ``log`` (``--log-to``), every step's
+        scalars and each evaluation of θ go there too. The metrics endpoint and the log close either way."""
         from ..ui import status_printer
 
-        peer.on_status = status_printer(quiet)
+        printer = status_printer(quiet)
+        peer.on_status = printer if log is None else self._logging(peer, printer, log)
         try:
             result = peer.run()
             if self._watchdog is not None:  # the peer left: what remains is this process's own summary
                 self._watchdog.cancel()
             val = evaluate(result)
             self.metrics.val_loss.set(val)
+            if log is not None:
+                log.log(self.last_step, {"loss/validation": val})
         finally:
             self.metrics.close()
+            if log is not None:
+                log.close()
         return result, val
+
+    def _logging(self, peer: SessionPeer[Any], printer: Callable[[dict[str, Any]], None],
+                 log: ExperimentLog) -> Callable[[dict[str, Any]], None]:
+        """The status callback that also logs the step's scalars (from the metrics) and the evaluations of θ the
+        peer made since the last step (its ``val_log``: wall time, step, loss, ...)."""
+        from ..explog import peer_scalars
+
+        said = 0
+
+        def on_status(s: dict[str, Any]) -> None:
+            nonlocal said
+            printer(s)
+            evals = list(getattr(peer, "val_log", ()))
+            for entry in evals[said:]:
+                log.log(int(entry[1]), {"loss/validation": float(entry[2])})
+            said = len(evals)
+            self.last_step = int(s["step"])
+            log.log(self.last_step, peer_scalars(self.metrics.registry) | {"loss/train": float(s["loss"])})
+
+        return on_status
+
+
+def open_experiment_log(run: Any, peer_id: str, stage: str = "") -> ExperimentLog | None:
+    """The ``--log-to`` sinks of a peer of ``run`` (a JoinRun; None without any): TensorBoard under
+    ``DIR/<run id>/<peer id>`` (one run per peer), W&B as run ``<region>-<peer id>`` in the run's group.
+    Exit code 2 when one cannot be opened; nothing has trained yet."""
+    if not run.log_to:
+        return None
+    from ..explog import open_log
+
+    short = peer_id[-8:] + stage
+    config = {"command": "join", "run_id": run.peer.run_id, "region": run.peer.region, "method": run.method.name,
+              "model": str(run.init.path) if run.init else run.preset, "peer_id": peer_id,
+              "batch_size": run.trainer.batch_size, "lr": run.trainer.lr, "steps": run.peer.steps}
+    with failing():
+        return open_log(run.log_to, name=f"{run.peer.region or 'peer'}-{short}", group=run.peer.run_id,
+                        subdir=f"{run.peer.run_id}/{short}", config=config)
 
 
 def visible_maddrs(peers: Sequence[PeerBase], path: Path | None) -> list[str]:

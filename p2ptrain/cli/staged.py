@@ -16,7 +16,7 @@ from .. import __version__
 from .config import JoinRun, Stages
 from .launcher import offset_port, per_rank
 from .options import fail, failing
-from .session import RunSession, report, shutdown_grace, visible_maddrs
+from .session import RunSession, open_experiment_log, report, shutdown_grace, visible_maddrs
 
 if TYPE_CHECKING:
     from ..net.swarm import SwarmConfig
@@ -106,8 +106,9 @@ def run_staged(run: JoinRun) -> None:
             theta.update(s.outer_params)
         return float(trainer.evaluate(theta or None).loss)
 
+    log = open_experiment_log(run, staged.identity, f".rank{rank}" if world > 1 else "")
     try:
-        summaries, val = session.run(staged, run.quiet, evaluate)
+        summaries, val = session.run(staged, run.quiet, evaluate, log)
     finally:
         if env is not None and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

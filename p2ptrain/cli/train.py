@@ -29,6 +29,7 @@ def run_training(run: TrainRun) -> None:
     """Train with a progress bar, then print the summary (and write it as JSON with ``--json``). A checkpoint
     that does not fit the data, or data that cannot be read, fails with exit code 2; Ctrl-C with 130."""
     from ..checkpoint import CheckpointError
+    from ..explog import open_log
     from ..single import run_train
     from ..ui import console, progress_bar
     from .session import report
@@ -40,22 +41,30 @@ def run_training(run: TrainRun) -> None:
         with failing():
             start = trainer_from_hf(run.init, run.job.trainer, run.job.data)
     arch = f"from {run.init.path}" if run.init else f"preset {run.preset}"
+    with failing():
+        log = open_log(run.log_to, name="train", config={"command": "train", "model": arch, "steps": run.job.steps,
+                                                         "batch_size": run.job.trainer.batch_size,
+                                                         "lr": run.job.trainer.lr})
     console.print(f"p2ptrain {__version__} · train · {arch} · {run.job.steps} steps", highlight=False)
     try:
         with failing(ValueError, CheckpointError), progress_bar(run.job.steps, "train", disable=run.quiet) as prog:
             task = prog.task_ids[0]
 
             def on_step(s: Any) -> None:
-                prog.update(task, completed=s.step, loss=f"{s.loss:.3f}",
-                            extra=f"{s.tokens / max(s.seconds, 1e-9):,.0f} tok/s")
+                tokens_per_second = s.tokens / max(s.seconds, 1e-9)
+                prog.update(task, completed=s.step, loss=f"{s.loss:.3f}", extra=f"{tokens_per_second:,.0f} tok/s")
+                log.log(s.step, {"loss/train": s.loss, "throughput/tokens_per_second": tokens_per_second})
 
             def on_eval(step: int, loss: float) -> None:
                 prog.update(task, completed=step)
                 prog.console.print(f"step {step}: val loss {loss:.4f}", highlight=False)
+                log.log(step, {"loss/validation": loss})
 
             summary = run_train(run.job, on_step=on_step, on_eval=on_eval, trainer=start)
     except KeyboardInterrupt:
         raise fail("interrupted", 130) from None
+    finally:
+        log.close()
 
     rows = [
         ("steps", f"{summary.start_step} → {summary.start_step + summary.steps}"),
