@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .aio import new_event_loop
 from .algo.methods import Round
 from .collective.codecs import Codec
 from .net.bandwidth import ThroughputEMA
@@ -41,12 +42,7 @@ class NetLoop:
 
     def __init__(self, name: str = "p2ptrain-net") -> None:
         self.closed = False
-        try:
-            import uvloop
-
-            self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        except ImportError:  # pragma: no cover - uvloop is a dependency
-            self.loop = asyncio.new_event_loop()
+        self.loop: asyncio.AbstractEventLoop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -31,6 +31,7 @@ def bootstrap(
     """Run a DHT-only node: the run's well-known entry point. Prints its multiaddrs; Ctrl-C stops it."""
     import asyncio
 
+    from .. import aio
     from ..net.swarm import SwarmConfig, SwarmError, start_p2p
     from ..ui import console, setup_logging
 
@@ -63,7 +64,7 @@ def bootstrap(
             await p2p.shutdown()
 
     try:
-        asyncio.run(main())
+        aio.run(main())
     except SwarmError as e:
         raise fail(str(e), 1) from None
 
@@ -84,6 +85,7 @@ def status(
 
     from rich.live import Live
 
+    from .. import aio
     from ..net.auth import SwarmKey
     from ..net.swarm import HivemindTransport, SwarmConfig, SwarmError
     from ..ui import out, setup_logging, table
@@ -126,7 +128,7 @@ def status(
                     await asyncio.sleep(interval)
 
     try:
-        asyncio.run(main())
+        aio.run(main())
     except SwarmError as e:
         raise fail(str(e), 1) from None
     except KeyboardInterrupt:
