@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,7 +15,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-__all__ = ["console", "progress_bar", "setup_logging", "status_printer", "table"]
+__all__ = ["StatusLine", "console", "progress_bar", "setup_logging", "table"]
 
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 out = Console(width=None if sys.stdout.isatty() else 200)
@@ -39,22 +39,54 @@ def setup_logging(level: str | None = None) -> None:
     root.propagate = False
 
 
-def status_printer(quiet: bool, every: float = 1.0) -> Callable[[dict[str, Any]], None]:
-    """A swarm peer's live status line from its status dicts (step, loss, tokens_per_second, rounds,
-    failed, in_flight), at most one every ``every`` seconds; silent when ``quiet``."""
-    last = [0.0]
+class StatusLine:
+    """A swarm peer's live status from its status dicts (step, loss, tokens_per_second, rounds, failed,
+    in_flight, sharing_nothing): in place on a terminal, a bar like ``train``'s (step N of ``total``, loss,
+    tokens/s, rounds, ETA); elsewhere (a log file, ``docker logs``) one line every ``every`` seconds; nothing
+    when ``quiet``. A context manager: the bar is drawn from entering to leaving. ``update`` is called from
+    the compute thread; rich redraws from its own."""
 
-    def on_status(s: dict[str, Any]) -> None:
-        if quiet or time.monotonic() - last[0] < every:
-            return
-        last[0] = time.monotonic()
+    def __init__(self, total: int | None, quiet: bool, *, every: float = 10.0, live: bool | None = None) -> None:
+        self.total, self.quiet, self.every = total, quiet, every
+        self.live = console.is_terminal if live is None else live
+        self._progress: Progress | None = None
+        self._last = 0.0
+
+    def __enter__(self) -> StatusLine:
+        if self.live and not self.quiet:
+            self._progress = Progress(TextColumn("[bold]join"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[extra]}"),
+                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                      console=console, transient=False)
+            self._progress.start()
+            self._progress.add_task("join", total=self.total, loss="-", extra="")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    @staticmethod
+    def text(s: dict[str, Any]) -> str:
+        """The status after step and loss: throughput, rounds, what is in flight, and a warning when sharing
+        nothing (rich markup)."""
         alone = (f"  [bold yellow]nothing shared with another peer for {s['sharing_nothing']:.0f} s[/]"
                  if s.get("sharing_nothing") else "")
-        console.print(f"step {s['step']:>6}  loss {s['loss']:.3f}  {s['tokens_per_second']:,.0f} tok/s  "
-                      f"rounds {s['rounds']} (failed {s['failed']})  in flight {s['in_flight']}{alone}",
-                      highlight=False)
+        return (f"{s['tokens_per_second']:,.0f} tok/s  rounds {s['rounds']} (failed {s['failed']})  "
+                f"in flight {s['in_flight']}{alone}")
 
-    return on_status
+    def update(self, s: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        if self._progress is not None:
+            self._progress.update(self._progress.task_ids[0], completed=s["step"], loss=f"{s['loss']:.3f}",
+                                  extra=self.text(s))
+            return
+        if time.monotonic() - self._last < self.every:
+            return
+        self._last = time.monotonic()
+        console.print(f"step {s['step']:>6}  loss {s['loss']:.3f}  {self.text(s)}", highlight=False)
 
 
 @contextmanager

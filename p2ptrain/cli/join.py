@@ -113,7 +113,8 @@ def run_peer(run: JoinRun) -> None:
                   + f" --run-id {rid} --method {method} {model}", highlight=False, soft_wrap=True)
     session.stop_on_signals(peer, shutdown_grace(run))
     log = open_experiment_log(run, peer.peer_id)
-    summary, val = session.run(peer, run.quiet, lambda s: trainer.evaluate(s.outer_params or None).loss, log)
+    summary, val = session.run(peer, run.quiet, lambda s: trainer.evaluate(s.outer_params or None).loss, log,
+                               total=run.peer.steps)
     rows = [("peer", summary.peer_id), ("inner steps", summary.steps), ("val loss of θ", f"{val:.4f}"),
             ("rounds complete / partial / failed", f"{summary.rounds_complete} / {summary.rounds_partial} / "
                                                    f"{summary.rounds_failed}"),

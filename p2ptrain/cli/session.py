@@ -139,16 +139,18 @@ class RunSession:
             raise fail(str(e), 1) from None
 
     def run(self, peer: SessionPeer[R], quiet: bool, evaluate: Callable[[R], float],
-            log: ExperimentLog | None = None) -> tuple[R, float]:
-        """Run ``peer`` to the end with a live status line (none when ``quiet``), then the validation loss
-        of θ by ``evaluate(result)``; the result and that loss. With a ``log`` (``--log-to``), every step's
-        scalars and each evaluation of θ go there too. The metrics endpoint and the log close either way."""
-        from ..ui import status_printer
+            log: ExperimentLog | None = None, total: int | None = None) -> tuple[R, float]:
+        """Run ``peer`` to the end (``total`` inner steps) with a live status line (in place on a terminal;
+        none when ``quiet``), then the validation loss of θ by ``evaluate(result)``; the result and that loss.
+        With a ``log`` (``--log-to``), every step's scalars and each evaluation of θ go there too. The metrics
+        endpoint and the log close either way."""
+        from ..ui import StatusLine
 
-        printer = status_printer(quiet)
-        peer.on_status = printer if log is None else self._logging(peer, printer, log)
+        line = StatusLine(total, quiet)
+        peer.on_status = line.update if log is None else self._logging(peer, line.update, log)
         try:
-            result = peer.run()
+            with line:
+                result = peer.run()
             if self._watchdog is not None:  # the peer left: what remains is this process's own summary
                 self._watchdog.cancel()
             val = evaluate(result)

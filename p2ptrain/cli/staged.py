@@ -108,7 +108,8 @@ def run_staged(run: JoinRun) -> None:
 
     log = open_experiment_log(run, staged.identity, f".rank{rank}" if world > 1 else "")
     try:
-        summaries, val = session.run(staged, run.quiet, evaluate, log)
+        # The stages step in lockstep: stage 0's status line speaks for all (one bar on a shared terminal).
+        summaries, val = session.run(staged, run.quiet or rank > 0, evaluate, log, total=run.peer.steps)
     finally:
         if env is not None and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
