@@ -72,6 +72,7 @@ class SwarmConfig:
             part's average and a proven liar is banned. Every peer of a run must agree on it.
         audit_rate: exact audits of each part per round, on average (net/audit.py): each costs the auditor
             the part's contributions; 0.1 costs about 5% of a round's bytes.
+        dht_timeout: seconds any one DHT store, lookup or address query may take (TimeoutError after).
         muxer: the daemon's stream multiplexer on every connection: ``yamux`` (libp2p's default: per-stream
             flow-control windows) or ``mplex`` (no windows). Every peer of a run must support the other's.
         faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
@@ -100,6 +101,7 @@ class SwarmConfig:
     verify: bool = True
     audit_rate: float = 0.1
     muxer: str = "yamux"
+    dht_timeout: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan.from_env)
 
     def __post_init__(self) -> None:

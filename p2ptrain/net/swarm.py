@@ -133,7 +133,7 @@ class HivemindTransport(Transport):
             log.debug("event=p2p_shutdown reason=%s", e)
 
     async def visible_maddrs(self) -> list[str]:
-        return [str(a) for a in await self.p2p.get_visible_maddrs()]
+        return [str(a) for a in await asyncio.wait_for(self.p2p.get_visible_maddrs(), self.cfg.dht_timeout)]
 
     # ------------------------------------------------------------------ DHT records
     def _key(self, what: str) -> str:
@@ -158,12 +158,13 @@ class HivemindTransport(Transport):
         """Store our record (our peer id is the subkey), tagged with the swarm key if there is one."""
         if self.cfg.swarm_key is not None:
             value = self.cfg.swarm_key.seal(value, self._key(what), self.peer_id)
-        return bool(await self.node.store(self._key(what), value, expiration, subkey=self.peer_id))
+        return bool(await asyncio.wait_for(self.node.store(self._key(what), value, expiration, subkey=self.peer_id),
+                                           self.cfg.dht_timeout))
 
     async def _records(self, what: str) -> dict[str, tuple[dict[str, Any], float]]:
         from hivemind.utils import get_dht_time
 
-        found = await self.node.get(self._key(what), latest=True)
+        found = await asyncio.wait_for(self.node.get(self._key(what), latest=True), self.cfg.dht_timeout)
         if found is None or not isinstance(found.value, dict):
             return {}
         now, out, foreign = get_dht_time(), {}, []
