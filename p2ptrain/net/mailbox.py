@@ -50,6 +50,7 @@ class Mailbox:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None  # when our all-reduce of this (round, phase) returned or failed
+    evidence_until: float | None = None  # when the evidence is dropped (None: with the mailbox)
 
     def poke(self) -> None:
         self.changed.set()
@@ -64,11 +65,13 @@ class Mailbox:
             except TimeoutError:
                 pass
 
-    def close(self) -> None:
+    def close(self, evidence_until: float | None = None) -> None:
         """Our all-reduce of this phase ended: the contributions are spent. The parts' results stay, so that
-        a member that missed one can still fetch it from us (a relay), until the mailbox is collected."""
+        a member that missed one can still fetch it from us (a relay), until the mailbox is collected; the
+        evidence stays until ``evidence_until`` (monotonic: the end of the other members' judging)."""
         self.finished = time.monotonic()
         self.contribs.clear()
+        self.evidence_until = evidence_until
 
 
 class Mailboxes:
@@ -94,6 +97,9 @@ class Mailboxes:
         for k in [k for k, m in self.boxes.items()
                   if now - m.created > max_age or (m.finished is not None and now - m.finished > after_finish)]:
             del self.boxes[k]
+        for m in self.boxes.values():  # signed contributions are big: kept only while members may ask for them
+            if m.evidence_until is not None and now > m.evidence_until and m.evidence:
+                m.evidence.clear()
 
     def unreachable(self, key: str, phase: int) -> set[str]:
         """Members our sends of this (round, phase) could not reach."""

@@ -378,7 +378,8 @@ class HivemindTransport(Transport):
         finally:
             # The contributions to our part are spent; the parts' results stay so that a member that
             # missed one can still fetch it from us (a relay), until the mailbox is collected (_gc).
-            self.mailboxes.boxes.get((group.key, phase), box).close()
+            # Members judge until their own deadline (they started about when we did): our evidence lives as long.
+            self.mailboxes.boxes.get((group.key, phase), box).close(evidence_until=run.t0 + timeout + 5.0)
             self._gc()  # also on members that never lead a round (only leaders collected before)
 
     # ------------------------------------------------------------------ state
