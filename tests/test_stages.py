@@ -53,7 +53,7 @@ def test_stage_slices_compose_to_the_whole_model_with_the_same_names_and_fragmen
     (["--pipeline-stages", "2"], "set [model] tie_embeddings = false"),  # printed as text, not markup
     (["--pipeline-stages", "2", "--untie-embeddings", "--run-stages", "3"], "S must divide S_run"),
     (["--pipeline-stages", "2", "--untie-embeddings", "--micro-batches", "1"], "1F1B needs micro-batches"),
-    (["--pipeline-stages", "2", "--untie-embeddings", "--pipeline-schedule", "zigzag"], "schedule must be"),
+    (["--pipeline-stages", "2", "--untie-embeddings", "--pipeline-schedule", "zigzag"], "'zigzag' is not one of"),  # a choice
     (["--pipeline-stages", "2", "--untie-embeddings", "--batch-size", "3"], "multiple of the micro-batches"),
     (["--pipeline-stages", "2", "--untie-embeddings", "--pipeline-timeout", "0"], "timeout must be positive"),
     (["--run-stages", "2", "--untie-embeddings", "--method", "ddp"], "outer-loop method"),

@@ -86,7 +86,7 @@ def run_peer(run: JoinRun) -> None:
     from ..peer import make_peer
     from ..staged import data_rank
     from ..ui import console
-    from .session import RunSession, open_experiment_log, report, shutdown_grace, visible_maddrs
+    from .session import RunSession, join_hint, open_experiment_log, report, shutdown_grace, visible_maddrs
 
     trainer = _trainer(run)
     session = RunSession(run.method.name, run.peer.region)
@@ -108,9 +108,7 @@ def run_peer(run: JoinRun) -> None:
     rid, method = run.peer.run_id, run.method.name
     console.print(f"p2ptrain {__version__} · peer {peer.peer_id} · run {rid} · {method} · "
                   f"step pacing {peer.step_seconds}s", highlight=False)
-    model = f"--init-from {run.init.path}" if run.init else f"--preset {run.preset}"
-    console.print("another machine joins with:\n  p2ptrain join " + " ".join(f"--initial-peers {a}" for a in maddrs)
-                  + f" --run-id {rid} --method {method} {model}", highlight=False, soft_wrap=True)
+    console.print(join_hint(maddrs, run), highlight=False, soft_wrap=True)
     session.stop_on_signals(peer, shutdown_grace(run))
     log = open_experiment_log(run, peer.peer_id)
     summary, val = session.run(peer, run.quiet, lambda s: trainer.evaluate(s.outer_params or None).loss, log,

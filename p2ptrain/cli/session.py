@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from ..explog import ExperimentLog
     from ..peer import PeerBase
 
-__all__ = ["METRICS_PORTS", "RunSession", "SessionPeer", "open_experiment_log", "report", "shutdown_grace",
-           "visible_maddrs"]
+__all__ = ["METRICS_PORTS", "RunSession", "SessionPeer", "join_hint", "open_experiment_log", "report",
+           "shutdown_grace", "visible_maddrs"]
 
 #: How many ports from DEFAULT_METRICS_PORT (plus a stage's rank) are tried when none is given.
 METRICS_PORTS = 16
@@ -199,6 +199,34 @@ def open_experiment_log(run: Any, peer_id: str, stage: str = "") -> ExperimentLo
     with failing():
         return open_log(run.log_to, name=f"{run.peer.region or 'peer'}-{short}", group=run.peer.run_id,
                         subdir=f"{run.peer.run_id}/{short}", config=config)
+
+
+def join_hint(maddrs: Sequence[str], run: Any, stages: str = "") -> str:
+    """What another machine runs to join the run of this peer (``run``, a JoinRun; ``stages``: the flags of a
+    staged run): this peer's addresses, the run, method and model every peer shares, a region of its own,
+    the swarm key if the swarm is private; and, when every address is this machine's loopback, how to
+    listen where others can reach it."""
+    model = f"--init-from {run.init.path}" if run.init else f"--preset {run.preset}"
+    key = " --swarm-key SWARM_KEY_FILE" if run.swarm.swarm_key is not None else ""
+    text = ("another machine joins with (REGION: a label of its own):\n  p2ptrain join "
+            + " ".join(f"--initial-peers {a}" for a in maddrs)
+            + f" --run-id {run.peer.run_id} --method {run.method.name} {model}{stages} --region REGION{key}")
+    if maddrs and all(_loopback(a) for a in maddrs):
+        text += ("\n  (from this machine only: these are loopback addresses; to be reached from others, start "
+                 "with --host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT)")
+    return text
+
+
+def _loopback(maddr: str) -> bool:
+    """Whether multiaddr ``maddr`` is an address on this machine's loopback (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    from .netargs import parse_maddr
+
+    try:
+        return any(ipaddress.ip_address(v).is_loopback for k, v in parse_maddr(maddr) if k in ("ip4", "ip6") and v)
+    except ValueError:
+        return False
 
 
 def visible_maddrs(peers: Sequence[PeerBase], path: Path | None) -> list[str]:

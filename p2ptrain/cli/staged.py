@@ -16,7 +16,7 @@ from .. import __version__
 from .config import JoinRun, Stages
 from .launcher import offset_port, per_rank
 from .options import fail, failing
-from .session import RunSession, open_experiment_log, report, shutdown_grace, visible_maddrs
+from .session import RunSession, join_hint, open_experiment_log, report, shutdown_grace, visible_maddrs
 
 if TYPE_CHECKING:
     from ..net.swarm import SwarmConfig
@@ -94,11 +94,9 @@ def run_staged(run: JoinRun) -> None:
     session.start(staged)
     trainer.stream.reseed(run.data.seed, data_rank(staged.identity))
     maddrs = visible_maddrs(staged.peers, per_rank(run.maddrs_file, rank, world))
-    console.print(f"step pacing {staged.step_seconds}s · namespaces "
-                  f"{[p.cfg.run_id for p in staged.peers]}; another machine joins with:\n  p2ptrain join "
-                  + " ".join(f"--initial-peers {a}" for a in maddrs[:1])
-                  + f" --run-id {run.peer.run_id} --run-stages {plan.stages} --method {run.method.name} "
-                    f"--preset {run.preset} [--pipeline-stages S]", highlight=False, soft_wrap=True)
+    console.print(f"step pacing {staged.step_seconds}s · namespaces {[p.cfg.run_id for p in staged.peers]}; "
+                  + join_hint(maddrs[:1], run, f" --run-stages {plan.stages} [--pipeline-stages S]"),
+                  highlight=False, soft_wrap=True)
 
     def evaluate(summaries: list[PeerSummary]) -> float:
         theta: dict[str, torch.Tensor] = {}

@@ -77,3 +77,21 @@ def test_report_writes_the_json_only_when_asked(tmp_path: Path) -> None:
     assert not calls
     report("summary", [("steps", 3)], tmp_path / "s.json", record)
     assert json.loads((tmp_path / "s.json").read_text()) == {"steps": 3}
+
+
+def test_join_hint_names_what_another_machine_needs(tmp_path: Path) -> None:
+    from p2ptrain.cli.config import join_config
+    from p2ptrain.cli.session import join_hint
+
+    peer = "/p2p/12D3KooWAupgdBAYgxcu6EbnoP2EGJvaFrwAo795BwSsmnG11agR"
+    key = tmp_path / "swarm.key"
+    key.write_text("0123456789abcdef0123456789abcdef")
+    run = join_config({}, {"run_id": "demo", "method": "diloco", "preset_name": "micro", "region": "us",
+                           "swarm_key_file": key})
+    text = join_hint([f"/ip4/127.0.0.1/tcp/4001{peer}"], run)
+    assert f"p2ptrain join --initial-peers /ip4/127.0.0.1/tcp/4001{peer} --run-id demo --method diloco " \
+           "--preset micro --region REGION --swarm-key SWARM_KEY_FILE" in text
+    assert "loopback" in text and "--host-maddrs /ip4/0.0.0.0/tcp/PORT" in text
+    open_run = join_config({}, {"run_id": "demo"})
+    text = join_hint([f"/ip4/203.0.113.10/tcp/4001{peer}", f"/ip4/127.0.0.1/tcp/4001{peer}"], open_run)
+    assert "loopback" not in text and "--swarm-key" not in text and "--region REGION" in text
