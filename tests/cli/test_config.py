@@ -78,7 +78,7 @@ def test_simulate_flags_override_the_simulate_section() -> None:
     assert [s.label for s in run.specs] == ["single", "diloco"] and run.specs[1].method.H == 5
     assert simulate_config(file, {"methods": "diloco"}).specs[0].method.H == 10
     # -m/--method, as in join (several, comma-separated); --methods is its old spelling, kept hidden
-    assert [s.label for s in simulate_config(file, {"method": "streaming", "methods": "diloco"}).specs] == ["streaming"]
+    assert [s.label for s in simulate_config(file, {"method": "eager", "methods": "diloco"}).specs] == ["eager"]
     assert [s.label for s in simulate_config({}, {}).specs] == ["single", "diloco", "streaming", "cocodc"]
     with pytest.raises(ConfigError, match="--steps must be at least 1"):
         simulate_config({}, {"steps": 0})
