@@ -34,6 +34,13 @@ async def measure(peers: int, numel: int, codec_name: str, verify: bool, repeats
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
     from p2ptrain.net.transport import JoinRequest, PeerInfo
 
+    import signal
+
+    def dump() -> None:  # kill -USR1 <pid>: every task's stack, to see what a stuck run waits on
+        for task in asyncio.all_tasks():
+            task.print_stack(file=sys.stderr)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
     codec = get_codec(codec_name)
     ts: list[Any] = []
     out = []
