@@ -91,6 +91,7 @@ class Audit:
         # Parts we proved wrong and recomputed: the digest of what we held, and its owner's signature on it.
         self.replaced: dict[int, tuple[bytes, Any]] = {}
         self._digests: dict[int, tuple[Any, bytes]] = {}  # part -> (the result object, its digest)
+        self._decoded: dict[int, tuple[Any, torch.Tensor]] = {}  # part -> (the result object, its values)
         self.own_commit = b""
         self.stats = AuditStats()
         self.audit_p = min(1.0, max(0.0, audit_rate) / max(1, len(self.members) - 1))
@@ -127,8 +128,7 @@ class Audit:
 
     # ------------------------------------------------------------------ our claims
     def _result(self, part: int) -> tuple[bytes, torch.Tensor] | None:
-        """(digest, decoded values) of the result of ``part`` we hold, if it can be used (decoded once: the
-        values are kept in the result for the assembly)."""
+        """(digest, decoded values) of the result of ``part`` we hold, if it can be used (decoded once)."""
         res = self.box.results.get(part)
         if res is None:
             return None
@@ -136,6 +136,9 @@ class Audit:
         if result_problem(res, part, b - a, self.codec, self.members, self.me_id) is not None:
             return None
         values = res.get("_tensor")
+        cached = self._decoded.get(part)
+        if values is None and cached is not None and cached[0] is res:
+            values = cached[1]
         if values is None:
             pieces = result_pieces(res)
             try:
@@ -143,7 +146,8 @@ class Audit:
                                         res.get("chunk"))
             except ValueError:
                 return None
-            res["_tensor"] = values
+            # Kept here, not in the result: our own result is also the message we send to every member.
+            self._decoded[part] = (res, values)
         if not bool(torch.isfinite(values).all()):
             return None
         return self._digest(part), values
