@@ -317,13 +317,22 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="only attacks or faults whose name or group contains this")
     ap.add_argument("--no-faults", action="store_true", help="skip part 2 (the peer processes)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--merge", action="store_true", help="keep the rows of --out that this run does not redo")
     ap.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
     args = ap.parse_args()
 
     out: dict[str, Any] = {"attacks": [], "faults": [], "peers": N, "numel": NUMEL, "rounds_per_trial": args.rounds,
                            "machine": machine(), "load_before": os.getloadavg()}
 
+    kept: dict[str, Any] = {"attacks": [], "faults": []}
+    if args.merge and args.out.exists():
+        kept = json.loads(args.out.read_text())
+
     def save() -> None:
+        for part, name in (("attacks", "attack"), ("faults", "fault")):  # this run's rows replace kept ones
+            mine = {r[name] for r in out[part]}
+            out[part] = [r for r in kept.get(part, []) if r[name] not in mine] + \
+                [r for r in out[part] if r[name] in mine]
         write_json(args.out, out)
 
     t0 = time.monotonic()
