@@ -30,11 +30,11 @@ from bench.harness import RESULTS, machine, write_json
 
 
 async def measure(peers: int, numel: int, codec_name: str, verify: bool, repeats: int, run: str) -> list[Any]:
+    import signal
+
     from p2ptrain.collective.codecs import get_codec
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
     from p2ptrain.net.transport import JoinRequest, PeerInfo
-
-    import signal
 
     def dump() -> None:  # kill -USR1 <pid>: every task's stack, to see what a stuck run waits on
         for task in asyncio.all_tasks():
