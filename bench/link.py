@@ -1,7 +1,7 @@
 """All-reduce goodput on shaped links: p2ptrain's transport vs hivemind's DecentralizedAverager.
 
-    python bench/link.py                                       # 2/4/8 peers, 1..256 MB, 100 Mbit/s, 3 repeats
-    python bench/link.py --peers 2 --sizes 4,64 --repeats 3    # the headline row
+    python bench/link.py                                       # 2/4/8 peers, 1..256 MB, 100 Mbit/s, 5 repeats
+    python bench/link.py --peers 2 --sizes 4,16,64 --wan-sizes 64   # the headline rows
     python bench/link.py --systems p2ptrain --peers 4 --sizes 16
 
 Each case builds a testbed (bench/testbed.py) with one region of k hosts, each behind
@@ -10,7 +10,12 @@ the hosts' namespaces. p2ptrain peers run ``HivemindTransport`` (p2ptrain/net/sw
 ``form_group`` then ``allreduce`` of one fp32 vector with the fp32 codec; hivemind
 peers run ``DecentralizedAverager.step`` (no compression) with a trigger, so that
 matchmaking and the all-reduce are timed apart. Both systems run on the same links in
-the same run, one after the other for each (k, size).
+the same run: for each (k, size) the peers of every system start at once, then the
+systems take the repeats in turn (A B, B A, A B, …), so that the machine's load, which
+drifts over a run, weighs on each alike; every repeat records the load average.
+A system is "ahead" of the others only where the ranges of its repeats separate.
+WAN rows (``--wan-rtt-ms``): two regions with one peer each, the same host links, the
+round trip added by the testbed's delay relay.
 
 Goodput fraction = ideal / measured, where the ideal is ``2(k−1)/k · payload / rate``:
 in a butterfly (or ring) all-reduce each peer sends and receives 2(k−1)/k of the
@@ -60,6 +65,18 @@ def _emit(rec: dict[str, Any]) -> None:
     print("RESULT " + json.dumps(rec), flush=True)
 
 
+def _turn(path: Path, want: str, timeout: float = 900.0) -> None:
+    """Block until the driver writes ``want`` into ``path`` (the repeat whose turn it is; ``end``: leave)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            got = path.read_text().strip()
+            if got == want or got == "end":
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"turn {want!r} not given in {timeout:.0f} s")
+
+
 async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
     from p2ptrain.collective.codecs import get_codec
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
@@ -85,6 +102,8 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
         timeout = max(60.0, 20 * a.ideal)
         for rep in range(-1, a.repeats):  # round -1: a tiny warm-up that opens the streams
             v = x if rep >= 0 else _values(a.rank, 1024)
+            if rep >= 0:
+                await asyncio.to_thread(_turn, Path(a.turns), f"{a.system}:{rep}")
             t0 = time.monotonic()
             group = await tr.form_group(JoinRequest(key=f"r{rep}", peer_id=tr.peer_id, weight=1.0, fragment=0), None,
                                         timeout=120)
@@ -95,6 +114,9 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
             if rep >= 0:
                 _emit({"rep": rep, "group_s": t1 - t0, "allreduce_s": t2 - t1, "members": len(group.members),
                        "partial": res.partial, "max_err": err})
+            else:
+                print("READY", flush=True)
+        await asyncio.to_thread(_turn, Path(a.turns), "end")
         await tr.leave()
     finally:
         await tr.aclose()
@@ -119,9 +141,11 @@ def _hivemind_worker(a: argparse.Namespace, initial: list[str]) -> None:
                                     min_group_size=a.k, min_matchmaking_time=2.0, request_timeout=5.0,
                                     allreduce_timeout=timeout)
         expect = (a.k + 1) / 2
+        print("READY", flush=True)
         for rep in range(a.repeats):
             with avg.get_tensors() as ts:
                 ts[0].copy_(_values(a.rank, n))
+            _turn(Path(a.turns), f"{a.system}:{rep}")
             t0 = time.monotonic()
             for attempt in range(1, 4):  # a failed matchmaking is retried (counted), the all-reduce is not
                 ctl = avg.step(wait=False, require_trigger=True, timeout=120, allow_retries=False)
@@ -141,6 +165,7 @@ def _hivemind_worker(a: argparse.Namespace, initial: list[str]) -> None:
                 err = float((ts[0] - expect).abs().max())
             _emit({"rep": rep, "group_s": t1 - t0, "allreduce_s": t2 - t1, "matchmaking_attempts": attempt,
                    "members": 0 if group is None else len(group), "partial": group is None, "max_err": err})
+        _turn(Path(a.turns), "end")
     finally:
         if avg is not None:
             avg.shutdown()
@@ -150,7 +175,8 @@ def _hivemind_worker(a: argparse.Namespace, initial: list[str]) -> None:
 def _worker(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     for name, kind in (("system", str), ("rank", int), ("k", int), ("size", float), ("repeats", int),
-                       ("ideal", float), ("listen", str), ("announce", str), ("maddrs", str), ("run_id", str)):
+                       ("ideal", float), ("listen", str), ("announce", str), ("maddrs", str), ("run_id", str),
+                       ("turns", str)):
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, required=True)
     ap.add_argument("--muxer", default="yamux")
     a = ap.parse_args(argv)
@@ -168,65 +194,112 @@ def _worker(argv: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def run_case(tb: Testbed, system: str, k: int, size: float, repeats: int, rate: float, work: Path) -> dict[str, Any]:
-    """Start k peers of ``system`` in the testbed's hosts; per repeat the slowest peer's times."""
+def _records(log: Path) -> dict[int, dict[str, Any]]:
+    recs = [json.loads(line[7:]) for line in log.read_text(errors="replace").splitlines() if line.startswith("RESULT ")]
+    return {r["rep"]: r for r in recs}
+
+
+def _ready(log: Path) -> bool:
+    return any(line == "READY" for line in log.read_text(errors="replace").splitlines())
+
+
+def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int, rate: float, work: Path,
+             hosts: list[str] | None = None, label: str = "lan") -> list[dict[str, Any]]:
+    """Start k peers of every system in the testbed's hosts at once, then give the systems their repeats in
+    turn (A B A B …: the machine's load drifts over a run, and each system sees the same drift); per system
+    and repeat the slowest peer's times and the load average when the repeat began."""
     ideal = 2 * (k - 1) / k * size * MB * 8 / rate
-    run_id = f"link-{system}-{k}-{size:g}-{os.getpid()}"
-    maddrs = work / f"{run_id}.maddrs"
-    procs, logs = [], []
+    hosts = hosts or tb.hosts[:k]
     global _cases
     _cases += 1
-    port = PORT + _cases  # a fresh port per case: no clash with the previous case's lingering sockets
+    turns = work / f"case{_cases}-{os.getpid()}.turn"
+    turns.write_text("start")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "ERROR"}
-    for rank, host in enumerate(tb.hosts[:k]):
-        listen, announce = tb.maddrs(host, port)
-        log = work / f"{run_id}.{rank}.log"
-        logs.append(log)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--system", system,
-               "--muxer", system.split("-", 1)[1] if system.startswith("p2ptrain-") else "yamux", "--rank", str(rank),
-               "--k", str(k), "--size", str(size), "--repeats", str(repeats), "--ideal", str(ideal),
-               "--listen", listen[0], "--announce", announce[0], "--maddrs", str(maddrs), "--run-id", run_id]
-        procs.append(tb.run(host, cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env))
-        if rank == 0:
-            from p2ptrain.procs import wait_lines
+    procs: dict[str, list[subprocess.Popen[bytes]]] = {}
+    logs: dict[str, list[Path]] = {}
+    runs: dict[str, str] = {}
+    for si, system in enumerate(systems):
+        run_id = runs[system] = f"link-{system}-{label}-{k}-{size:g}-{os.getpid()}-{_cases}"
+        maddrs = work / f"{run_id}.maddrs"
+        # A fresh port per case and system: no clash with lingering sockets of the case before.
+        port = PORT + 10 * _cases + si
+        procs[system], logs[system] = [], []
+        for rank, host in enumerate(hosts):
+            listen, announce = tb.maddrs(host, port)
+            log = work / f"{run_id}.{rank}.log"
+            logs[system].append(log)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--system", system,
+                   "--muxer", system.split("-", 1)[1] if system.startswith("p2ptrain-") else "yamux",
+                   "--rank", str(rank), "--k", str(k), "--size", str(size), "--repeats", str(repeats),
+                   "--ideal", str(ideal), "--listen", listen[0], "--announce", announce[0], "--maddrs", str(maddrs),
+                   "--run-id", run_id, "--turns", str(turns)]
+            procs[system].append(tb.run(host, cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env))
+            if rank == 0:
+                from p2ptrain.procs import wait_lines
 
-            wait_lines(maddrs, 120, procs[0])
-    budget = 240 + repeats * (60 + 20 * ideal)
-    deadline = time.monotonic() + budget
-    for p in procs:
-        try:
-            p.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+                wait_lines(maddrs, 120, procs[system][0])
+    every = [p for ps in procs.values() for p in ps]
+    errors: dict[str, str] = {}
+    loads: dict[str, dict[int, float]] = {system: {} for system in systems}
+
+    def alive(system: str) -> bool:
+        return all(p.poll() is None for p in procs[system])
+
+    deadline = time.monotonic() + 240
+    while not all(_ready(log) for ls in logs.values() for log in ls) and time.monotonic() < deadline:
+        if not all(alive(s) for s in systems):
             break
-    failed = [i for i, p in enumerate(procs) if p.poll() != 0]
-    for p in procs:
-        if p.poll() is None:
+        time.sleep(0.2)
+    for system in systems:
+        if not all(_ready(log) for log in logs[system]):
+            errors[system] = "not ready after 240 s"
+    for rep in range(repeats):
+        for system in systems if rep % 2 == 0 else systems[::-1]:  # A B, B A, …: neither always goes first
+            if system in errors:
+                continue
+            loads[system][rep] = os.getloadavg()[0]
+            turns.write_text(f"{system}:{rep}")
+            limit = time.monotonic() + 120 + 20 * ideal
+            while time.monotonic() < limit and alive(system):
+                if all(rep in _records(log) for log in logs[system]):
+                    break
+                time.sleep(0.05)
+            else:
+                errors[system] = f"repeat {rep} did not finish" + ("" if alive(system) else " (a peer exited)")
+    turns.write_text("end")
+    for p in every:
+        try:
+            p.wait(max(1.0, 60.0))
+        except subprocess.TimeoutExpired:
             p.kill()
             p.wait(10)
-    per_peer: list[dict[int, dict[str, Any]]] = []
-    for log in logs:
-        recs = [json.loads(line[7:]) for line in log.read_text(errors="replace").splitlines()
-                if line.startswith("RESULT ")]
-        per_peer.append({r["rep"]: r for r in recs})
-    reps = []
-    for rep in range(repeats):
-        got = [pp[rep] for pp in per_peer if rep in pp]
-        if len(got) < k:
-            continue
-        reps.append({"allreduce_s": max(r["allreduce_s"] for r in got), "group_s": max(r["group_s"] for r in got),
-                     "round_s": max(r["group_s"] + r["allreduce_s"] for r in got),
-                     "members": min(r["members"] for r in got), "partial": any(r["partial"] for r in got),
-                     "max_err": max(r["max_err"] for r in got)})
-    out: dict[str, Any] = {"system": system, "peers": k, "size_mb": size, "ideal_s": ideal, "repeats": reps,
-                           "failed_ranks": failed}
-    if failed or len(reps) < repeats:
-        tail = logs[failed[0] if failed else 0].read_text(errors="replace")[-1500:]
-        out["error"] = f"ranks {failed} failed or results missing; log tail:\n{tail}"
-    ok = [r for r in reps if r["max_err"] < 1e-5 and not r["partial"] and r["members"] == k]
-    if ok:
-        t = statistics.median(r["allreduce_s"] for r in ok)
-        out |= {"allreduce_s": t, "goodput": ideal / t, "group_s": statistics.median(r["group_s"] for r in ok),
-                "round_s": statistics.median(r["round_s"] for r in ok), "correct_rounds": len(ok)}
+    out = []
+    for system in systems:
+        per_peer = [_records(log) for log in logs[system]]
+        failed = [i for i, p in enumerate(procs[system]) if p.returncode != 0]
+        reps = []
+        for rep in range(repeats):
+            got = [pp[rep] for pp in per_peer if rep in pp]
+            if len(got) < k:
+                continue
+            reps.append({"allreduce_s": max(r["allreduce_s"] for r in got),
+                         "group_s": max(r["group_s"] for r in got),
+                         "round_s": max(r["group_s"] + r["allreduce_s"] for r in got),
+                         "members": min(r["members"] for r in got), "partial": any(r["partial"] for r in got),
+                         "max_err": max(r["max_err"] for r in got), "load": loads[system].get(rep)})
+        case: dict[str, Any] = {"system": system, "link": label, "peers": k, "size_mb": size, "ideal_s": ideal,
+                                "repeats": reps, "failed_ranks": failed}
+        if system in errors or failed or len(reps) < repeats:
+            tail = logs[system][failed[0] if failed else 0].read_text(errors="replace")[-1500:]
+            case["error"] = f"{errors.get(system, '')}; ranks {failed} failed or results missing; log tail:\n{tail}"
+        ok = [r for r in reps if r["max_err"] < 1e-5 and not r["partial"] and r["members"] == k]
+        if ok:
+            times = sorted(r["allreduce_s"] for r in ok)
+            t = statistics.median(times)
+            case |= {"allreduce_s": t, "goodput": ideal / t, "goodput_min": ideal / times[-1],
+                     "goodput_max": ideal / times[0], "group_s": statistics.median(r["group_s"] for r in ok),
+                     "round_s": statistics.median(r["round_s"] for r in ok), "correct_rounds": len(ok)}
+        out.append(case)
     return out
 
 
@@ -237,11 +310,15 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for system, style in (("p2ptrain", "-o"), ("p2ptrain-mplex", ":^"), ("hivemind", "--s")):
-        for k in sorted({c["peers"] for c in cases}):
-            pts = sorted((c["size_mb"], c["goodput"]) for c in cases
-                         if c["system"] == system and c["peers"] == k and "goodput" in c)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{system}, {k} peers")
+        for link in ("lan", "wan"):
+            for k in sorted({c["peers"] for c in cases}):
+                row = sorted((c["size_mb"], c["goodput"], c["goodput_min"], c["goodput_max"]) for c in cases
+                             if c["system"] == system and c["peers"] == k and c["link"] == link and "goodput" in c)
+                if row:
+                    x, y = [p[0] for p in row], [p[1] for p in row]
+                    err = [[p[1] - p[2] for p in row], [p[3] - p[1] for p in row]]
+                    ax.errorbar(x, y, yerr=err, fmt=style, capsize=2, alpha=0.6 if link == "wan" else 1.0,
+                                label=f"{system}, {k} peers" + (", across regions" if link == "wan" else ""))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("payload (MB, fp32)")
     ax.set_ylabel("goodput / link rate")
@@ -249,7 +326,7 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("all-reduce goodput on shaped links (ideal = 2(k−1)/k · payload / rate)")
+    ax.set_title("all-reduce goodput on shaped links (median, range of repeats)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -261,11 +338,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default="2,4,8", help="comma-separated group sizes k")
     ap.add_argument("--sizes", default="1,4,16,64,256", help="comma-separated payloads in MB (fp32)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rate", default="100mbit", help="each peer's link, both directions (tc units)")
     ap.add_argument("--systems", default="p2ptrain,hivemind")
     ap.add_argument("--max-total-mb", type=float, default=1024.0,
                     help="skip cases with peers × size above this (memory: every peer holds a few copies)")
+    ap.add_argument("--wan-rtt-ms", type=float, default=100.0,
+                    help="rows across two regions (one peer each) with this round-trip time; 0: none")
+    ap.add_argument("--wan-sizes", default="16,64", help="payloads (MB) of the rows across regions")
     ap.add_argument("--out", type=Path, default=RESULTS / "link.json")
     args = ap.parse_args()
     from rich.progress import Progress
@@ -286,28 +366,34 @@ def main() -> None:
         raise SystemExit("--peers must be ≥ 2 and --repeats ≥ 1")
     plan = [(k, s) for k in peers for s in sizes if k * s <= args.max_total_mb]
     skipped = [(k, s) for k in peers for s in sizes if k * s > args.max_total_mb]
+    wan_plan = [(2, s) for s in (float(x) for x in args.wan_sizes.split(",") if x)] if args.wan_rtt_ms > 0 else []
     cases: list[dict[str, Any]] = []
-    tcp: dict[int, float] = {}
+    tcp: dict[str, float] = {}
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-link-"))
     t_start, load_before = time.time(), os.getloadavg()
     with Progress(console=console) as prog:
-        task = prog.add_task("cases", total=len(plan) * len(systems))
+        task = prog.add_task("cases", total=len(plan) + len(wan_plan))
+        legs: list[tuple[str, TestbedSpec, list[tuple[int, float]]]] = []
         for k in peers:
-            todo = [s for kk, s in plan if kk == k]
-            if not todo:
-                continue
-            spec = TestbedSpec(regions=(RegionSpec(name="lan", hosts=k, host_rate=rate),))
+            if todo := [(kk, s) for kk, s in plan if kk == k]:
+                legs.append((f"lan{k}", TestbedSpec(regions=(RegionSpec(name="lan", hosts=k, host_rate=rate),)), todo))
+        if wan_plan:  # one peer per region; each region's uplink adds a quarter of the RTT each way
+            d = args.wan_rtt_ms / 4
+            legs.append(("wan", TestbedSpec(regions=(RegionSpec(name="us", hosts=1, host_rate=rate, delay_ms=d),
+                                                     RegionSpec(name="eu", hosts=1, host_rate=rate, delay_ms=d))),
+                         wan_plan))
+        for name, spec, todo in legs:
             with Testbed(spec) as tb:
-                tcp[k] = measure_throughput(tb, tb.hosts[0], tb.hosts[1], nbytes=16 * MB)["bits_per_s"]
-                for size in todo:
-                    for system in systems:
-                        prog.update(task, description=f"{system} k={k} {size:g} MB")
-                        case = run_case(tb, system, k, size, args.repeats, rate, work)
-                        case["tcp_bits"] = tcp[k]
+                tcp[name] = measure_throughput(tb, tb.hosts[0], tb.hosts[1], nbytes=16 * MB)["bits_per_s"]
+                for k, size in todo:
+                    prog.update(task, description=f"{name}: k={k} {size:g} MB, {'/'.join(systems)} in turn")
+                    for case in run_case(tb, systems, k, size, args.repeats, rate, work,
+                                         label="wan" if name == "wan" else "lan"):
+                        case["tcp_bits"] = tcp[name]
                         cases.append(case)
                         if "error" in case:
-                            console.print(f"[red]{system} k={k} {size:g} MB: {case['error']}")
-                        prog.advance(task)
+                            console.print(f"[red]{case['system']} {name} k={k} {size:g} MB: {case['error']}")
+                    prog.advance(task)
     result = {"rate_bits": rate, "repeats": args.repeats, "cases": cases, "tcp_bits": tcp,
               "skipped": skipped, "seconds": time.time() - t_start,
               "load_average": {"before": load_before, "after": os.getloadavg()},
@@ -320,14 +406,29 @@ def main() -> None:
     rows = []
     for c in cases:
         g = c.get("goodput")
-        rows.append([c["system"], c["peers"], f"{c['size_mb']:g}", f"{c['ideal_s']:.2f}",
+        rival = [o for o in cases if o is not c and o["link"] == c["link"] and o["peers"] == c["peers"]
+                 and o["size_mb"] == c["size_mb"] and "goodput" in o]
+        rows.append([c["system"], c["link"], c["peers"], f"{c['size_mb']:g}", f"{c['ideal_s']:.2f}",
                      f"{c['allreduce_s']:.2f}" if g else "failed", f"{g:.3f}" if g else "-",
-                     f"{g * rate / c['tcp_bits']:.3f}" if g else "-",
+                     f"{c['goodput_min']:.3f}–{c['goodput_max']:.3f}" if g else "-",
+                     f"{g * rate / c['tcp_bits']:.3f}" if g else "-", _verdict(c, rival),
                      f"{c['group_s']:.2f}" if g else "-", f"{c.get('correct_rounds', 0)}/{args.repeats}"])
-    out.print(table(f"all-reduce goodput, each peer behind its own {rate / 1e6:g} Mbit/s link "
-                    f"(ideal = 2(k−1)/k · payload / rate; TCP goodput of one link: "
-                    + ", ".join(f"k={k}: {v / 1e6:.1f}" for k, v in tcp.items()) + " Mbit/s)",
-                    ["system", "peers", "MB", "ideal s", "all-reduce s", "of rate", "of TCP", "group s", "ok"], rows))
+    out.print(table(f"all-reduce goodput, each peer behind its own {rate / 1e6:g} Mbit/s link, systems in turn "
+                    f"(ideal = 2(k−1)/k · payload / rate; median and range of {args.repeats} repeats; TCP goodput of "
+                    "one link: " + ", ".join(f"{k}: {v / 1e6:.1f}" for k, v in tcp.items()) + " Mbit/s)",
+                    ["system", "link", "peers", "MB", "ideal s", "all-reduce s", "of rate", "range", "of TCP",
+                     "vs others", "group s", "ok"], rows))
+
+
+def _verdict(c: dict[str, Any], rivals: list[dict[str, Any]]) -> str:
+    """``ahead``/``behind`` only when the ranges of the repeats separate; else ``overlap``."""
+    if "goodput" not in c or not rivals:
+        return "-"
+    if all(c["goodput_min"] > r["goodput_max"] for r in rivals):
+        return "ahead"
+    if all(c["goodput_max"] < r["goodput_min"] for r in rivals):
+        return "behind"
+    return "overlap"
 
 
 def _machine() -> dict[str, Any]:
