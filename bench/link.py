@@ -113,7 +113,7 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
             err = float((res.tensors[0] - expect).abs().max())
             if rep >= 0:
                 _emit({"rep": rep, "group_s": t1 - t0, "allreduce_s": t2 - t1, "members": len(group.members),
-                       "partial": res.partial, "max_err": err})
+                       "partial": res.partial, "max_err": err, "timeline": res.timeline})
             else:
                 print("READY", flush=True)
         await asyncio.to_thread(_turn, Path(a.turns), "end")

@@ -106,6 +106,10 @@ class ButterflyRun:
         self.audit = audit
         self.results_at, self.relays_at, self.claims_at = VERIFIED if audit is not None else PLAIN
         self.own_commit: bytes | None = None
+        self.timeline: dict[str, float] = {}
+
+    def _mark(self, step: str) -> None:
+        self.timeline[step] = round(time.monotonic() - self.t0, 4)
 
     def _until(self, fraction: float) -> float:
         return self.t0 + self.timeout * fraction
@@ -141,8 +145,11 @@ class ButterflyRun:
             if sends:
                 await asyncio.wait(sends, timeout=max(0.0, self._left(GATHER)))
                 self.faults.in_allreduce()  # tests only: a peer dying mid all-reduce
+            self._mark("sent")
             await self._gather()
+            self._mark("gathered")
             await self._aggregate(tg)
+            self._mark("aggregated")
             results_out = [tg.create_task(_settled(self._send_result(j))) for j in self._others() if self.own]
             for done in [await t for t in sends]:
                 if isinstance(done, int):
@@ -150,10 +157,14 @@ class ButterflyRun:
                 else:
                     log.info("event=part_send_failed key=%s reason=%s", self.group.key, done)
             await self._await_results()
+            self._mark("results")
             await self._fetch_missing()
+            self._mark("relays")
             if self.audit is not None:
                 await self._verify(tg)  # its bytes are counted apart (ReduceResult.verify_bytes)
+                self._mark("verified")
             sent += sum(done for done in [await t for t in results_out] if isinstance(done, int))
+            self._mark("results_out")
         return sent
 
     # 1. reduce-scatter
@@ -390,6 +401,8 @@ class ButterflyRun:
                 continue
             out.add(j, a, b, part, res)
         result = out.result(self.group, self.phase, self.tensors, sent=sent, seconds=time.monotonic() - self.t0)
+        self._mark("assembled")
+        result.timeline = dict(self.timeline)
         if self.audit is not None:
             st = self.audit.stats
             result.verify_bytes, result.verify_seconds = st.bytes_sent + st.bytes_received, st.seconds
