@@ -45,16 +45,20 @@ def seed(*context: str | int | bytes) -> bytes:
     return h.digest()
 
 
-def _signs(bits: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """±1 (float32) for values ``[lo, hi)`` from the packed sign bits (one bit per value, low bit first)."""
-    packed = bits[lo // 8 : (hi + 7) // 8].to(torch.int64)
-    return _SIGNS.index_select(0, packed).reshape(-1)[lo % 8 : lo % 8 + (hi - lo)]
+def _signs(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """±1 (float32) for the first ``n`` values from the packed sign bits (one bit per value, low bit first)."""
+    return _SIGNS.index_select(0, bits.to(torch.int64)).reshape(-1)[:n]
+
+
+#: Values signed and summed at a time: bounds the memory of a sketch of a large part.
+_SLAB = 1 << 22
 
 
 def sketch(x: torch.Tensor, key: bytes, buckets: int = BUCKETS) -> torch.Tensor:
     """The float64 sketch of ``x`` (any shape, read flat) under ``key``: bucket b is Σ_k σ_k x_k over the b-th
     contiguous stretch of ``ceil(n / buckets)`` values, with signs σ from SHAKE-256 of ``key`` (the same on
-    every machine and torch version)."""
+    every machine and torch version). Vectorised: the values are signed (exact in float32) and summed in
+    float64 a slab of whole buckets at a time."""
     flat = x.detach().reshape(-1)
     n = flat.numel()
     out = torch.zeros(buckets, dtype=torch.float64)
@@ -62,15 +66,22 @@ def sketch(x: torch.Tensor, key: bytes, buckets: int = BUCKETS) -> torch.Tensor:
         return out
     bits = torch.frombuffer(bytearray(hashlib.shake_256(key).digest((n + 7) // 8)), dtype=torch.uint8)
     size = -(-n // buckets)
-    for b in range(buckets):
-        lo, hi = b * size, min(n, (b + 1) * size)
+    per = max(1, _SLAB // size)  # whole buckets per slab
+    for b0 in range(0, buckets, per):
+        lo, hi = b0 * size, min(n, (b0 + per) * size)
         if lo >= hi:
             break
+        off = lo % 8  # the slab starts inside a byte of sign bits (an odd bucket size)
+        signs = _signs(bits[lo // 8 : (hi + 7) // 8], off + hi - lo)[off:]
         chunk = flat[lo:hi]
         if chunk.dtype == torch.float64:
-            out[b] = torch.dot(chunk, _signs(bits, lo, hi).to(torch.float64))
+            signed = chunk * signs.to(torch.float64)
         else:  # x·(±1) is exact in float32; the sum is taken in float64
-            out[b] = torch.sum(chunk.float() * _signs(bits, lo, hi), dtype=torch.float64)
+            signed = (chunk.float() * signs).to(torch.float64)
+        count = -(-(hi - lo) // size)
+        padded = torch.zeros(count * size, dtype=torch.float64)
+        padded[: hi - lo] = signed
+        out[b0 : b0 + count] = padded.view(count, size).sum(1)
     return out
 
 

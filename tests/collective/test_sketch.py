@@ -85,3 +85,29 @@ def test_the_clipped_pulls_of_a_converged_centered_clip_cancel() -> None:
     res = sum(sketch(clipped(x, v, 5.0), key) for x in xs) / 5
     assert passes(res, (2 * CLIP_TOL * 5.0) ** 2, 1.0)
     assert not passes(sum(sketch(clipped(x, v + 0.5, 5.0), key) for x in xs) / 5, (2 * CLIP_TOL * 5.0) ** 2, 1.0)
+
+
+def _sketch_by_hand(x: torch.Tensor, key: bytes, buckets: int = BUCKETS) -> torch.Tensor:
+    """The sketch's definition, value by value in float64: bit k of SHAKE-256(key) (low bit first) signs x_k."""
+    flat = x.reshape(-1).double().tolist()
+    n = len(flat)
+    bits = hashlib.shake_256(key).digest((n + 7) // 8)
+    size = -(-n // buckets) if n else 1
+    out = [0.0] * buckets
+    for k, v in enumerate(flat):
+        out[k // size] += (1.0 - 2.0 * ((bits[k // 8] >> (k % 8)) & 1)) * v
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("slab", [1 << 22, 64, 9])
+def test_the_vectorised_sketch_is_its_definition(slab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever slabs the sums are taken in (odd bucket sizes start a slab inside a byte of sign bits)."""
+    import p2ptrain.collective.sketch as module
+
+    monkeypatch.setattr(module, "_SLAB", slab)
+    g = torch.Generator().manual_seed(3)
+    for n in (0, 1, 7, 31, 32, 33, 1000, 4099, 20_011):
+        x = torch.randn(n, generator=g)
+        want = _sketch_by_hand(x, b"key")
+        assert torch.allclose(sketch(x, b"key"), want, rtol=1e-12, atol=1e-9), n
+        assert torch.allclose(sketch(x.double(), b"key"), want, rtol=1e-12, atol=1e-9), n
