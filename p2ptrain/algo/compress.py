@@ -56,6 +56,11 @@ class Compressor(ABC):
 
     stateless = False
 
+    def expect_members(self, members: int) -> None:
+        """The number of members the next round is expected to have (a compressor that mirrors the
+        all-reduce's layout needs it); ignored by default."""
+        return None
+
     @abstractmethod
     def begin(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Start a round; return the float32 tensors to all-reduce (average across peers) in phase 0."""

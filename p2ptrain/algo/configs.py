@@ -23,7 +23,10 @@ class MethodConfig:
         H: inner steps per round (for fragments: between two syncs of the same fragment).
         outer_lr: η of the outer Nesterov step.
         outer_momentum: μ of the outer Nesterov step.
-        codec: wire format of the pseudo-gradients (fp32, fp16, bf16, uint8, fp8, e3m0).
+        codec: wire format of the pseudo-gradients (fp32, fp16, bf16, uint8, fp8, e3m0; 2bit, topk2 and
+            topk2:0.03 run behind error feedback, :mod:`p2ptrain.algo.feedback`).
+        ef_decay: β of error feedback, ``e ← β·e + Δ_i`` before each send (1: nothing is forgotten; SparseLoCo,
+            arXiv 2508.15706, decays it and drops the outer momentum). Only used by the error-feedback codecs.
         timeout: seconds a round may take on a real network before it is aborted.
     """
 
@@ -32,6 +35,7 @@ class MethodConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     codec: str = "fp32"
+    ef_decay: float = 1.0
     timeout: float = 60.0
 
     def __post_init__(self) -> None:
@@ -43,6 +47,8 @@ class MethodConfig:
             raise ValueError(f"{self.name}: outer momentum μ must be in [0, 1), got {self.outer_momentum}")
         if self.codec not in CODECS:
             raise ValueError(f"{self.name}: unknown codec {self.codec!r}; choose one of {', '.join(CODECS)}")
+        if not 0 < self.ef_decay <= 1:
+            raise ValueError(f"{self.name}: error-feedback decay β must be in (0, 1], got {self.ef_decay}")
         if self.timeout <= 0:
             raise ValueError(f"{self.name}: timeout must be positive")
 

@@ -229,6 +229,7 @@ class OuterLoop:
         comp = self.rules.compressor(frag.index, self.seed) if st.compressor.stateless else st.compressor
         rnd = Round(fragment, st.seq, step, step + self.tau, snap, delta, float(weight), comp, name=name,
                     theta=st.theta)
+        comp.expect_members(members or self.num_peers)
         rnd.payload = comp.begin(delta)
         rnd.state = RoundState.AVERAGING
         k = self.tau // self.cfg.H

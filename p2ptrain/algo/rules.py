@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..collective.butterfly import wire_roundtrip
+from ..collective.butterfly import parts_roundtrip, wire_roundtrip
 from ..collective.codecs import get_codec
 from .compress import Compressor, Identity, LowRank
 from .configs import (
@@ -34,6 +34,7 @@ from .configs import (
     StreamingConfig,
 )
 from .delay import taylor_compensate
+from .feedback import ErrorFeedback
 from .outer import alpha_merge
 from .schedule import streaming_sends
 
@@ -83,7 +84,11 @@ class Rules:
         return [t.clone() for t in theta], 0.0
 
     def compressor(self, index: int, seed: int) -> Compressor:
-        return Identity()
+        """Identity, or error feedback in front of a codec that needs it (``2bit``, ``topk2``)."""
+        codec = get_codec(self.cfg.codec)
+        if not codec.error_feedback:
+            return Identity()
+        return ErrorFeedback(lambda flat, members: parts_roundtrip(codec, flat, members), self.cfg.ef_decay)
 
 
 class StreamingRules(Rules):

@@ -28,8 +28,8 @@ import torch
 from .aggregate import aggregate
 from .codecs import Codec
 
-__all__ = ["CHUNK_VALUES", "MIN_CHUNK", "butterfly_mean", "chunk_bounds", "part_bounds", "ring_factor",
-           "wire_roundtrip"]
+__all__ = ["CHUNK_VALUES", "MIN_CHUNK", "butterfly_mean", "chunk_bounds", "part_bounds", "parts_roundtrip",
+           "ring_factor", "wire_roundtrip"]
 
 #: The smallest chunk (values) a part may be streamed in: bounds the number of frames per part.
 MIN_CHUNK = 1024
@@ -72,6 +72,17 @@ def wire_roundtrip(codec: Codec, flat: torch.Tensor, chunk: int | None = None) -
     out = torch.empty(flat.numel(), dtype=torch.float32)
     for a, b in chunk_bounds(flat.numel(), chunk):
         out[a:b] = codec.decode(codec.encode(flat[a:b]), b - a)
+    return out
+
+
+def parts_roundtrip(codec: Codec, flat: torch.Tensor, members: int, chunk: int = CHUNK_VALUES) -> torch.Tensor:
+    """What the owners receive of one member's whole vector ``flat`` (1-D fp32) in a butterfly of ``members``:
+    each part through the codec on its own, streamed in ``chunk``-value chunks (the owner's own part, sent to
+    no one, is taken the same way: with an idempotent codec that is what it holds)."""
+    out = torch.empty(flat.numel(), dtype=torch.float32)
+    for lo, hi in part_bounds(flat.numel(), members):
+        if hi > lo:
+            out[lo:hi] = wire_roundtrip(codec, flat[lo:hi].float(), chunk)
     return out
 
 

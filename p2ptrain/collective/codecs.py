@@ -140,6 +140,9 @@ class Codec(ABC):
     name: ClassVar[str]
     #: Whether encoding computes anything (quantisation) worth running on a GPU.
     computes: ClassVar[bool] = True
+    #: Whether the codec is meant to run behind error feedback (:mod:`p2ptrain.algo.feedback`): it drops so
+    #: much that a peer must keep what it did not send.
+    error_feedback: ClassVar[bool] = False
     #: Inputs smaller than this are encoded on the CPU (a GPU round trip costs more than it saves).
     GPU_MIN_NUMEL: ClassVar[int] = 1 << 16
 
@@ -454,3 +457,8 @@ def get_codec(name: str, device: torch.device | str | None = None) -> Codec:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(sorted(CODECS))}") from None
 
 
+
+
+# The 2-bit codecs live in a module of their own, which adds them to CODECS when imported (it builds on the
+# helpers above, so it is imported last).
+from . import lowbit as _lowbit  # noqa: E402, F401

@@ -14,6 +14,7 @@ from hypothesis.extra.numpy import arrays
 from p2ptrain.collective.codecs import CODECS, Codec, get_codec
 
 NAMES = ["fp32", "fp16", "bf16", "uint8", "fp8", "e3m0"]
+LOWBIT = ["2bit", "topk2", "topk2:0.03"]  # behind error feedback: tests/collective/test_lowbit.py
 F32_MAX = float(torch.finfo(torch.float32).max)
 TINY = 1e-37  # absolute slack for subnormal inputs, far below any value that matters
 
@@ -70,8 +71,8 @@ def _roundtrip(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_registry_names_and_unknown_codec() -> None:
-    assert sorted(CODECS) == sorted(NAMES)
-    for name in NAMES:
+    assert sorted(CODECS) == sorted(NAMES + LOWBIT)
+    for name in NAMES + LOWBIT:
         codec = get_codec(name)
         assert isinstance(codec, Codec) and codec.name == name
     with pytest.raises(ValueError, match="unknown codec 'fp4'") as info:

@@ -1,0 +1,110 @@
+"""Error feedback in front of a lossy wire codec (pure math: torch and the stdlib only).
+
+Each peer keeps what the wire did not carry of its pseudo-gradient and adds it to its next round's
+(EF-SGD, arXiv 1901.09847; SparseLoCo, arXiv 2508.15706, with top-k and 2-bit values):
+``m = Δ_i + β·e``, ``c = Q(m)``, ``e ← m − c``, send ``c``. Over rounds nothing is lost: the sum of what a peer
+sent plus its buffer is the sum of its pseudo-gradients (with β = 1; β < 1 forgets old mass, as
+SparseLoCo's decayed accumulator, which stands in for the outer momentum).
+
+``Q`` is the wire's round trip of the fragment's flat vector laid out as the all-reduce lays it out (one part
+per member, each part encoded on its own): the lossy codecs here are idempotent, so the owner of a part
+decodes exactly ``c`` and the buffer holds exactly what was not sent. When a round's group is not the size
+expected at send time, the parts start elsewhere and the wire re-encodes ``c``; what it drops then is not
+fed back (a dropped peer's round, rare).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .compress import Compressor, _match
+
+__all__ = ["ErrorFeedback"]
+
+#: (flat fp32 vector, members) -> what the members receive of it.
+RoundTrip = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+class ErrorFeedback(Compressor):
+    """One all-reduce phase whose payload is ``Q(Δ_i + e)``; ``e`` keeps the rest (see the module docstring).
+
+    The buffer is this peer's own (checkpointed; a joining peer starts from zero: it sent nothing yet). It is
+    committed when the round starts; :meth:`abort` (a failed all-reduce, whose progress re-enters the next
+    pseudo-gradient) puts back the buffer from before that round, unless a later round started meanwhile.
+    """
+
+    stateless = False
+
+    def __init__(self, roundtrip: RoundTrip, decay: float = 1.0) -> None:
+        if not 0 < decay <= 1:
+            raise ValueError(f"error-feedback decay β must be in (0, 1], got {decay}")
+        self.roundtrip, self.decay = roundtrip, float(decay)
+        self.members = 1
+        self._error: torch.Tensor | None = None  # (n,) f32 on the CPU, None until the first round
+        self._before: torch.Tensor | None = None  # the buffer before the latest round
+        self._open = 0  # rounds begun and not yet received or aborted (eager overlaps rounds)
+        self._shapes: list[torch.Size] = []
+        self._devices: list[torch.device] = []
+        self._result: list[torch.Tensor] | None = None
+
+    def expect_members(self, members: int) -> None:
+        self.members = max(1, int(members))
+
+    @property
+    def error(self) -> torch.Tensor | None:
+        """This peer's buffer (flat, float32), None before the first round."""
+        return self._error
+
+    def begin(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors]) if tensors \
+            else torch.zeros(0)
+        if self._error is not None and self._error.numel() != flat.numel():
+            raise ValueError(f"error buffer holds {self._error.numel()} values, the round has {flat.numel()}")
+        # (n,) f32, a new tensor either way
+        m = flat if self._error is None else flat.add(self._error, alpha=self.decay)
+        sent = self.roundtrip(m, self.members)  # (n,) f32: what the members decode
+        self._before = self._error
+        self._open += 1
+        self._error = m.sub_(sent)  # what was not sent, in m's own buffer
+        self._shapes, self._devices, self._result = [t.shape for t in tensors], [t.device for t in tensors], None
+        out, offset = [], 0
+        for t in tensors:
+            out.append(sent[offset : offset + t.numel()].view(t.shape).to(t.device))
+            offset += t.numel()
+        return out
+
+    def receive(self, averaged: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        if self._open == 0:
+            raise RuntimeError("receive() called without a round in progress")
+        self._result = _match(averaged, self._shapes, self._devices)
+        self._open -= 1
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        if self._result is None:
+            raise RuntimeError("result() called before the round finished")
+        return list(self._result)
+
+    def abort(self) -> None:
+        if self._open == 1:  # the only open round is the latest: its buffer update is undone
+            self._error = self._before
+        self._open = max(0, self._open - 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``error``: [the flat buffer] (a CPU copy), or [] before the first round."""
+        return {"error": [] if self._error is None else [self._error.clone()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            errors = list(state["error"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not an error-feedback state: {exc}") from None
+        if len(errors) > 1 or (errors and errors[0].dim() != 1):
+            raise ValueError("an error-feedback state holds at most one flat buffer")
+        if errors and not bool(torch.isfinite(errors[0]).all()):
+            raise ValueError("error-feedback buffer holds non-finite values")
+        self._error = errors[0].detach().to("cpu", torch.float32, copy=True) if errors else None
+        self._before, self._open, self._result = None, 0, None

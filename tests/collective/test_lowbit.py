@@ -1,0 +1,198 @@
+"""The 2-bit codecs (``2bit``, ``topk2``, ``topk2:0.03``): byte counts, hand-computed payloads, a float64
+reference, idempotence (what error feedback relies on), error bounds and hostile payloads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2ptrain.collective.codecs import get_codec
+from p2ptrain.collective.lowbit import TopK2Codec, pack_bits, unpack_bits
+
+SPARSE = ["topk2", "topk2:0.03"]
+LOWBIT = ["2bit", *SPARSE]
+HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _data(n: int, seed: int, kind: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen, dtype=torch.float64)
+    if kind == 1:  # heavy tails
+        x = x * torch.exp(3.0 * torch.randn(n, generator=gen, dtype=torch.float64))
+    elif kind == 2:  # mostly zeros: blocks with fewer nonzeros than slots
+        x = x * (torch.rand(n, generator=gen, dtype=torch.float64) < 0.003)
+    return x.to(torch.float32)
+
+
+def _size(name: str, n: int) -> int:
+    if name == "2bit":
+        return 2 * math.ceil(n / 128) + math.ceil(n / 4)
+    k = {"topk2": 10, "topk2:0.03": 31}[name]
+    nb = math.ceil(n / 1024)
+    s = (nb - 1) * k + min(k, n - (nb - 1) * 1024) if nb else 0
+    return 4 * nb + math.ceil(10 * s / 8) + math.ceil(s / 4)
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 9, 10, 11, 127, 128, 129, 1023, 1024, 1025, 3000, 5000])
+def test_byte_counts(name: str, n: int) -> None:
+    codec = get_codec(name)
+    assert codec.encoded_size(n) == _size(name, n)
+    assert len(codec.encode(_data(n, n))) == _size(name, n)
+
+
+def test_payload_ratios() -> None:
+    n = 1 << 20
+    assert 4 * n / get_codec("topk2").encoded_size(n) > 215  # (10·12 + 32) bits per 1024 values
+    assert 4 * n / get_codec("topk2:0.03").encoded_size(n) > 81
+    assert 4 * n / get_codec("2bit").encoded_size(n) > 15
+
+
+def test_two_bit_hand_computed() -> None:
+    """absmax 3 (bf16 0x4040); |x| >= 2 codes the high level: 3 → +3, -1 → -1, 0.5 → +1, -2.5 → -3."""
+    codec = get_codec("2bit")
+    x = torch.tensor([3.0, -1.0, 0.5, -2.5])
+    data = codec.encode(x)
+    # codes 0b01, 0b10, 0b00, 0b11, first in the low bits: 1 + 2·4 + 0·16 + 3·64 = 201
+    assert data == bytes([0x40, 0x40, 201])
+    assert codec.decode(data, 4).tolist() == [3.0, -1.0, 1.0, -3.0]
+
+
+def test_topk2_hand_computed() -> None:
+    """A block of 12 values keeps min(10, 12) = 10; the two smallest magnitudes decode to 0; lo = 1, hi = 8;
+    magnitudes >= 4.5 code hi."""
+    codec = get_codec("topk2")
+    x = torch.tensor([0.0, 8.0, -1.0, 2.0, -5.0, 0.25, 4.0, -7.0, 1.5, 3.0, -6.0, 4.5])
+    out = codec.decode(codec.encode(x), 12)
+    assert out.tolist() == [0.0, 8.0, -1.0, 1.0, -8.0, 0.0, 1.0, -8.0, 1.0, 1.0, -8.0, 8.0]
+    data = codec.encode(x)
+    header = torch.frombuffer(bytearray(data[:4]), dtype=torch.int16).view(torch.bfloat16).float().tolist()
+    assert header == [1.0, 8.0]
+    idx, clean = unpack_bits(torch.frombuffer(bytearray(data[4:4 + 13]), dtype=torch.uint8), 10, 10)
+    assert clean and idx.tolist() == [1, 2, 3, 4, 6, 7, 8, 9, 10, 11]
+
+
+def _reference_topk2(x: torch.Tensor, k: int) -> torch.Tensor:
+    """float64 reference of topk2's decode, block by block (no packing)."""
+    x64 = x.double()
+    out = torch.zeros_like(x64)
+    for a in range(0, x.numel(), 1024):
+        blk = x64[a : a + 1024]
+        kk = min(k, blk.numel())
+        order = sorted(range(blk.numel()), key=lambda i: (-abs(float(blk[i])), i))[:kk]
+        mags = [abs(float(blk[i])) for i in order]
+        lo = float(torch.tensor(min(mags)).float().bfloat16().double())
+        hi = float(torch.tensor(max(mags)).float().bfloat16().double())
+        for i in order:
+            m = abs(float(blk[i]))
+            level = hi if (lo == hi and hi > 0) or (hi > lo and 2 * m >= lo + hi) else lo
+            out[a + i] = -level if float(blk[i]) < 0 else level
+    return out
+
+
+@pytest.mark.parametrize("name", SPARSE)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_topk2_matches_a_float64_reference(name: str, seed: int) -> None:
+    codec = get_codec(name)
+    x = _data(2500, seed)
+    got = codec.decode(codec.encode(x), x.numel()).double()
+    assert torch.equal(got, _reference_topk2(x, type(codec).slots()))
+
+
+def test_two_bit_matches_a_float64_reference() -> None:
+    codec = get_codec("2bit")
+    x = _data(1000, 3, kind=1)
+    got = codec.decode(codec.encode(x), x.numel()).double()
+    ref = torch.zeros(1000, dtype=torch.float64)
+    for a in range(0, 1000, 128):
+        blk = x[a : a + 128].double()
+        s = float(blk.abs().max().float().bfloat16().double())
+        for i, v in enumerate(blk.tolist()):
+            level = s if abs(v) >= s * 2 / 3 else s / 3
+            ref[a + i] = -level if v < 0 else level
+    assert torch.allclose(got, ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", LOWBIT)
+@HYP
+@given(n=st.integers(1, 4000), seed=st.integers(0, 2**31 - 1), kind=st.integers(0, 2))
+def test_idempotent_and_within_the_error_bound(name: str, n: int, seed: int, kind: int) -> None:
+    """decode(encode(y)) == y for a decoded y (so an owner receives exactly what error feedback assumed),
+    and |x − decoded| <= error_bound(decoded) against a float64 reference."""
+    codec = get_codec(name)
+    x = _data(n, seed, kind)
+    data = codec.encode(x)
+    y = codec.decode(data, n)
+    again = codec.encode(y)
+    assert torch.equal(codec.decode(again, n), y)
+    assert ((x.double() - y.double()).abs() <= codec.error_bound(y).double()).all()
+
+
+def test_pack_bits_round_trips() -> None:
+    for bits in (2, 10):
+        for n in (0, 1, 3, 4, 5, 17, 100):
+            v = torch.randint(0, 2**bits, (n,))
+            packed = pack_bits(v, bits)
+            assert packed.numel() == math.ceil(n * bits / 8)
+            back, clean = unpack_bits(packed, n, bits)
+            assert clean and torch.equal(back, v)
+
+
+# -- hostile payloads -----------------------------------------------------------------------------------------
+
+
+def topk2_payload(lo: float, hi: float, indices: list[int], codes: list[int], extra: bytes = b"") -> bytes:
+    """A one-block topk2 payload built by hand (whatever the indices: the decoder must judge them)."""
+    header = torch.tensor([lo, hi], dtype=torch.bfloat16).view(torch.int16)
+    return (header.numpy().tobytes() + pack_bits(torch.tensor(indices), 10).numpy().tobytes()
+            + pack_bits(torch.tensor(codes), 2).numpy().tobytes() + extra)
+
+
+def test_a_hand_built_payload_decodes() -> None:
+    data = topk2_payload(1.0, 2.0, [0, 3, 5, 6, 7, 8, 9, 10, 11, 12], [1, 0, 2, 3, 0, 0, 0, 0, 0, 1])
+    out = get_codec("topk2").decode(data, 13)
+    assert out[:7].tolist() == [2.0, 0.0, 0.0, 1.0, 0.0, -1.0, -2.0]
+
+
+@pytest.mark.parametrize(("indices", "why"), [
+    ([0, 3, 5, 6, 7, 8, 9, 10, 11, 13], "outside its block"),  # 13 is past a 13-value block
+    ([0, 3, 3, 6, 7, 8, 9, 10, 11, 12], "strictly increasing"),  # duplicated
+    ([0, 5, 3, 6, 7, 8, 9, 10, 11, 12], "strictly increasing"),  # unsorted
+])
+def test_hostile_index_sets_are_refused(indices: list[int], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        get_codec("topk2").decode(topk2_payload(1.0, 2.0, indices, [0] * 10), 13)
+
+
+def test_oversized_and_malformed_headers_are_refused() -> None:
+    codec = get_codec("topk2")
+    good = [0, 3, 5, 6, 7, 8, 9, 10, 11, 12]
+    with pytest.raises(ValueError, match="must be"):  # one slot more than the block has: a longer payload
+        codec.decode(topk2_payload(1.0, 2.0, [*good, 1], [0] * 11), 13)
+    with pytest.raises(ValueError, match="must be"):
+        codec.decode(topk2_payload(1.0, 2.0, good, [0] * 10, extra=b"\0"), 13)
+    for lo, hi in ((2.0, 1.0), (-1.0, 1.0), (float("nan"), 1.0), (0.0, float("inf"))):
+        with pytest.raises(ValueError, match="header"):
+            codec.decode(topk2_payload(lo, hi, good, [0] * 10), 13)
+    data = bytearray(topk2_payload(1.0, 2.0, good, [0] * 10))
+    data[-1] |= 0xF0  # padding bits after the 10 codes (20 bits: 4 padding bits in the last byte)
+    with pytest.raises(ValueError, match="padding"):
+        codec.decode(bytes(data), 13)
+
+
+def test_two_bit_refuses_bad_scales_and_padding() -> None:
+    codec = get_codec("2bit")
+    for s in (-1.0, float("inf"), float("nan")):
+        scale = torch.tensor([s], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+        with pytest.raises(ValueError, match="scale"):
+            codec.decode(scale + b"\0", 3)
+    with pytest.raises(ValueError, match="padding"):
+        codec.decode(b"\x40\x40\xc0", 3)
+
+
+def test_slots_of_the_presets() -> None:
+    assert TopK2Codec.slots() == 10 and get_codec("topk2:0.03").slots() == 31
