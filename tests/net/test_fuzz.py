@@ -199,12 +199,59 @@ def test_evidence_parses_or_refuses_and_never_decodes_past_its_size(msg: dict[st
         pass
 
 
-def _signed_part(ident: Identity, values: torch.Tensor) -> dict[str, Any]:
-    codec = get_codec("fp32")
-    data = codec.encode(values)
-    sig, _ = sign_contribution(ident, "p2ptrain", "k", 0, 0, 1.0, values.numel(), "fp32", None, payload_sha([data]))
-    return {"key": "k", "phase": 0, "part": 0, "weight": 1.0, "fp": None, "codec": "fp32", "numel": values.numel(),
+def _signed_part(ident: Identity, values: torch.Tensor, codec: str = "fp32", data: bytes | None = None
+                 ) -> dict[str, Any]:
+    data = get_codec(codec).encode(values) if data is None else data
+    sig, _ = sign_contribution(ident, "p2ptrain", "k", 0, 0, 1.0, values.numel(), codec, None, payload_sha([data]))
+    return {"key": "k", "phase": 0, "part": 0, "weight": 1.0, "fp": None, "codec": codec, "numel": values.numel(),
             "data": data, "sig": sig, "pk": ident.public}
+
+
+@FUZZ
+@given(st.sampled_from(["topk2", "topk2:0.03"]), st.integers(1, 3000), st.integers(0, 2**31 - 1),
+       st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6))
+def test_sparse_payloads_with_mutated_index_sets_decode_or_refuse(name: str, n: int, seed: int,
+                                                                   edits: list[tuple[int, int]]) -> None:
+    """A real top-k payload with bytes of its index set (after the block headers) overwritten: it decodes to
+    at most the slots' worth of nonzeros, each inside its block, or it is refused."""
+    codec = get_codec(name)
+    data = bytearray(codec.encode(torch.randn(n, generator=torch.Generator().manual_seed(seed))))
+    blocks = -(-n // codec.BLOCK)
+    for where, byte in edits:
+        data[4 * blocks + where % max(1, len(data) - 4 * blocks)] = byte
+    try:
+        out = codec.decode(bytes(data), n)
+    except ValueError:
+        return
+    assert out.numel() == n and int((out != 0).sum()) <= codec._slot_counts(n)[1]
+
+
+def _topk2_payload(indices: list[int], codes: int = 10) -> bytes:
+    """A one-block topk2 payload for 13 values (lo 1, hi 2) with the given index set."""
+    from p2ptrain.collective.lowbit import pack_bits
+
+    header = torch.tensor([1.0, 2.0], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+    return (header + pack_bits(torch.tensor(indices), 10).numpy().tobytes()
+            + pack_bits(torch.zeros(codes, dtype=torch.int64), 2).numpy().tobytes())
+
+
+@pytest.mark.parametrize("indices", [
+    [0, 3, 5, 6, 7, 8, 9, 10, 11, 13],  # out of range: 13 is past a 13-value block
+    [0, 3, 3, 6, 7, 8, 9, 10, 11, 12],  # duplicated
+    [0, 5, 3, 6, 7, 8, 9, 10, 11, 12],  # unsorted
+    [0, 1, 3, 5, 6, 7, 8, 9, 10, 11, 12],  # oversized: one slot more than the block has
+])
+def test_a_part_with_a_hostile_index_set_is_refused(indices: list[int]) -> None:
+    """A signed sparse part whose index set is out of range, duplicated, unsorted or oversized is refused
+    like any bad payload (and its sender gets a strike); the same part with a valid set is accepted."""
+    t = _transport()
+    ident = Identity.generate()
+    values = torch.zeros(13)
+    bad = _signed_part(ident, values, "topk2", _topk2_payload(indices, codes=len(indices)))
+    assert "error" in asyncio.run(t._on_part(ident.peer_id, decode_message(encode_message(bad))))
+    assert t.guard.strikes[ident.peer_id] == 1
+    good = _signed_part(ident, values, "topk2", _topk2_payload([0, 3, 5, 6, 7, 8, 9, 10, 11, 12]))
+    assert asyncio.run(t._on_part(ident.peer_id, decode_message(encode_message(good)))) == {"ok": True}
 
 
 def test_a_well_formed_part_is_accepted() -> None:
