@@ -60,24 +60,27 @@ class FaultPlan:
     Attributes:
         kill_in_allreduce: die in this all-reduce phase (1 is the first), or never.
         kill_in_checkpoint: die half-way through this checkpoint write (1 is the first), or never.
+        kill_after_chunks: die once this many chunks of streamed parts are sent (mid-stream), or never.
         corrupt: send broken updates of this kind (:data:`CORRUPTIONS`), or honest ones.
         lie: as a part's owner, send back a wrong average of this kind (:data:`LIES`), or the true one;
             lie_to_some: only to every other member (the rest get the true one).
         frame: send wrong sketches of this peer's contributions in the round's checks.
         forge: a lying owner's claims pass its lie off as its own share (the sketches then add up).
-        allreduces, checkpoints: all-reduce phases and checkpoint writes begun so far.
+        allreduces, checkpoints, chunks_sent: all-reduce phases, checkpoint writes and streamed chunks begun so far.
         armed: the checkpoint write under way is the one to die in.
         kill: what dying is (SIGKILL of this process; a test may record instead).
     """
 
     kill_in_allreduce: int | None = None
     kill_in_checkpoint: int | None = None
+    kill_after_chunks: int | None = None
     corrupt: str | None = None
     lie: str | None = None
     lie_to_some: bool = False
     frame: bool = False
     forge: bool = False
     allreduces: int = 0
+    chunks_sent: int = 0
     checkpoints: int = 0
     armed: bool = False
     kill: Callable[[], None] = field(default=_sigkill_self, repr=False, compare=False)
@@ -102,6 +105,15 @@ class FaultPlan:
             return
         self.allreduces += 1
         if self.allreduces == self.kill_in_allreduce:
+            self.kill()
+
+    def in_stream(self, sent: int) -> None:
+        """Called by a part's stream with one more chunk sent (``sent`` so far in it): dies at the chosen count,
+        summed over every stream."""
+        if self.kill_after_chunks is None:
+            return
+        self.chunks_sent += 1
+        if self.chunks_sent == self.kill_after_chunks:
             self.kill()
 
     def checkpoint_begins(self) -> None:

@@ -40,6 +40,7 @@ from .chunks import EncodedStream, chunked_size, decode_chunked, encode_ahead
 from .guard import Guard
 from .mailbox import Mailbox
 from .parts import Assembly, flatten, result_problem, select_contributions
+from .pipelined import PipelinedMean, Source, whole
 from .streams import ChunkSource, Trailer
 from .transport import Group, ReduceResult, RoundFailed
 from .wire import encode_message
@@ -88,7 +89,7 @@ class ButterflyRun:
     def __init__(self, *, group: Group, phase: int, me: str, tensors: Sequence[torch.Tensor], weight: float,
                  codec: Codec, timeout: float, fingerprint: Sequence[float] | None, box: Mailbox, call: Call,
                  gone: Callable[[], set[str]], guard: Guard, links: LinkMeter, chunk: int, faults: FaultPlan,
-                 audit: Audit | None = None) -> None:
+                 audit: Audit | None = None, pipeline: bool = True) -> None:
         self.t0 = time.monotonic()
         self.group, self.phase, self.me_id = group, phase, me
         self.members = list(group.members)
@@ -96,7 +97,7 @@ class ButterflyRun:
         self.tensors, self.weight, self.codec, self.timeout = tensors, float(weight), codec, timeout
         self.fp = None if fingerprint is None else [float(v) for v in fingerprint]
         self.box, self.call, self.gone, self.guard, self.links = box, call, gone, guard, links
-        self.chunk, self.faults = chunk, faults
+        self.chunk, self.faults, self.pipeline = chunk, faults, pipeline
         self.flat = flatten(tensors)
         self.bounds = part_bounds(self.flat.numel(), len(self.members))
         self.own: dict[str, Any] | None = None  # our averaged part's result message, once aggregated
@@ -142,15 +143,17 @@ class ButterflyRun:
         sent = 0
         async with asyncio.TaskGroup() as tg:
             sends = [tg.create_task(_settled(self._send_part(j))) for j in self._others()]
+            results_out = await self._pipelined(tg) if self._pipelinable() else None
             if sends:
                 await asyncio.wait(sends, timeout=max(0.0, self._left(GATHER)))
                 self.faults.in_allreduce()  # tests only: a peer dying mid all-reduce
             self._mark("sent")
-            await self._gather()
-            self._mark("gathered")
-            await self._aggregate(tg)
-            self._mark("aggregated")
-            results_out = [tg.create_task(_settled(self._send_result(j))) for j in self._others() if self.own]
+            if results_out is None:  # the whole-part path
+                await self._gather()
+                self._mark("gathered")
+                await self._aggregate(tg)
+                self._mark("aggregated")
+                results_out = [tg.create_task(_settled(self._send_result(j))) for j in self._others() if self.own]
             for done in [await t for t in sends]:
                 if isinstance(done, int):
                     sent += done
@@ -200,6 +203,7 @@ class ButterflyRun:
                     async for data in chunks:
                         pieces.append(data)
                         yield data
+                        self.faults.in_stream(len(pieces))  # tests only: a peer dying mid-stream
 
             trailer = None
             if audit is not None:
@@ -282,6 +286,58 @@ class ButterflyRun:
             # (A forging liar holds its lie, so that its claims are made under the lie's seed.)
             self.box.results[self.me] = own if self.forged is None else dict(self.lie or own)
 
+    # 2+3. pipelined: the plain mean chunk by chunk as the contributions arrive, sent back at once
+    def _pipelinable(self) -> bool:
+        lo, hi = self.bounds[self.me]
+        cfg = self.guard.cfg
+        return (self.pipeline and cfg.aggregation == "mean" and cfg.norm_bound is None and self.faults.lie is None
+                and not self.faults.forge and hi - lo > self.chunk and len(self.members) > 1)
+
+    async def _pipelined(self, tg: asyncio.TaskGroup) -> list[asyncio.Task[int | Exception]] | None:
+        """Average our part chunk by chunk as the contributions stream in (net/pipelined.py), sending each
+        chunk of the average to every member as soon as it is computed; the tasks of those sends, or None
+        when it cannot be done so (no other contributor, or one broke off or was late: then nothing of
+        this average was filed anywhere, and the caller takes the whole-part path)."""
+        lo, hi = self.bounds[self.me]
+        box = self.box
+
+        def heard() -> bool:  # every member's header (or whole contribution) is in, or it is not coming
+            missing = set(self.members) - set(box.contribs) - set(box.inflows)
+            return not missing or missing <= self.gone()
+
+        await box.wait_until(heard, self._until(GATHER))
+        self._mark("headers")
+        heads: dict[str, Any] = {p: (f.part, f.progress.values, f.weight, f.fp) for p, f in box.inflows.items()
+                                 if not f.progress.failed}
+        heads |= box.contribs
+        sel = select_contributions(heads, self.members, self.me, hi - lo)
+        use = [p for p in sel.use if p == self.me_id or not self.guard.is_banned(p)]
+        if len(use) < 2:
+            return None
+        sources = [Source(p, whole(box.contribs[p][1]) if p in box.contribs else box.inflows[p].progress,
+                          sel.use[p][1]) for p in use]
+        stream = PipelinedMean(self.codec, hi - lo, self.chunk, sources, box, box.contribs, self._until(GATHER))
+        own = {"key": self.group.key, "phase": self.phase, "part": self.me, "contributors": sorted(use),
+               "total": float(sum(s.weight for s in stream.sources)), "agree": sorted(sel.agree), "numel": hi - lo,
+               "codec": self.codec.name, "chunk": self.chunk, "chunks": len(stream.bounds)}
+        self.own, self.stream = own, stream
+        producer = tg.create_task(_settled(stream.produce()))
+        outs = [tg.create_task(_settled(self._send_result(j))) for j in self._others()]
+        if (failed := await producer) is None:
+            mine = {**own, "_tensor": stream.decoded, "_pieces": stream.payloads}
+            if self.audit is not None:
+                mine["osig"] = self.audit.sign_result(own, stream.payloads)
+            box.results[self.me] = mine
+            box.poke()
+            self._mark("aggregated")
+            return outs
+        log.info("event=pipeline_fallback key=%s phase=%d reason=%s", self.group.key, self.phase, failed)
+        for t in outs:  # their streams end unfinished: no member files an incomplete average
+            t.cancel()
+        await asyncio.gather(*outs, return_exceptions=True)
+        self.own, self.stream = None, None
+        return None
+
     # 3. all-gather
     async def _send_result(self, j: int) -> int:
         """Send our averaged part to member j; the payload bytes if it took them, else 0."""
@@ -351,12 +407,15 @@ class ButterflyRun:
                                                    timeout=max(0.1, self._left(self.claims_at)))))
                  for j in self._others()]
         audit.box.checks[self.me_id] = {e.part: e for e in entries}
+        self._mark("claims_sent")
         deadline = self._until(self.claims_at)
         while (missing := set(self.members) - set(self.box.checks)) and time.monotonic() < deadline:
             if missing <= self.gone():
                 break
             await self.box.wait(min(deadline, time.monotonic() + 0.5))
+        self._mark("claims_in")
         await audit.judge_all(self._until(VERDICTS))
+        self._mark("judged")
         # Verdicts: what one member proved wrong (an audit drew it), every member checks for itself.
         verdict = audit.verdict_message()
         vsize = len(encode_message(verdict))
@@ -368,6 +427,7 @@ class ButterflyRun:
             if missing <= self.gone():
                 break
             await self.box.wait(min(deadline, time.monotonic() + 0.5))
+        self._mark("verdicts_in")
         await audit.reconcile(self._until(1.0))
         audit.stats.bytes_sent += sum(size for done in [await t for t in sends] if not isinstance(done, Exception))
         audit.stats.bytes_sent += sum(vsize for done in [await t for t in told] if not isinstance(done, Exception))

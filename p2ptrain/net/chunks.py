@@ -11,7 +11,7 @@ encodes it once for all of them (:class:`EncodedStream`); a receiver decodes eac
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -21,7 +21,7 @@ from ..collective.butterfly import MIN_CHUNK, chunk_bounds
 from ..collective.codecs import Codec
 from .transport import RoundFailed
 
-__all__ = ["EncodedStream", "Refused", "chunked_size", "decode_chunked", "encode_ahead", "receive_chunks"]
+__all__ = ["EncodedStream", "Progress", "Refused", "chunked_size", "decode_chunked", "encode_ahead", "receive_chunks"]
 
 
 class Refused(ValueError):
@@ -131,19 +131,43 @@ class EncodedStream:
                 await self._tick.wait()
 
 
-async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int) -> tuple[torch.Tensor, list[bytes]]:
+class Progress:
+    """How much of a streamed payload has arrived, for a reader that uses it before it is whole (the owner's
+    pipelined mean, net/pipelined.py): ``values`` fills from the front, ``ready`` values of it decoded;
+    ``failed`` once the stream broke or was refused. ``tick()`` runs after every change."""
+
+    def __init__(self, numel: int, tick: Callable[[], None]) -> None:
+        self.values = torch.empty(numel, dtype=torch.float32)
+        self.ready, self.failed, self.tick = 0, False, tick
+
+
+async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int,
+                         progress: Progress | None = None) -> tuple[torch.Tensor, list[bytes]]:
     """Decode a streamed payload chunk by chunk as it arrives: (values, the chunks' payloads).
 
     ``msg`` is the header (``chunk``, ``chunks``) with an async generator of the chunk frames' payloads in
     ``_frames`` (each read bounded in size and time by the stream layer). Refused if the chunking or a chunk's size does
-    not match the header, or a chunk does not decode; the frames are closed either way.
+    not match the header, or a chunk does not decode; the frames are closed either way. ``progress`` (if any)
+    receives the values as they are decoded, and is marked failed if the stream does not end whole.
     """
-    chunk, count, frames = msg["chunk"], msg["chunks"], msg.get("_frames")
-    chunked_size(codec, numel, chunk)  # Refused for a bad chunk size
-    bounds = chunk_bounds(numel, chunk)
-    if frames is None or count != len(bounds):
-        raise Refused(f"{count!r} chunks announced for {numel} values in chunks of {chunk}")
-    out, pieces = torch.empty(numel, dtype=torch.float32), []
+    try:
+        chunk, count, frames = msg["chunk"], msg["chunks"], msg.get("_frames")
+        chunked_size(codec, numel, chunk)  # Refused for a bad chunk size
+        bounds = chunk_bounds(numel, chunk)
+        if frames is None or count != len(bounds):
+            raise Refused(f"{count!r} chunks announced for {numel} values in chunks of {chunk}")
+        return await _receive(frames, codec, numel, bounds, progress)
+    except BaseException:
+        if progress is not None:
+            progress.failed = True
+            progress.tick()
+        raise
+
+
+async def _receive(frames: AsyncGenerator[bytes, None], codec: Codec, numel: int, bounds: list[tuple[int, int]],
+                   progress: Progress | None) -> tuple[torch.Tensor, list[bytes]]:
+    out = progress.values if progress is not None else torch.empty(numel, dtype=torch.float32)
+    pieces: list[bytes] = []
     async with aclosing(frames) as it:
         async for data in it:
             a, b = bounds[len(pieces)]
@@ -154,6 +178,9 @@ async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int) -> tuple
             except ValueError as e:
                 raise Refused(f"undecodable chunk {len(pieces)} ({e})") from None
             pieces.append(data)
+            if progress is not None:
+                progress.ready = b
+                progress.tick()
             if len(pieces) == len(bounds):
                 break
     if len(pieces) != len(bounds):

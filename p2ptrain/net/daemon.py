@@ -73,6 +73,9 @@ class SwarmConfig:
         audit_rate: exact audits of each part per round, on average (net/audit.py): each costs the auditor
             the part's contributions; 0.1 costs about 5% of a round's bytes.
         dht_timeout: seconds any one DHT store, lookup or address query may take (TimeoutError after).
+        pipeline: an owner averages its part (plain mean, no norm bound) chunk by chunk as the contributions
+            stream in, and sends each chunk of the average back at once (net/pipelined.py); False: it
+            waits for whole contributions (for comparisons; peers of one run may differ in it).
         muxer: the daemon's stream multiplexer on every connection: ``yamux`` (libp2p's default: per-stream
             flow-control windows) or ``mplex`` (no windows). Every peer of a run must support the other's.
         faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
@@ -100,6 +103,7 @@ class SwarmConfig:
     swarm_key: SwarmKey | None = None
     verify: bool = True
     audit_rate: float = 0.1
+    pipeline: bool = True
     muxer: str = "yamux"
     dht_timeout: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan.from_env)

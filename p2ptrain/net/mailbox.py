@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..collective.codecs import get_codec
-from .chunks import Refused, receive_chunks
+from .chunks import Progress, Refused, receive_chunks
 from .claims import Entry, Evidence, commitment, parse_checks, payload_sha
 from .guard import Guard
 from .identity import verify_signature
@@ -36,10 +37,24 @@ Contribution = tuple[int, torch.Tensor, float, list[float] | None]
 
 
 @dataclass
+class Inflow:
+    """A streamed contribution while it arrives: its header's part, weight, size and fingerprint, and how
+    much of it is decoded (``progress``). It becomes a :data:`Contribution` once whole (and, with verified
+    aggregation, signed)."""
+
+    part: int
+    weight: float
+    numel: int
+    fp: list[float] | None
+    progress: Progress
+
+
+@dataclass
 class Mailbox:
     """Frames that arrived for one (round, phase): contributions to our part, and results of parts."""
 
     contribs: dict[str, Contribution] = field(default_factory=dict)
+    inflows: dict[str, Inflow] = field(default_factory=dict)  # streamed contributions, from their header on
     unreachable: set[str] = field(default_factory=set)  # members our sends could not reach
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     evidence: dict[str, Evidence] = field(default_factory=dict)  # signed contributions to our part, kept
@@ -54,6 +69,21 @@ class Mailbox:
 
     def poke(self) -> None:
         self.changed.set()
+
+    async def wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
+        """Wait until ``ready()`` holds (checked after every arrival) or ``deadline`` (monotonic) passes;
+        whether it holds."""
+        while True:
+            self.changed.clear()
+            if ready():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except TimeoutError:
+                pass
 
     async def wait(self, deadline: float) -> None:
         """Wait until something arrives or ``deadline`` (monotonic) passes, whichever comes first."""
@@ -71,6 +101,7 @@ class Mailbox:
         evidence stays until ``evidence_until`` (monotonic: the end of the other members' judging)."""
         self.finished = time.monotonic()
         self.contribs.clear()
+        self.inflows.clear()
         self.evidence_until = evidence_until
 
 
@@ -121,9 +152,21 @@ class Mailboxes:
         if (reason := self.guard.bad_weight(msg["weight"])) is not None:
             self.guard.strike(sender, reason)
             return {"error": reason}
+        fp = msg.get("fp")
+        fp = None if fp is None else [float(v) for v in fp]
+        key, phase, part = str(msg["key"]), int(msg["phase"]), int(msg["part"])
+        box = self.box(key, phase)
+        progress = None
         if streamed:
+            held = box.inflows.get(sender)
+            if sender in box.contribs or (held is not None and not held.progress.failed):
+                # One contribution per member and phase: an owner may be averaging the first one already.
+                return {"error": "a contribution of this member to this phase is already here"}
+            progress = Progress(numel, box.poke)
+            box.inflows[sender] = Inflow(part, float(msg["weight"]), numel, fp, progress)
+            box.poke()
             try:
-                x, pieces = await receive_chunks(msg, codec, numel)
+                x, pieces = await receive_chunks(msg, codec, numel, progress)
             except Refused as e:
                 self.guard.strike(sender, f"streamed part: {e}")
                 return {"error": "streamed part does not match its header"}
@@ -135,9 +178,6 @@ class Mailboxes:
             except ValueError as e:
                 self.guard.strike(sender, f"undecodable part ({e})")
                 return {"error": "undecodable part"}
-        fp = msg.get("fp")
-        key, phase, part = str(msg["key"]), int(msg["phase"]), int(msg["part"])
-        box = self.box(key, phase)
         if self.verify:
             signed = (await msg["_trailer"]()) if streamed and "_trailer" in msg else msg
             sig, pk, own = signed.get("sig"), signed.get("pk", b""), msg.get("own")
@@ -146,12 +186,15 @@ class Mailboxes:
             c = commitment(self.run_id, key, phase, part, float(msg["weight"]), numel, codec.name, chunk, sha)
             if not (isinstance(sig, bytes) and isinstance(pk, bytes) and verify_signature(sender, c, sig, pk)):
                 self.guard.strike(sender, "part without a valid signature of its sender")
+                if progress is not None:  # an owner that averaged it as it came must not use it
+                    progress.failed = True
+                    box.poke()
                 return {"error": "part without a valid signature"}
             box.evidence[sender] = Evidence(tuple(pieces), float(msg["weight"]), numel, codec.name, chunk, sig, pk,
                                             sha=sha)
             if isinstance(own, bytes) and len(own) == 32:
                 box.own_commits.setdefault(sender, own)
-        box.contribs[sender] = (part, x, float(msg["weight"]), None if fp is None else [float(v) for v in fp])
+        box.contribs[sender] = (part, x, float(msg["weight"]), fp)
         box.poke()
         return {"ok": True}
 

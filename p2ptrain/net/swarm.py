@@ -372,7 +372,8 @@ class HivemindTransport(Transport):
         run = ButterflyRun(group=group, phase=phase, me=self.peer_id, tensors=tensors, weight=weight, codec=codec,
                            timeout=timeout, fingerprint=fingerprint, box=box, call=self._call,
                            gone=lambda: self._gone(group.key, phase), guard=self.guard, links=self.links,
-                           chunk=self.cfg.chunk_values, faults=self.cfg.faults, audit=audit)
+                           chunk=self.cfg.chunk_values, faults=self.cfg.faults, audit=audit,
+                           pipeline=self.cfg.pipeline)
         try:
             return await run.run()
         finally:
