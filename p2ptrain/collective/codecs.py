@@ -201,6 +201,10 @@ class Codec(ABC):
     def encoded_size(self, numel: int) -> int:
         """Exact payload size in bytes for ``numel`` values (ValueError for a negative or non-integer count)."""
 
+    #: Whether :meth:`error_bound` of a value depends on that value alone (no block scales): then the bound of
+    #: a payload encoded in chunks is the bound of all its values at once.
+    elementwise_bound = False
+
     def error_bound(self, decoded: torch.Tensor) -> torch.Tensor:
         """For each value of one decoded payload (1-D float32), the largest ``|x − decoded|`` of any finite input
         ``x`` that encodes to it (inf where the codec saturates); block headers are read back from the decoded
@@ -220,6 +224,7 @@ class FP32Codec(Codec):
     """Raw little-endian float32: lossless, 4 bytes per value."""
 
     name: ClassVar[str] = "fp32"
+    elementwise_bound = True
     computes: ClassVar[bool] = False  # raw bytes: nothing to compute
 
     def encoded_size(self, numel: int) -> int:
@@ -240,6 +245,7 @@ class FP16Codec(Codec):
     """
 
     name: ClassVar[str] = "fp16"
+    elementwise_bound = True
     _MAX: ClassVar[float] = float(torch.finfo(torch.float16).max)
 
     def encoded_size(self, numel: int) -> int:
@@ -264,6 +270,7 @@ class BF16Codec(Codec):
     """
 
     name: ClassVar[str] = "bf16"
+    elementwise_bound = True
     _MAX: ClassVar[float] = float(torch.finfo(torch.bfloat16).max)
 
     def encoded_size(self, numel: int) -> int:

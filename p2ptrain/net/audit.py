@@ -92,6 +92,7 @@ class Audit:
         self.replaced: dict[int, tuple[bytes, Any]] = {}
         self._digests: dict[int, tuple[Any, bytes]] = {}  # part -> (the result object, its digest)
         self._decoded: dict[int, tuple[Any, torch.Tensor]] = {}  # part -> (the result object, its values)
+        self._finite: dict[int, tuple[Any, bool]] = {}  # part -> (the result object, whether its values are finite)
         self.own_commit = b""
         self.stats = AuditStats()
         self.audit_p = min(1.0, max(0.0, audit_rate) / max(1, len(self.members) - 1))
@@ -148,7 +149,10 @@ class Audit:
                 return None
             # Kept here, not in the result: our own result is also the message we send to every member.
             self._decoded[part] = (res, values)
-        if not bool(torch.isfinite(values).all()):
+        finite = self._finite.get(part)
+        if finite is None or finite[0] is not res:  # checked once per result object
+            finite = self._finite[part] = (res, bool(torch.isfinite(values).all()))
+        if not finite[1]:
             return None
         return self._digest(part), values
 

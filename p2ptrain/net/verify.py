@@ -56,15 +56,22 @@ log = logging.getLogger(__name__)
 _F32_ROUND = 2.0**-24  # the mean is summed in float64 and rounded once to float32
 
 
-def error_bound(values: torch.Tensor, codec: Codec, chunk: int | None, largest: float) -> torch.Tensor:
+def error_bound(values: torch.Tensor, codec: Codec, chunk: int | None, largest: float,
+                absv: torch.Tensor | None = None) -> torch.Tensor:
     """How far each value of a decoded result may be from the exact aggregate (the codec's rounding, chunk by
-    chunk, and float32's), capped by what a value inside the contributions' range could be off by."""
+    chunk, and float32's), capped by what a value inside the contributions' range could be off by.
+    ``absv``: ``|values|`` in float64, if the caller has it already."""
     n = values.numel()
-    eps = torch.empty(n, dtype=torch.float64)
-    for a, b in chunk_bounds(n, chunk) if chunk is not None else [(0, n)]:
-        eps[a:b] = codec.error_bound(values[a:b]).to(torch.float64)
-    eps += values.abs().to(torch.float64) * _F32_ROUND
-    return torch.minimum(eps, values.abs().to(torch.float64) + largest)
+    if absv is None:
+        absv = values.abs().to(torch.float64)
+    if chunk is None or codec.elementwise_bound:  # one call: the bound of a value does not depend on its chunk
+        eps = codec.error_bound(values).to(torch.float64)
+    else:
+        eps = torch.empty(n, dtype=torch.float64)
+        for a, b in chunk_bounds(n, chunk):
+            eps[a:b] = codec.error_bound(values[a:b]).to(torch.float64)
+    eps.add_(absv, alpha=_F32_ROUND)
+    return torch.minimum(eps, absv + largest)
 
 
 @dataclass
@@ -122,12 +129,13 @@ class Judge:
         if not math.isclose(total, claimed, rel_tol=1e-9, abs_tol=1e-12):
             return f"total weight {claimed:.6g}, the contributors' weights sum to {total:.6g}"
         largest = max((m for _, m, _, _ in sketches.values()), default=0.0)
-        eps = error_bound(values, self.codec, res.get("chunk"), largest)
-        over = values.abs().to(torch.float64) - eps - largest * (1 + 1e-6)
+        absv = values.abs().to(torch.float64)
+        eps = error_bound(values, self.codec, res.get("chunk"), largest, absv)
+        over = absv - eps - largest * (1 + 1e-6)
         if values.numel() and float(over.max()) > 0:
             return f"a value beyond every contribution's range (by {float(over.max()):.3g})"
         bound_sq = float(eps.pow(2).sum())
-        scale = float(values.abs().sum()) + sum(float(s.abs().sum()) for _, _, s, _ in sketches.values())
+        scale = float(absv.sum()) + sum(float(s.abs().sum()) for _, _, s, _ in sketches.values())
         if self.rule == "mean":
             residual = mean_residual(sketch(values, key), [(w, s) for w, _, s, _ in sketches.values()])
             if not passes(residual, bound_sq, scale):
