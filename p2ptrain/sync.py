@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -141,7 +141,17 @@ class RoundStats:
 
 
 class RoundRunner:
-    """Runs rounds on the transport; create and use it on the loop thread via :class:`NetLoop`."""
+    """Runs rounds on the transport; create and use it on the loop thread via :class:`NetLoop`.
+
+    A phase's all-reduce may take the method's ``round_timeout``, stretched to what the link needs: a fixed
+    timeout below a slow link's transfer time aborts every round half-way and sends it again, and the wire
+    then carries several times the payload (:meth:`timeout_for`).
+    """
+
+    #: A phase may take this many times its expected transfer time at the measured bandwidth.
+    SLACK = 3.0
+    #: ... and at most this many times the method's timeout (a frozen member must not hold rounds forever).
+    MAX_STRETCH = 8.0
 
     def __init__(self, transport: Transport, codec: Codec, *, join_timeout: float, round_timeout: float,
                  ema: float = 0.3, on_result: Callable[[Round, ReduceResult | None], None] | None = None) -> None:
@@ -150,6 +160,7 @@ class RoundRunner:
         self.stats = RoundStats()
         self.needs_resync = threading.Event()  # a group said our round state differs from the swarm's
         self._meter = ThroughputEMA(alpha=ema, min_bytes=0)
+        self._stretch = 1.0  # doubled after a phase that ran into its deadline, halved after one well inside it
         self.on_result = on_result
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -226,9 +237,14 @@ class RoundRunner:
             payload = rnd.payload
             while payload is not None:
                 n0 = time.monotonic()
-                res = await self.transport.allreduce(group, phase, payload, rnd.weight, self.codec,
-                                                     timeout=self.round_timeout,
-                                                     fingerprint=print_ if phase == 0 else None)
+                timeout = self.timeout_for(payload, len(group.members))
+                try:
+                    res = await self.transport.allreduce(group, phase, payload, rnd.weight, self.codec,
+                                                         timeout=timeout, fingerprint=print_ if phase == 0 else None)
+                except (RoundFailed, TimeoutError):
+                    self._took(time.monotonic() - n0, timeout, late=True)
+                    raise
+                self._took(time.monotonic() - n0, timeout, late=res.partial)
                 self._account(res, time.monotonic() - n0)
                 partial |= res.partial
                 rnd.divergent = rnd.divergent or res.divergent
@@ -269,6 +285,27 @@ class RoundRunner:
             finally:
                 if done is not None:
                     done.set()
+
+    def timeout_for(self, payload: Sequence[torch.Tensor], members: int) -> float:
+        """Seconds one phase of ``members`` may take to all-reduce ``payload``: the method's timeout, or
+        :data:`SLACK` times the expected transfer (each member sends and receives 2/k of the payload over each
+        link, at the slowest link's measured rate) if that is longer, stretched after phases that ran into
+        their deadline; at most :data:`MAX_STRETCH` times the method's."""
+        base = self.round_timeout
+        need = 0.0
+        if self.stats.bandwidth > 0 and members > 1:
+            nbytes = self.codec.encoded_size(sum(t.numel() for t in payload))
+            need = self.SLACK * 2.0 * nbytes / members / self.stats.bandwidth
+        return min(max(base, need) * self._stretch, self.MAX_STRETCH * base)
+
+    def _took(self, seconds: float, timeout: float, *, late: bool) -> None:
+        """A phase ended after ``seconds`` of its ``timeout``; ``late``: it failed or lost members."""
+        if late and seconds >= 0.45 * timeout:  # it waited for its deadlines: the link may be slower than thought
+            self._stretch = min(self.MAX_STRETCH, 2.0 * self._stretch)
+            log.info("event=round_timeout_stretched seconds=%.1f timeout=%.1f stretch=%g", seconds, timeout,
+                     self._stretch)
+        elif not late and seconds < 0.25 * timeout:
+            self._stretch = max(1.0, self._stretch / 2.0)
 
     def _account(self, res: ReduceResult, seconds: float) -> None:
         self.stats.bytes_sent += res.bytes_sent

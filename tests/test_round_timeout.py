@@ -1,0 +1,53 @@
+"""A round's timeout follows the link: the method's timeout, or what the measured bandwidth needs, stretched after
+rounds that ran into their deadline (a fixed timeout below a slow link's transfer time sends every round twice)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2ptrain.collective.codecs import get_codec
+from p2ptrain.sync import RoundRunner
+
+
+def _runner(base: float = 60.0, codec: str = "fp32") -> RoundRunner:
+    return RoundRunner(transport=None, codec=get_codec(codec), join_timeout=10.0, round_timeout=base)  # type: ignore[arg-type]
+
+
+def test_without_a_measured_link_the_methods_timeout_holds() -> None:
+    r = _runner()
+    assert r.timeout_for([torch.zeros(25_000_000)], 4) == 60.0
+    assert r.timeout_for([torch.zeros(10)], 1) == 60.0
+
+
+def test_a_slow_link_stretches_the_timeout_to_its_transfer_time() -> None:
+    r = _runner()
+    r.stats.bandwidth = 1e6  # bytes/s on the slowest link
+    # 25M fp32 values = 100 MB; 4 members: 2 × 100 MB / 4 over each link = 50 s at 1 MB/s; × SLACK 3 = 150 s
+    assert r.timeout_for([torch.zeros(20_000_000), torch.zeros(5_000_000)], 4) == pytest.approx(150.0)
+    # a 4-bit wire needs 7.1× fewer bytes: back under the method's timeout
+    e3m0 = _runner(codec="e3m0")
+    e3m0.stats.bandwidth = 1e6
+    assert e3m0.timeout_for([torch.zeros(25_000_000)], 4) == 60.0
+    # never more than MAX_STRETCH times the method's timeout
+    r.stats.bandwidth = 1e3
+    assert r.timeout_for([torch.zeros(25_000_000)], 4) == 60.0 * RoundRunner.MAX_STRETCH
+
+
+def test_rounds_that_ran_into_their_deadline_double_it_and_quick_ones_halve_it_back() -> None:
+    r = _runner()
+    payload = [torch.zeros(1000)]
+    r._took(50.0, 60.0, late=True)  # failed or partial after most of its timeout
+    assert r.timeout_for(payload, 4) == 120.0
+    r._took(100.0, 120.0, late=True)
+    assert r.timeout_for(payload, 4) == 240.0
+    r._took(10.0, 240.0, late=True)  # partial early: a member left, not a slow link
+    assert r.timeout_for(payload, 4) == 240.0
+    r._took(100.0, 240.0, late=False)  # complete but slow: keep it
+    assert r.timeout_for(payload, 4) == 240.0
+    for want in (120.0, 60.0, 60.0):  # complete well inside the deadline
+        r._took(1.0, 240.0, late=False)
+        assert r.timeout_for(payload, 4) == want
+    for _ in range(10):
+        r._took(60.0, 60.0, late=True)
+    assert r.timeout_for(payload, 4) == 60.0 * RoundRunner.MAX_STRETCH
