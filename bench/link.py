@@ -371,6 +371,15 @@ def main() -> None:
     tcp: dict[str, float] = {}
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-link-"))
     t_start, load_before = time.time(), os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(done: bool = False) -> None:  # after every case: a run cut short keeps what it measured
+        result = {"rate_bits": rate, "repeats": args.repeats, "cases": cases, "tcp_bits": tcp,
+                  "skipped": skipped, "seconds": time.time() - t_start, "complete": done,
+                  "load_average": {"before": load_before, "after": os.getloadavg()},
+                  "command": "python bench/link.py " + " ".join(sys.argv[1:]), "machine": _machine()}
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
     with Progress(console=console) as prog:
         task = prog.add_task("cases", total=len(plan) + len(wan_plan))
         legs: list[tuple[str, TestbedSpec, list[tuple[int, float]]]] = []
@@ -393,13 +402,9 @@ def main() -> None:
                         cases.append(case)
                         if "error" in case:
                             console.print(f"[red]{case['system']} {name} k={k} {size:g} MB: {case['error']}")
+                    save()
                     prog.advance(task)
-    result = {"rate_bits": rate, "repeats": args.repeats, "cases": cases, "tcp_bits": tcp,
-              "skipped": skipped, "seconds": time.time() - t_start,
-              "load_average": {"before": load_before, "after": os.getloadavg()},
-              "command": "python bench/link.py " + " ".join(sys.argv[1:]), "machine": _machine()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    save(done=True)
     if any("goodput" in c for c in cases):
         _plot(cases, args.out.with_suffix(".png"))
     out.print(f"wrote {args.out}" + (f"; skipped (peers × MB > {args.max_total_mb:g}): {skipped}" if skipped else ""))
