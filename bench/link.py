@@ -2,7 +2,11 @@
 
     python bench/link.py                                       # 2/4/8 peers, 1..256 MB, 100 Mbit/s, 5 repeats
     python bench/link.py --peers 2 --sizes 4,16,64 --wan-sizes 64   # the headline rows
-    python bench/link.py --systems p2ptrain --peers 4 --sizes 16
+    python bench/link.py --systems p2ptrain,p2ptrain-plain,hivemind --peers 2 --sizes 64
+
+``p2ptrain`` is the default peer: verified aggregation on (every member checks every part's average, which
+costs CPU time after the transfer, net/verify.py); ``p2ptrain-plain`` turns it off, which is what hivemind's
+averager does (no check at all); ``-mplex`` runs the daemons with the mplex stream multiplexer.
 
 Each case builds a testbed (bench/testbed.py) with one region of k hosts, each behind
 its own link shaped to ``--rate`` in both directions, and starts k real processes in
@@ -61,6 +65,15 @@ def _values(rank: int, n: int) -> Any:
     return torch.full((n,), float(rank + 1), dtype=torch.float32)
 
 
+SYSTEMS = ("p2ptrain", "p2ptrain-plain", "p2ptrain-mplex", "p2ptrain-mplex-plain", "hivemind")
+
+
+def _variant(system: str) -> dict[str, Any]:
+    """A p2ptrain system's settings: ``p2ptrain`` is the default peer (yamux, verified aggregation)."""
+    words = system.split("-")[1:]
+    return {"muxer": "mplex" if "mplex" in words else "yamux", "verify": "plain" not in words}
+
+
 def _emit(rec: dict[str, Any]) -> None:
     print("RESULT " + json.dumps(rec), flush=True)
 
@@ -83,7 +96,8 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
     from p2ptrain.net.transport import JoinRequest, PeerInfo
 
     cfg = SwarmConfig(run_id=a.run_id, initial_peers=initial, host_maddrs=[a.listen], announce_maddrs=[a.announce],
-                      join_window=60.0, ttl=3600.0, recontact_every=3600.0, muxer=a.muxer)
+                      join_window=60.0, ttl=3600.0, recontact_every=3600.0, muxer=_variant(a.system)["muxer"],
+                      verify=_variant(a.system)["verify"])
     tr = await HivemindTransport.create(cfg)
     try:
         if a.rank == 0:
@@ -178,7 +192,6 @@ def _worker(argv: list[str]) -> None:
                        ("ideal", float), ("listen", str), ("announce", str), ("maddrs", str), ("run_id", str),
                        ("turns", str)):
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, required=True)
-    ap.add_argument("--muxer", default="yamux")
     a = ap.parse_args(argv)
     initial: list[str] = []
     if a.rank > 0:
@@ -229,7 +242,6 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
             log = work / f"{run_id}.{rank}.log"
             logs[system].append(log)
             cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--system", system,
-                   "--muxer", system.split("-", 1)[1] if system.startswith("p2ptrain-") else "yamux",
                    "--rank", str(rank), "--k", str(k), "--size", str(size), "--repeats", str(repeats),
                    "--ideal", str(ideal), "--listen", listen[0], "--announce", announce[0], "--maddrs", str(maddrs),
                    "--run-id", run_id, "--turns", str(turns)]
@@ -309,7 +321,9 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for system, style in (("p2ptrain", "-o"), ("p2ptrain-mplex", ":^"), ("hivemind", "--s")):
+    styles = {"hivemind": "--s", "p2ptrain": "-o", "p2ptrain-plain": "-.D", "p2ptrain-mplex": ":^",
+              "p2ptrain-mplex-plain": ":v"}
+    for system, style in styles.items():
         for link in ("lan", "wan"):
             for k in sorted({c["peers"] for c in cases}):
                 row = sorted((c["size_mb"], c["goodput"], c["goodput_min"], c["goodput_max"]) for c in cases
@@ -360,8 +374,9 @@ def main() -> None:
     peers = [int(x) for x in args.peers.split(",")]
     sizes = [float(x) for x in args.sizes.split(",")]
     systems = [s for s in args.systems.split(",") if s]
-    if bad := set(systems) - {"p2ptrain", "p2ptrain-mplex", "hivemind"}:
-        raise SystemExit(f"unknown systems {sorted(bad)}: p2ptrain, p2ptrain-mplex (the daemon's mplex muxer), hivemind")
+    if bad := set(systems) - set(SYSTEMS):
+        raise SystemExit(f"unknown systems {sorted(bad)}: choose among {', '.join(SYSTEMS)} (-mplex: the daemon's "
+                         "mplex muxer; -plain: without verified aggregation, as hivemind's averager)")
     if min(peers) < 2 or args.repeats < 1:
         raise SystemExit("--peers must be ≥ 2 and --repeats ≥ 1")
     plan = [(k, s) for k in peers for s in sizes if k * s <= args.max_total_mb]
