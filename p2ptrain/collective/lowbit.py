@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from .codecs import CODECS, Codec, _blocks, _check_numel, _pad, _read, _read_u8, _to_bytes
+from .codec_base import Codec, _blocks, _check_numel, _pad, _read, _read_u8, _to_bytes
 
 __all__ = ["TopK2Codec", "TopK2Codec3", "TwoBitCodec", "pack_bits", "unpack_bits"]
 
@@ -226,7 +226,3 @@ class TopK2Codec3(TopK2Codec):
 
     name: ClassVar[str] = "topk2:0.03"
     FRACTION: ClassVar[float] = 0.03
-
-
-for _cls in (TwoBitCodec, TopK2Codec, TopK2Codec3):
-    CODECS[_cls.name] = _cls
