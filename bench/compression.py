@@ -74,12 +74,13 @@ def runs(H: int, P: int) -> list[tuple[str, MethodConfig]]:
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)  # a second thread only spins on a shared 2-core machine
     record: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
     record.setdefault("runs", {})
     model = preset(args.preset)
     record.update({"command": "python bench/compression.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        if k not in ("out", "md", "report", "only") and v is not None),
+        if k not in ("out", "md", "report", "only", "threads") and v is not None),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "H": args.H, "P": args.P, "peers": args.peers, "steps": args.steps,
         "params": sum(p.numel() for p in _model_params(args.preset)), "ef_knobs": EF_KNOBS})
@@ -216,6 +217,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-every", type=int, default=400)
     ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default=None, help="Only these runs (labels separated by ';').")
     ap.add_argument("--data", default=None, help="A corpus (default: the built-in one).")
     ap.add_argument("--out", type=Path, default=RESULTS / "compression.json")
