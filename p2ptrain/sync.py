@@ -161,6 +161,7 @@ class RoundRunner:
         self.needs_resync = threading.Event()  # a group said our round state differs from the swarm's
         self._meter = ThroughputEMA(alpha=ema, min_bytes=0)
         self._stretch = 1.0  # doubled after a phase that ran into its deadline, halved after one well inside it
+        self.timeout_scale = 1.0  # the last phase's timeout over the method's (the peer's waits scale with it)
         self.on_result = on_result
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -293,10 +294,14 @@ class RoundRunner:
         their deadline; at most :data:`MAX_STRETCH` times the method's."""
         base = self.round_timeout
         need = 0.0
-        if self.stats.bandwidth > 0 and members > 1:
+        links = getattr(self.transport, "links", None)
+        rate = links.slowest() if links is not None and links.slowest() > 0 else self.stats.bandwidth
+        if rate > 0 and members > 1:  # (the per-link meters count sends cut off by a timeout too)
             nbytes = self.codec.encoded_size(sum(t.numel() for t in payload))
-            need = self.SLACK * 2.0 * nbytes / members / self.stats.bandwidth
-        return min(max(base, need) * self._stretch, self.MAX_STRETCH * base)
+            need = self.SLACK * 2.0 * nbytes / members / rate
+        timeout = min(max(base, need) * self._stretch, self.MAX_STRETCH * base)
+        self.timeout_scale = timeout / base
+        return timeout
 
     def _took(self, seconds: float, timeout: float, *, late: bool) -> None:
         """A phase ended after ``seconds`` of its ``timeout``; ``late``: it failed or lost members."""

@@ -51,3 +51,18 @@ def test_rounds_that_ran_into_their_deadline_double_it_and_quick_ones_halve_it_b
     for _ in range(10):
         r._took(60.0, 60.0, late=True)
     assert r.timeout_for(payload, 4) == 60.0 * RoundRunner.MAX_STRETCH
+
+
+def test_the_transports_link_meters_count_even_when_no_round_completed() -> None:
+    """A send cut off by its timeout still measured the link (net/allreduce.py): the next timeout follows it."""
+    from p2ptrain.net.bandwidth import LinkMeter
+
+    class Transport:
+        links = LinkMeter()
+
+    r = RoundRunner(transport=Transport(), codec=get_codec("fp32"), join_timeout=10.0,  # type: ignore[arg-type]
+                    round_timeout=60.0)
+    Transport.links.update("peer", 30_000_000, 30.0)  # 30 MB went through in the 30 s the send had: 1 MB/s
+    assert r.stats.bandwidth == 0.0
+    assert r.timeout_for([torch.zeros(25_000_000)], 4) == pytest.approx(150.0)
+    assert r.timeout_scale == pytest.approx(2.5)

@@ -212,8 +212,15 @@ class ButterflyRun:
                 def trailer() -> dict[str, Any]:
                     return audit.sign(j, pieces, hi - lo, self.chunk, values=mine if codec.name == "fp32" else None)
 
-            reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout,
-                                             chunks=source, trailer=trailer)
+            t0 = time.monotonic()
+            try:
+                reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout,
+                                                 chunks=source, trailer=trailer)
+            except RoundFailed:
+                # Cut off (a slow link times out before a whole part is through): what did go through is a
+                # measure of the link too, so that the next round's timeout can follow it (sync.py).
+                self.links.update(self.members[j], sum(len(p) for p in pieces[:-1]), time.monotonic() - t0)
+                raise
         else:
             if corrupt is None:
                 data = await asyncio.to_thread(codec.encode, mine)

@@ -54,7 +54,7 @@ class SwarmCollective:
         codec: the wire codec (for CoCoDC's N: bytes per fragment on the wire).
         join_timeout: seconds a slot's group may take to form.
         wait_limit: seconds the compute thread waits for one round before it aborts it as stuck (beyond the
-            round's own timeouts, which normally end it first).
+            round's own timeouts, which normally end it first), scaled as the runner stretches them.
         step_seconds: the swarm's step duration now (for CoCoDC's N).
     """
 
@@ -84,7 +84,8 @@ class SwarmCollective:
 
     def wait(self, rounds: Sequence[Round]) -> bool:
         t0 = time.perf_counter()
-        end = t0 + self.wait_limit if self.deadline is None else min(t0 + self.wait_limit, self.deadline)
+        limit = self.wait_limit * self.runner.timeout_scale  # rounds on a slow link are given longer (sync.py)
+        end = t0 + limit if self.deadline is None else min(t0 + limit, self.deadline)
         for r in rounds:
             ev = self._done.get(r)
             if ev is None or ev.wait(max(0.0, end - time.perf_counter())):
