@@ -194,6 +194,10 @@ def plot(rows: list[dict[str, Any]], png: Path, record: dict[str, Any]) -> None:
         y = statistics.mean(ys)
         ax.errorbar([x], [y], yerr=[[y - min(ys)], [max(ys) - y]], fmt="o", capsize=3)
         ax.annotate(r["label"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    base = [statistics.mean(r["final_loss"]) for r in rows if r["label"] == BASELINE]
+    if base:
+        ax.axhline(base[0] * 1.02, linestyle="--", color="grey", linewidth=0.8)
+        ax.annotate("diloco fp32 + 2%", (ax.get_xlim()[0], base[0] * 1.02), fontsize=7, va="bottom")
     ax.axvline(4.0 * n / 1e6 / 4000, linestyle=":", color="grey")
     ax.annotate("4000× below ddp", (4.0 * n / 1e6 / 4000, ax.get_ylim()[1]), fontsize=7, rotation=90, va="top")
     ax.set_xscale("log")
