@@ -6,6 +6,9 @@
    missing are unreachable or left, or half the timeout passed) and aggregates those that fit, through
    the guard (net/guard.py, net/parts.py);
 3. all-gather: it sends its averaged part, encoded once, to every other member;
+   (2+3 pipelined, for the plain mean of a streamed part: the contributors are fixed from the parts'
+   headers and each chunk of the average is sent as soon as its values are in, net/pipelined.py; a
+   contribution that breaks off or is late sends it back to 2 and 3 with whole parts;)
 4. it waits for the other parts' results (until 0.8 of the timeout), then asks the other members for
    any still missing (a relay, ``getpart``, until the timeout);
 5. with verified aggregation (an ``audit``, net/audit.py; the steps before then end at 0.6 and 0.7 of the
@@ -18,6 +21,10 @@
 A run owns every task it starts, in one TaskGroup: when the run ends, fails or its caller cancels it,
 they are all cancelled and awaited before it returns. A send that fails is logged and counted, never
 raised: only a run with nothing averaged at all fails (RoundFailed).
+
+Why it is long: the steps are one object's methods because they share its state (the parts' bounds, the
+mailbox, the deadlines as fractions of one timeout, and the TaskGroup that owns every send); the pure work
+of each step lives elsewhere (net/parts.py, net/pipelined.py, net/chunks.py, net/audit.py).
 """
 
 from __future__ import annotations
