@@ -38,7 +38,7 @@ def _send(ef: ErrorFeedback, delta: torch.Tensor) -> torch.Tensor:
 def test_every_coordinates_mass_is_sent_and_the_residual_stays_bounded(name: str, seed: int, members: int,
                                                                         heavy: bool) -> None:
     """A stream of random updates: what was sent plus the buffer is the sum of the updates (nothing lost),
-    the buffer's largest entry stays within a few times the largest update (no growth over 200 rounds), and
+    the buffer's largest entry stays within a few times the largest update so far (no growth over 200 rounds), and
     a coordinate whose update never stands out (all equal) is still sent within a bounded number of rounds."""
     gen = torch.Generator().manual_seed(seed)
     n = 2100
@@ -46,6 +46,7 @@ def test_every_coordinates_mass_is_sent_and_the_residual_stays_bounded(name: str
     total = torch.zeros(n, dtype=torch.float64)
     sent = torch.zeros(n, dtype=torch.float64)
     worst: list[float] = []
+    largest = 0.0  # the largest update entry so far: the scale the buffer is measured against
     for _ in range(200):
         d = torch.randn(n, generator=gen)
         if heavy:
@@ -53,7 +54,9 @@ def test_every_coordinates_mass_is_sent_and_the_residual_stays_bounded(name: str
         total += d.double()
         sent += _send(ef, d).double()
         assert ef.error is not None
-        worst.append(float(ef.error.abs().max() / d.abs().max()))
+        # (against this round's update alone, one heavy-tailed round with a small maximum inflates the ratio)
+        largest = max(largest, float(d.abs().max()))
+        worst.append(float(ef.error.abs().max()) / largest)
     assert torch.allclose(sent + ef.error.double(), total, atol=1e-3 * float(total.abs().max()), rtol=0)
     assert max(worst[100:]) <= 1.5 * max(worst[:100]) + 1.0  # bounded: the second half is no worse
     assert max(worst) < 200.0
