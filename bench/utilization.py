@@ -3,6 +3,7 @@ next to hivemind.Optimizer (delayed parameter updates) on the same links.
 
     python bench/utilization.py                                   # small preset, every method + hivemind
     python bench/utilization.py --preset tiny --steps 60 --H 20 --step-seconds 1.0 --methods streaming,diloco
+    python bench/utilization.py --methods streaming,streaming@2bit,streaming@topk2   # the wire codecs side by side
 
 The testbed (bench/testbed.py): regions ``us`` and ``eu``, two peers each (plus the
 bootstrap node on a third ``us`` host); every host has its own ``--host-rate`` link (1 Gbit/s),
@@ -67,7 +68,8 @@ def launches(method: str, a: argparse.Namespace, run_id: str, work: Path) -> lis
                 a.preset, "--steps", str(a.steps), "--batch-size", str(a.batch_size), "--peers", str(len(HOSTS)),
                 "--count-bytes-on", "eth0"]
         return [PeerLaunch(argv, host=h, name=f"{method}-{h}") for h, _ in HOSTS]
-    extra = ["--join-window", str(a.join_window), *fresh_start_args(work)]
+    method, _, codec = method.partition("@")  # e.g. streaming@topk2: the method with another wire codec
+    extra = ["--join-window", str(a.join_window), *fresh_start_args(work), *(["--codec", codec] if codec else [])]
     return [PeerLaunch(join_argv(method, preset=a.preset, steps=a.steps, batch_size=a.batch_size, H=a.H,
                                  step_seconds=a.step_seconds, run_id=run_id, region=region, tau=a.tau, P=a.P,
                                  extra=extra), host=h, name=f"{method}-{h}") for h, region in HOSTS]
@@ -76,7 +78,8 @@ def launches(method: str, a: argparse.Namespace, run_id: str, work: Path) -> lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="ddp,diloco,streaming,cocodc,hivemind",
-                    help="p2ptrain methods and/or 'hivemind' (the hivemind.Optimizer baseline)")
+                    help="p2ptrain methods and/or 'hivemind' (the hivemind.Optimizer baseline); METHOD@CODEC runs "
+                         "a method with another wire codec, e.g. streaming@topk2,streaming@topk2:0.03")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=int, default=24, help="inner steps per peer")
     ap.add_argument("--batch-size", type=int, default=2)
@@ -115,7 +118,8 @@ def main() -> None:
                       highlight=False)
         t0 = time.monotonic()
         with Testbed(spec) as tb:
-            run = run_swarm(launches(method, a, f"util-{method}-{os.getpid()}", work), work=work / method, tb=tb,
+            tag = method.replace("@", "-").replace(":", "_")
+            run = run_swarm(launches(method, a, f"util-{tag}-{os.getpid()}", work), work=work / tag, tb=tb,
                             boot_host=BOOT, deadline=60 * a.max_minutes)
         report[method] = summarize(run) | {"summaries": run.summaries, "wire_tx_bytes": run.wire_tx_bytes,
                                            "command": command, "args": vars(a) | {"out": str(a.out)}}
