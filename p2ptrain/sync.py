@@ -152,9 +152,6 @@ class RoundRunner:
     SLACK = 3.0
     #: ... and at most this many times the method's timeout (a frozen member must not hold rounds forever).
     MAX_STRETCH = 8.0
-    #: Before any link is measured a phase gets this many times the method's timeout (a slow link's first
-    #: round would otherwise end partial, its cut-off parts sent for nothing).
-    UNMEASURED = 2.0
 
     def __init__(self, transport: Transport, codec: Codec, *, join_timeout: float, round_timeout: float,
                  ema: float = 0.3, on_result: Callable[[Round, ReduceResult | None], None] | None = None) -> None:
@@ -291,8 +288,8 @@ class RoundRunner:
                     done.set()
 
     def timeout_for(self, payload: Sequence[torch.Tensor], members: int) -> float:
-        """Seconds one phase of ``members`` may take to all-reduce ``payload``: the method's timeout (twice
-        that before any link is measured), or :data:`SLACK` times the expected transfer (each member sends and receives 2/k of the payload over each
+        """Seconds one phase of ``members`` may take to all-reduce ``payload``: the method's timeout, or
+        :data:`SLACK` times the expected transfer (each member sends and receives 2/k of the payload over each
         link, at the slowest link's measured rate) if that is longer, stretched after phases that ran into
         their deadline; at most :data:`MAX_STRETCH` times the method's."""
         base = self.round_timeout
@@ -302,8 +299,6 @@ class RoundRunner:
         if rate > 0 and members > 1:  # (the per-link meters count sends cut off by a timeout too)
             nbytes = self.codec.encoded_size(sum(t.numel() for t in payload))
             need = self.SLACK * 2.0 * nbytes / members / rate
-        elif members > 1:  # no link measured yet: the first round is given more than the method's guess
-            need = self.UNMEASURED * base
         timeout = min(max(base, need) * self._stretch, self.MAX_STRETCH * base)
         self.timeout_scale = timeout / base
         return timeout

@@ -14,10 +14,10 @@ def _runner(base: float = 60.0, codec: str = "fp32") -> RoundRunner:
     return RoundRunner(transport=None, codec=get_codec(codec), join_timeout=10.0, round_timeout=base)  # type: ignore[arg-type]
 
 
-def test_without_a_measured_link_a_round_gets_twice_the_methods_timeout() -> None:
+def test_without_a_measured_link_the_methods_timeout_holds() -> None:
     r = _runner()
-    assert r.timeout_for([torch.zeros(25_000_000)], 4) == 120.0
-    assert r.timeout_for([torch.zeros(10)], 1) == 60.0  # alone: nothing to transfer
+    assert r.timeout_for([torch.zeros(25_000_000)], 4) == 60.0
+    assert r.timeout_for([torch.zeros(10)], 1) == 60.0
 
 
 def test_a_slow_link_stretches_the_timeout_to_its_transfer_time() -> None:
@@ -36,7 +36,6 @@ def test_a_slow_link_stretches_the_timeout_to_its_transfer_time() -> None:
 
 def test_rounds_that_ran_into_their_deadline_double_it_and_quick_ones_halve_it_back() -> None:
     r = _runner()
-    r.stats.bandwidth = 1e9  # a fast link: the method's timeout is what a small payload gets
     payload = [torch.zeros(1000)]
     r._took(50.0, 60.0, late=True)  # failed or partial after most of its timeout
     assert r.timeout_for(payload, 4) == 120.0
