@@ -24,6 +24,15 @@ from p2ptrain.net.transport import JoinRequest, PeerInfo
 pytestmark = [pytest.mark.timeout(180)]
 
 
+async def _until(cond: Any, timeout: float = 20.0) -> None:
+    """Wait until ``cond()`` holds (the producer's chunks are computed in worker threads: on a loaded machine
+    that takes a while), failing after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
 def test_each_chunk_is_averaged_once_its_values_are_in_and_the_last_once_all_are_filed() -> None:
     async def go() -> None:
         box, filed = Mailbox(), {"a": 1}  # the owner files its own share first
@@ -45,10 +54,12 @@ def test_each_chunk_is_averaged_once_its_values_are_in_and_the_last_once_all_are
         await asyncio.sleep(0.05)
         assert mean.payloads == []  # c has nothing yet
         arrive("c", 8)
+        await _until(lambda: len(mean.payloads) >= 1)
         await asyncio.sleep(0.05)
         assert len(mean.payloads) == 1  # [0, 4): everyone's in; [4, 8): b's are not
         arrive("b", 10)
         arrive("c", 10)
+        await _until(lambda: len(mean.payloads) >= 2)
         await asyncio.sleep(0.05)
         assert len(mean.payloads) == 2  # the last chunk waits for the contributions to be whole and filed
         filed.update({"b": 1, "c": 1})
@@ -72,7 +83,7 @@ def test_a_contribution_that_breaks_off_or_is_late_stops_the_pipeline(breaks: st
         task = asyncio.create_task(mean.produce())
         p.values[:4], p.ready = 1.0, 4
         box.poke()
-        await asyncio.sleep(0.05)
+        await _until(lambda: len(mean.payloads) >= 1)
         if breaks == "failed":
             p.failed = True
             box.poke()
