@@ -104,18 +104,22 @@ class EncodedStream:
         """Encode and decode every chunk, waking the readers at each. If it fails or is cancelled, the
         readers get RoundFailed and the error (or the cancellation) is raised here."""
         try:
-            async with aclosing(encode_ahead(self.codec, self.x, self.bounds)) as chunks:
-                async for data in chunks:
-                    a, b = self.bounds[len(self.payloads)]
-                    self.payloads.append(data)
-                    self._wake()
-                    self.decoded[a:b] = await asyncio.to_thread(self.codec.decode, data, b - a)
+            await self._fill()
         except BaseException as e:
             self.failed = e
             raise
         finally:
             self._stopped = True
             self._wake()
+
+    async def _fill(self) -> None:
+        """Append every chunk's payload to :attr:`payloads` (waking the readers) and its values to :attr:`decoded`."""
+        async with aclosing(encode_ahead(self.codec, self.x, self.bounds)) as chunks:
+            async for data in chunks:
+                a, b = self.bounds[len(self.payloads)]
+                self.payloads.append(data)
+                self._wake()
+                self.decoded[a:b] = await asyncio.to_thread(self.codec.decode, data, b - a)
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The payloads in order, each as soon as it is encoded. RoundFailed if the producer stopped first.

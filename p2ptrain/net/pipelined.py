@@ -94,19 +94,12 @@ class PipelinedMean(EncodedStream):
         data = self.codec.encode(avg)
         return data, self.codec.decode(data, b - a)
 
-    async def produce(self) -> None:
-        """Average, encode and decode every chunk as its coordinates arrive, waking the readers at each.
-        Unpipelined if a contribution breaks off or is late; the readers then get RoundFailed."""
-        try:
-            for i, (a, b) in enumerate(self.bounds):
-                await self._until(b, last=i == len(self.bounds) - 1)
-                data, values = await asyncio.to_thread(self._chunk, a, b)
-                self.payloads.append(data)
-                self.decoded[a:b] = values
-                self._wake()
-        except BaseException as e:
-            self.failed = e
-            raise
-        finally:
-            self._stopped = True
+    async def _fill(self) -> None:
+        """Average, encode and decode every chunk as its coordinates arrive (:meth:`produce` wakes the readers
+        at each). Unpipelined if a contribution breaks off or is late; the readers then get RoundFailed."""
+        for i, (a, b) in enumerate(self.bounds):
+            await self._until(b, last=i == len(self.bounds) - 1)
+            data, values = await asyncio.to_thread(self._chunk, a, b)
+            self.payloads.append(data)
+            self.decoded[a:b] = values
             self._wake()
