@@ -28,6 +28,7 @@ from .aio import new_event_loop
 from .algo.methods import Round
 from .collective.codecs import Codec
 from .net.bandwidth import ThroughputEMA
+from .net.hierarchy import hierarchical_allreduce, plan_for
 from .net.transport import Decide, Group, JoinRequest, ReduceResult, RoundFailed, StateMismatch, Transport
 
 __all__ = ["NetLoop", "RoundRunner", "RoundStats", "fingerprint", "theta_digest"]
@@ -154,8 +155,12 @@ class RoundRunner:
     MAX_STRETCH = 8.0
 
     def __init__(self, transport: Transport, codec: Codec, *, join_timeout: float, round_timeout: float,
-                 ema: float = 0.3, on_result: Callable[[Round, ReduceResult | None], None] | None = None) -> None:
+                 ema: float = 0.3, on_result: Callable[[Round, ReduceResult | None], None] | None = None,
+                 hierarchical: bool = True) -> None:
         self.transport, self.codec = transport, codec
+        # Groups whose members announce several regions reduce region by region (net/hierarchy.py); not for
+        # error-feedback codecs, whose buffers assume the flat butterfly's parts (algo/feedback.py).
+        self.hierarchical = hierarchical and not codec.error_feedback
         self.join_timeout, self.round_timeout, self.ema = join_timeout, round_timeout, ema
         self.stats = RoundStats()
         self.needs_resync = threading.Event()  # a group said our round state differs from the swarm's
@@ -236,12 +241,19 @@ class RoundRunner:
                 group = await self.transport.form_group(group_or_request, None, timeout=self.join_timeout)
             phase, partial = 0, False
             payload = rnd.payload
+            plan = plan_for(group, self.transport.peer_id) if self.hierarchical else None
             while payload is not None:
                 n0 = time.monotonic()
-                timeout = self.timeout_for(payload, len(group.members))
+                # (hierarchical: a carrier's shards cross a link shared by fewer members)
+                timeout = self.timeout_for(payload, len(group.members if plan is None else plan.local.members))
+                fp = print_ if phase == 0 else None
                 try:
-                    res = await self.transport.allreduce(group, phase, payload, rnd.weight, self.codec,
-                                                         timeout=timeout, fingerprint=print_ if phase == 0 else None)
+                    if plan is None:
+                        res = await self.transport.allreduce(group, phase, payload, rnd.weight, self.codec,
+                                                             timeout=timeout, fingerprint=fp)
+                    else:
+                        res = await hierarchical_allreduce(self.transport, group, plan, phase, payload, rnd.weight,
+                                                           self.codec, timeout=timeout, fingerprint=fp)
                 except (RoundFailed, TimeoutError):
                     self._took(time.monotonic() - n0, timeout, late=True)
                     raise
@@ -264,7 +276,8 @@ class RoundRunner:
             if rnd.divergent:
                 self.stats.divergent += 1
             self.stats.seconds.append(time.monotonic() - t0)
-            log.debug("event=round_done key=%s members=%d partial=%s", rnd.key, len(group.members), partial)
+            log.debug("event=round_done key=%s members=%d partial=%s hierarchical=%s", rnd.key, len(group.members),
+                      partial, plan is not None)
         except asyncio.CancelledError:
             rnd.abort()
             raise

@@ -119,7 +119,8 @@ def close_group(key: str, requests: Mapping[str, JoinRequest], leader: str, deci
     if decision.fragment is None and decide is not None and reqs:
         d = decide(reqs)
         decision = d if isinstance(d, Decision) else Decision(d)
-    return Group(key, members, leader, decision.fragment, reqs[0].signature if reqs else "", decision.schedule)
+    return Group(key, members, leader, decision.fragment, reqs[0].signature if reqs else "", decision.schedule,
+                 tuple(r.region for r in reqs) if any(r.region for r in reqs) else ())
 
 
 def fingerprints_match(a: Sequence[float], b: Sequence[float], rtol: float = 1e-5) -> bool:

@@ -22,6 +22,7 @@ from ..collective.codecs import Codec
 from ..faults import corrupt_update
 from .groups import Forming, alone_check, majority_fingerprint, membership_check
 from .guard import Guard, GuardConfig
+from .offers import Offers
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 
 __all__ = ["MemorySwarm", "MemoryTransport"]
@@ -48,6 +49,7 @@ class MemorySwarm:
         self.delay: dict[str, float] = {}
         self.side: dict[str, int] = {}
         self.providers: dict[str, StateProvider] = {}
+        self.offers: dict[str, Offers] = {}  # by peer: what its transport offers beside its provider
         self.meta: dict[str, tuple[float, dict[str, Any]]] = {}
 
     # -- faults ------------------------------------------------------------------------
@@ -76,6 +78,7 @@ class MemorySwarm:
 class MemoryTransport(Transport):
     def __init__(self, swarm: MemorySwarm, peer_id: str) -> None:
         self.swarm, self.peer_id = swarm, peer_id
+        self.offers = swarm.offers.setdefault(peer_id, Offers())
 
     @property
     def _side(self) -> int:
@@ -109,10 +112,14 @@ class MemoryTransport(Transport):
                           progress: Callable[[int, int], None] | None = None) -> bytes:
         await self._lag()
         sw = self.swarm
-        if peer_id in sw.dead or sw.side.get(peer_id, 0) != self._side or peer_id not in sw.providers:
+        offers = sw.offers.get(peer_id)
+        if peer_id in sw.dead or sw.side.get(peer_id, 0) != self._side or (peer_id not in sw.providers
+                                                                             and offers is None):
             await asyncio.sleep(timeout)
             raise RoundFailed(f"state {name!r}: peer {peer_id} did not answer")
-        data = sw.providers[peer_id](name)
+        offered = offers.get(name) if offers is not None else None
+        provider = sw.providers.get(peer_id)
+        data = offered[0] if offered is not None else provider(name) if provider is not None else None
         if data is None:
             raise RoundFailed(f"state {name!r}: peer {peer_id} has none")
         if progress is not None:

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .offers import Offers
 from .transport import RoundFailed, StateProvider
 
 __all__ = ["DEFAULT_CHUNK", "MAX_STATE", "Progress", "StateServer", "fetch_chunked"]
@@ -28,13 +29,16 @@ Call = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 class StateServer:
-    """The serving side: snapshots by hash, kept for a while so that a transfer can finish."""
+    """The serving side: snapshots by hash, kept for a while so that a transfer can finish; ``offers`` are
+    served first (without a copy: they do not change)."""
 
-    def __init__(self, chunk: int = DEFAULT_CHUNK, keep: int = 4, keep_seconds: float = 300.0) -> None:
+    def __init__(self, chunk: int = DEFAULT_CHUNK, keep: int = 4, keep_seconds: float = 300.0,
+                 offers: Offers | None = None) -> None:
         if chunk <= 0:
             raise ValueError("state chunk size must be positive")
         self.chunk, self.keep, self.keep_seconds = chunk, keep, keep_seconds
         self.provider: StateProvider | None = None
+        self.offers = offers if offers is not None else Offers()
         self._served: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
 
     def _prune(self) -> None:
@@ -49,7 +53,10 @@ class StateServer:
         name, want, offset = msg.get("name"), msg.get("sha256"), msg.get("offset", 0)
         if not isinstance(name, str) or not isinstance(offset, int) or offset < 0:
             return {"error": "bad state request"}
-        if want is None:
+        offered = self.offers.get(name)
+        if offered is not None and want in (None, offered[1]):
+            data, digest = offered
+        elif want is None:
             if self.provider is None:
                 return {"error": "no state here"}
             data = await asyncio.to_thread(self.provider, name)

@@ -47,6 +47,7 @@ from .groups import Forming, alone_check, leader_of, membership_check
 from .guard import Guard
 from .identity import Identity
 from .mailbox import Mailbox, Mailboxes
+from .offers import Offers
 from .state_transfer import StateServer, fetch_chunked
 from .streams import ChunkSource, Streams, Trailer
 from .transport import (
@@ -73,11 +74,12 @@ class HivemindTransport(Transport):
     def __init__(self, cfg: SwarmConfig, p2p: Any, node: Any, identity: Identity | None = None) -> None:
         self.cfg, self.p2p, self.node, self.identity = cfg, p2p, node, identity
         self.peer_id = str(p2p.peer_id)
+        self.offers = Offers()
         self._forming: dict[str, Forming] = {}
         self._live: list[PeerInfo] = []
         self._live_at = 0.0
         self._maddrs: dict[str, list[str]] = {}
-        self._states = StateServer(cfg.state_chunk)
+        self._states = StateServer(cfg.state_chunk, offers=self.offers)
         self.guard = Guard(cfg.guard)
         self.blocked: set[str] = set()  # fault injection: peers this one cannot reach (a partition)
         self.links = LinkMeter()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..collective.codecs import Codec
+from .offers import Offers
 
 __all__ = [
     "Decide",
@@ -70,11 +71,12 @@ class JoinRequest:
     abstain: bool = False  # "I am here but sit this round out": counts as joined, is not a member
     signature: str = ""  # the shape of what this peer will send (e.g. low-rank ranks): must match the group's
     sends: int | None = None
+    region: str = ""  # the region the peer announces (hierarchical rounds group members by it)
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "peer": self.peer_id, "weight": self.weight, "fragment": self.fragment,
                 "scores": self.scores, "busy": self.busy, "last_sent": self.last_sent, "step": self.step,
-                "abstain": self.abstain, "sig": self.signature, "sends": self.sends}
+                "abstain": self.abstain, "sig": self.signature, "sends": self.sends, "region": self.region}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> JoinRequest:
@@ -83,7 +85,7 @@ class JoinRequest:
                    scores=None if m.get("scores") is None else [float(x) for x in m["scores"]],
                    busy=[int(x) for x in m.get("busy", [])], last_sent=[int(x) for x in m.get("last_sent", [])],
                    step=int(m.get("step", 0)), abstain=bool(m.get("abstain", False)), signature=str(m.get("sig", "")),
-                   sends=None if m.get("sends") is None else int(m["sends"]))
+                   sends=None if m.get("sends") is None else int(m["sends"]), region=str(m.get("region", "")))
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ StateProvider = Callable[[str], "bytes | None"]
 
 @dataclass(frozen=True)
 class Group:
-    """A formed round: sorted members, its leader, the agreed fragment and schedule (see Decision)."""
+    """A formed round: sorted members, its leader, the agreed fragment and schedule (see Decision), and the
+    region each member announced (``regions[i]`` is ``members[i]``'s; empty when nobody said)."""
 
     key: str
     members: tuple[str, ...]
@@ -111,10 +114,12 @@ class Group:
     fragment: int | None
     signature: str = ""
     schedule: tuple[int, int] | None = None
+    regions: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "members": list(self.members), "leader": self.leader, "fragment": self.fragment,
-                "sig": self.signature, "schedule": None if self.schedule is None else list(self.schedule)}
+                "sig": self.signature, "schedule": None if self.schedule is None else list(self.schedule),
+                "regions": list(self.regions)}
 
     @classmethod
     def from_wire(cls, g: dict[str, Any]) -> Group:
@@ -125,11 +130,18 @@ class Group:
                 raise ValueError(f"schedule {sched!r}: N must be positive and its first step non-negative")
             sched = (n, start)
         return cls(str(g["key"]), tuple(str(m) for m in g["members"]), str(g["leader"]),
-                   None if g.get("fragment") is None else int(g["fragment"]), str(g.get("sig", "")), sched)
+                   None if g.get("fragment") is None else int(g["fragment"]), str(g.get("sig", "")), sched,
+                   tuple(str(r) for r in g.get("regions", ())))
 
     def __post_init__(self) -> None:
         if list(self.members) != sorted(set(self.members)):
             raise ValueError("group members must be sorted and unique")
+        if self.regions and len(self.regions) != len(self.members):
+            raise ValueError(f"a group of {len(self.members)} members came with {len(self.regions)} regions")
+
+    def region_of(self) -> dict[str, str]:
+        """Each member's region ('' for all when the group carries none)."""
+        return dict(zip(self.members, self.regions or ("",) * len(self.members), strict=True))
 
 
 @dataclass
@@ -197,6 +209,8 @@ class Transport(abc.ABC):
 
     peer_id: str
     state: TransportState = TransportState.OPEN
+    #: Bytes served by name beside the state provider's, fetched with :meth:`fetch_state` (a round's shard).
+    offers: Offers
 
     async def __aenter__(self) -> Transport:
         return self

@@ -209,7 +209,8 @@ class PeerBase:
         assert self.runner is not None and self.transport is not None
         self.collective = SwarmCollective(
             self.net, self.runner, peer_id=self.transport.peer_id, codec=self.codec,
-            join_timeout=self.cfg.join_timeout, wait_limit=self._wait_limit(), step_seconds=lambda: self.step_seconds)
+            join_timeout=self.cfg.join_timeout, wait_limit=self._wait_limit(), step_seconds=lambda: self.step_seconds,
+            region=self.cfg.region)
         self.state = PeerState.CONNECTED
         self._connected()
 

@@ -51,6 +51,7 @@ class SwarmCollective:
     Args:
         net, runner: the network loop and the round runner on it.
         peer_id: this peer's id (its join requests carry it).
+        region: the region this peer announces (its join requests carry it: hierarchical rounds, net/hierarchy.py).
         codec: the wire codec (for CoCoDC's N: bytes per fragment on the wire).
         join_timeout: seconds a slot's group may take to form.
         wait_limit: seconds the compute thread waits for one round before it aborts it as stuck (beyond the
@@ -59,8 +60,8 @@ class SwarmCollective:
     """
 
     def __init__(self, net: NetLoop, runner: RoundRunner, *, peer_id: str, codec: Codec, join_timeout: float,
-                 wait_limit: float, step_seconds: Callable[[], float | None]) -> None:
-        self.net, self.runner, self.peer_id, self.codec = net, runner, peer_id, codec
+                 wait_limit: float, step_seconds: Callable[[], float | None], region: str = "") -> None:
+        self.net, self.runner, self.peer_id, self.codec, self.region = net, runner, peer_id, codec, region
         self.join_timeout, self.wait_limit, self._step_seconds = join_timeout, wait_limit, step_seconds
         self._done: weakref.WeakKeyDictionary[Round, threading.Event] = weakref.WeakKeyDictionary()
         self.members = 1  # the live view's size, refreshed by the peer's heartbeat
@@ -74,7 +75,7 @@ class SwarmCollective:
             target = request.group
         else:
             target = JoinRequest(key=request.key, peer_id=self.peer_id, weight=rnd.weight, fragment=request.fragment,
-                                 step=request.step, signature=request.signature)
+                                 step=request.step, signature=request.signature, region=self.region)
         done = self._done[rnd] = threading.Event()
         self.net.submit(self.runner.launch(rnd, target, fingerprint=request.fingerprint,
                                            fingerprint_of=rnd.theta if request.check_theta else None, done=done))
@@ -98,7 +99,8 @@ class SwarmCollective:
 
     def negotiate(self, request: SlotRequest, leader: SlotLeader) -> _GroupPending:
         req = JoinRequest(key=request.key, peer_id=self.peer_id, weight=1.0, fragment=None, scores=request.scores,
-                          busy=request.busy, last_sent=request.last_sent, step=request.step, sends=request.sends)
+                          busy=request.busy, last_sent=request.last_sent, step=request.step, sends=request.sends,
+                          region=self.region)
 
         def decide(views: Sequence[JoinRequest]) -> Decision:  # on the loop thread, when this peer leads
             return Decision(*leader.decide(views))

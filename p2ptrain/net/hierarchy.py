@@ -1,0 +1,236 @@
+"""Hierarchical rounds by region: a fragment crosses the slow inter-region link once per region, not once per peer.
+
+A flat butterfly over k peers in R regions sends each member's share to every owner in the other regions: with n
+peers a region, about n fragments leave each region per round. Here a round runs in three steps over the same
+transport (any :class:`~p2ptrain.net.transport.Transport`):
+
+1. **inside the region**: the region's members all-reduce the fragment (their weighted mean M_r, total weight W_r);
+2. **across regions**: the fragment is cut into S shards (S = the largest region's size); shard s of M_r is
+   all-reduced, with weight W_r, by one member of each region, its *carrier* (member ``s mod n_r`` of the region's
+   sorted members), so every member carries 1/n of its region's cross-region bytes and a region sends about one
+   fragment out per round;
+3. **back inside the region**: each carrier offers the shard's result, encoded, and the region's other members fetch
+   it. Every carrier of shard s (one per region) holds the same bytes (the butterfly gives every member the same
+   result, and encoding is deterministic), so each member checks what it fetched from its region's carrier against
+   the digest a carrier in another region offers: a carrier that lies to its region makes that region's round
+   fail; it cannot poison it.
+
+The result is the same weighted mean as the flat round: Σ_r W_r M_r / Σ_r W_r = Σ_i w_i x_i / Σ_i w_i (in float
+arithmetic, to rounding: tests/net/test_hierarchy.py checks it against a float64 reference). Robust aggregations and
+the norm bound apply inside each step: within a region to members' contributions, across regions to the regions'
+means (a region's mean is one contribution there); a trimmed mean of regions is not the trimmed mean of peers.
+
+Failures: a member whose region step fails fails the round (as in a flat round); a shard whose carrier in this
+region never offers it is fetched from a carrier in another region (cross-region bytes, but the same values);
+a shard no carrier delivers fails the round. A shard averaged without some region (its carrier dropped) makes the
+round partial: every member still ends with the same bytes for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import struct
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..collective.butterfly import part_bounds
+from ..collective.codecs import Codec
+from .transport import Group, ReduceResult, RoundFailed, Transport
+
+__all__ = ["Plan", "hierarchical_allreduce", "plan_for"]
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<dI")  # a shard offer: the shard's total weight (float64), its number of contributors
+OFFER_TTL = 300.0  # seconds a carrier serves its shard (members that were slow still find it)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One member's view of a hierarchical round: its region's group, the shards, who carries which."""
+
+    region: str
+    local: Group  # this member's region (steps 1 and 3)
+    shards: int  # S
+    carriers: dict[int, tuple[str, ...]]  # shard -> its carriers, one per region (sorted: the step-2 group)
+    holder: dict[int, str]  # shard -> its carrier in this member's region
+    carried: tuple[int, ...]  # the shards this member carries across
+
+    def shard_group(self, group: Group, s: int) -> Group:
+        members = self.carriers[s]
+        return Group(f"{group.key}#s{s}", members, min(members), group.fragment, group.signature, group.schedule)
+
+
+def plan_for(group: Group, me: str) -> Plan | None:
+    """The hierarchical plan of ``group`` as ``me`` sees it, or None when a flat round does as well: one region, or
+    no region with two members (every member then crosses anyway)."""
+    by_region: dict[str, list[str]] = {}
+    for m, r in group.region_of().items():
+        by_region.setdefault(r, []).append(m)
+    if len(by_region) < 2 or max(len(ms) for ms in by_region.values()) < 2 or me not in group.members:
+        return None
+    regions = {r: sorted(ms) for r, ms in by_region.items()}
+    mine = group.region_of()[me]
+    shards = max(len(ms) for ms in regions.values())
+    carriers = {s: tuple(sorted(ms[s % len(ms)] for ms in regions.values())) for s in range(shards)}
+    local = regions[mine]
+    holder = {s: local[s % len(local)] for s in range(shards)}
+    # The region's key names the region by a digest: region labels are free-form text.
+    tag = zlib.crc32(mine.encode()) & 0xFFFFFFFF
+    local_group = Group(f"{group.key}@r{tag:08x}", tuple(local), min(local), group.fragment, group.signature,
+                        group.schedule)
+    return Plan(mine, local_group, shards, carriers, holder, tuple(s for s in range(shards) if holder[s] == me))
+
+
+def _offer_name(group: Group, phase: int, s: int) -> str:
+    return f"hier/{group.key}/{phase}/s{s}"
+
+
+async def _poll(transport: Transport, peer: str, name: str, deadline: float) -> bytes:
+    """Fetch ``name`` from ``peer``, asking again (20 ms, doubling to 250 ms) until it is offered or ``deadline``
+    (monotonic) passes: RoundFailed then."""
+    wait, last = 0.02, "nothing asked"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RoundFailed(f"{name}: {peer[-8:]} did not offer it in time ({last})")
+        try:
+            return await transport.fetch_state(peer, name, timeout=left)
+        except (RoundFailed, TimeoutError, ConnectionError, OSError) as e:
+            last = str(e)
+        await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+        wait = min(0.25, wait * 2)
+
+
+async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: int, s: int, me: str,
+                       deadline: float) -> tuple[bytes, int]:
+    """Shard ``s``'s offer as this member's region's carrier serves it, checked against a carrier of another
+    region (the digest of its offer); from another region's carrier when ours does not deliver by 3/4 of the time
+    left. Returns (offer, bytes fetched). RoundFailed if carriers disagree or none delivers."""
+    name = _offer_name(group, phase, s)
+    holder = plan.holder[s]
+    others = [c for c in plan.carriers[s] if c != holder]
+    if holder != me:  # (when we are the carrier, our own carry failed: only other regions have it)
+        start = zlib.crc32(me.encode()) % len(others)  # spread the digest requests over the carriers
+        witnesses = others[start:] + others[:start]
+        t0 = time.monotonic()
+        ours = t0 + 0.75 * (deadline - t0)
+        data: bytes | BaseException | None = None
+        digest: bytes | BaseException | None = None
+        async with asyncio.TaskGroup() as tg:
+            check = tg.create_task(_poll(transport, witnesses[0], name + "#sha", ours))
+            try:
+                data = await _poll(transport, holder, name, ours)
+            except RoundFailed as e:
+                data = e
+            # The witness offered at about the time our carrier did: a witness still silent well after that
+            # is not waited for (it may be dead), another is asked.
+            try:
+                digest = await asyncio.wait_for(asyncio.shield(check), max(2.0, time.monotonic() - t0))
+            except (RoundFailed, TimeoutError) as e:
+                digest = e
+                check.cancel()
+        if isinstance(data, bytes):
+            for w in witnesses[1:]:
+                if isinstance(digest, bytes):
+                    break
+                try:
+                    digest = await _poll(transport, w, name + "#sha", min(ours, time.monotonic() + 2.0))
+                except RoundFailed as e:
+                    digest = e
+            if not isinstance(digest, bytes):  # no other region answers: nothing to check against
+                log.warning("event=shard_unchecked name=%s holder=%s", name, holder[-8:])
+                return data, len(data)
+            if hashlib.sha256(data).hexdigest().encode() != digest:
+                raise RoundFailed(f"{name}: the region's carrier {holder[-8:]} and another region's disagree on it")
+            return data, len(data) + len(digest)
+    fetched = 0
+    for other in others:  # our region's carrier is gone or late: the same bytes from across the regions
+        try:
+            data = await _poll(transport, other, name, deadline)
+            return data, fetched + len(data)
+        except RoundFailed:
+            continue
+    raise RoundFailed(f"{name}: no carrier delivered it")
+
+
+async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan, phase: int,
+                                 tensors: Sequence[torch.Tensor], weight: float, codec: Codec, *, timeout: float,
+                                 fingerprint: Sequence[float] | None = None) -> ReduceResult:
+    """The weighted mean of every member's ``tensors`` in three steps (see the module docstring); the same
+    contract as :meth:`Transport.allreduce`. ``timeout`` bounds the whole round."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    me = transport.peer_id
+    shapes = [t.shape for t in tensors]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
+    local = await transport.allreduce(plan.local, phase, [flat], weight, codec, timeout=deadline - time.monotonic(),
+                                      fingerprint=fingerprint)
+    mean = local.tensors[0].reshape(-1).float().cpu()
+    bounds = part_bounds(mean.numel(), plan.shards)
+    timeline = {"local": time.monotonic() - t0}
+
+    async def carry(s: int) -> tuple[int, ReduceResult, bytes]:
+        lo, hi = bounds[s]
+        res = await transport.allreduce(plan.shard_group(group, s), phase, [mean[lo:hi]], local.total_weight, codec,
+                                        timeout=deadline - time.monotonic(), fingerprint=fingerprint)
+        payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
+        offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
+        name = _offer_name(group, phase, s)
+        digest = transport.offers.put(name, offer, ttl=OFFER_TTL)
+        transport.offers.put(name + "#sha", digest.encode(), ttl=OFFER_TTL)
+        return s, res, offer
+
+    carried = await asyncio.gather(*(carry(s) for s in plan.carried), return_exceptions=True)
+    offers: dict[int, bytes] = {}
+    crossed: list[ReduceResult] = []
+    for c in carried:
+        if isinstance(c, BaseException):  # our carry failed: the others fetch the shard from other regions
+            continue
+        s, res, offer = c
+        offers[s] = offer
+        crossed.append(res)
+    timeline["across"] = time.monotonic() - t0
+    fetched = 0
+
+    async def fetch(s: int) -> None:
+        nonlocal fetched
+        offers[s], n = await _shard_bytes(transport, plan, group, phase, s, me, deadline)
+        fetched += n
+
+    await asyncio.gather(*(fetch(s) for s in range(plan.shards) if s not in offers))
+    timeline["gathered"] = time.monotonic() - t0
+    out = torch.empty_like(mean)
+    totals: set[float] = set()
+    partial = local.partial or any(isinstance(c, BaseException) for c in carried)
+    regions = len({r for r in group.region_of().values()})
+    for s, (lo, hi) in enumerate(bounds):
+        offer = offers[s]
+        if len(offer) < _HEADER.size:
+            raise RoundFailed(f"{_offer_name(group, phase, s)}: a truncated offer")
+        total, count = _HEADER.unpack_from(offer)
+        out[lo:hi] = await asyncio.to_thread(codec.decode, offer[_HEADER.size:], hi - lo)
+        totals.add(total)
+        partial |= count < regions
+    pieces, offset = [], 0
+    for shape in shapes:
+        n = int(torch.Size(shape).numel())
+        pieces.append(out[offset:offset + n].view(shape).to(device))
+        offset += n
+    served = sum(len(o) * (len(plan.local.members) - 1) for s, o in offers.items() if s in plan.carried)
+    contributors = tuple(sorted(set(local.contributors) | {m for r in crossed for m in r.contributors}))
+    return ReduceResult(pieces, max(totals) if totals else local.total_weight, group.members, contributors,
+                        partial=partial or len(totals) > 1,
+                        bytes_sent=local.bytes_sent + sum(r.bytes_sent for r in crossed) + served,
+                        bytes_received=local.bytes_received + sum(r.bytes_received for r in crossed) + fetched,
+                        seconds=time.monotonic() - t0, divergent=local.divergent or any(r.divergent for r in crossed),
+                        verify_bytes=local.verify_bytes + sum(r.verify_bytes for r in crossed),
+                        liars=tuple(sorted(set(local.liars) | {m for r in crossed for m in r.liars})),
+                        timeline={**timeline, "assembled": time.monotonic() - t0})

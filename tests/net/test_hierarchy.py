@@ -1,0 +1,219 @@
+"""Hierarchical rounds by region (net/hierarchy.py): the same weighted mean as a flat round, one fragment across
+regions per region, and a carrier that dies or lies cannot stall or poison its region."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from p2ptrain.collective.codecs import get_codec
+from p2ptrain.net.hierarchy import _HEADER, hierarchical_allreduce, plan_for
+from p2ptrain.net.memory import MemorySwarm
+from p2ptrain.net.transport import Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, Transport
+
+from .test_transport_contract import libp2p_swarm
+
+WINDOW = 1.0
+
+
+@asynccontextmanager
+async def memory_swarm(n: int, swarm: MemorySwarm | None = None) -> AsyncIterator[list[Transport]]:
+    swarm = swarm or MemorySwarm(join_window=WINDOW, ttl=30)
+    ts: list[Transport] = [swarm.transport(f"peer{i}") for i in range(n)]
+    for t in ts:
+        await t.announce(PeerInfo(peer_id=t.peer_id))
+    yield ts
+
+
+SWARMS = [pytest.param(memory_swarm, id="memory"),
+          pytest.param(libp2p_swarm, id="libp2p", marks=[pytest.mark.net, pytest.mark.timeout(150)])]
+Make = Callable[[int], Any]
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def _group(members: list[str], regions: list[str], key: str = "h") -> Group:
+    order = sorted(range(len(members)), key=lambda i: members[i])
+    return Group(key, tuple(members[i] for i in order), min(members), 0, "", None, tuple(regions[i] for i in order))
+
+
+def test_plan_spreads_the_shards_over_each_regions_members() -> None:
+    g = _group(["a1", "a2", "a3", "b1", "b2", "c1"], ["A", "A", "A", "B", "B", "C"])
+    plans = {m: plan_for(g, m) for m in g.members}
+    assert all(p is not None for p in plans.values())
+    p = plans["a2"]
+    assert p is not None and p.shards == 3 and p.local.members == ("a1", "a2", "a3")
+    # Shard s: member s mod n of every region; each region's members share the shards, one carrier a region.
+    assert p.carriers == {0: ("a1", "b1", "c1"), 1: ("a2", "b2", "c1"), 2: ("a3", "b1", "c1")}
+    assert [plans[m].carried for m in ("a1", "a2", "a3", "b1", "b2", "c1")] == [(0,), (1,), (2,), (0, 2), (1,),
+                                                                              (0, 1, 2)]
+    assert plans["b2"].holder == {0: "b1", 1: "b2", 2: "b1"}  # type: ignore[union-attr]
+    # Region groups are told apart by key; every member of a region names the same group.
+    assert plans["a1"].local == plans["a3"].local != plans["b1"].local  # type: ignore[union-attr]
+
+
+def test_flat_when_one_region_or_no_region_has_two_members() -> None:
+    assert plan_for(_group(["a", "b", "c"], ["X", "X", "X"]), "a") is None
+    assert plan_for(_group(["a", "b", "c"], ["X", "Y", "Z"]), "a") is None
+    assert plan_for(Group("k", ("a", "b"), "a", 0), "a") is None  # no regions announced
+    assert plan_for(_group(["a", "b", "c"], ["X", "X", "Y"]), "zz") is None  # not a member
+
+
+def test_group_regions_travel_with_the_group_and_must_match_its_members() -> None:
+    g = _group(["b", "a"], ["east", "west"])
+    assert g.members == ("a", "b") and g.regions == ("west", "east")
+    assert Group.from_wire(g.to_wire()) == g
+    with pytest.raises(ValueError, match="regions"):
+        Group("k", ("a", "b"), "a", 0, regions=("x",))
+    r = JoinRequest(key="k", peer_id="p", weight=1.0, region="eu")
+    assert JoinRequest.from_wire(r.to_wire()).region == "eu"
+
+
+async def _form(ts: list[Transport], regions: list[str], key: str) -> list[Group]:
+    return list(await asyncio.gather(*(
+        t.form_group(JoinRequest(key=key, peer_id=t.peer_id, weight=1.0, fragment=0, region=r), None, timeout=20)
+        for t, r in zip(ts, regions, strict=True))))
+
+
+async def _hier(t: Transport, g: Group, x: list[torch.Tensor], w: float, codec: str = "fp32",
+                timeout: float = 30.0) -> ReduceResult:
+    plan = plan_for(g, t.peer_id)
+    assert plan is not None
+    return await hierarchical_allreduce(t, g, plan, 0, x, w, get_codec(codec), timeout=timeout)
+
+
+@pytest.mark.parametrize("make", SWARMS)
+def test_hierarchical_round_is_the_flat_weighted_mean(make: Make) -> None:
+    """2 regions × 3 members (and weights that differ): every member ends with the same bytes, equal to the
+    float64 weighted mean of all six to fp32 rounding; the group formed by the transport carries the regions."""
+    async def go() -> None:
+        async with make(6) as ts:
+            regions = ["eu", "us", "eu", "us", "eu", "us"]
+            groups = await _form(ts, regions, "h1")
+            assert all(g.regions for g in groups) and len({g for g in groups}) == 1
+            gen = torch.Generator().manual_seed(3)
+            xs = [[torch.randn(1000, generator=gen), torch.randn(7, 3, generator=gen)] for _ in ts]
+            ws = [1.0, 2.0, 0.5, 3.0, 1.5, 1.0]
+            out = await asyncio.gather(*(_hier(t, g, x, w) for t, g, x, w in zip(ts, groups, xs, ws, strict=True)))
+            total = sum(ws)
+            for k in range(2):
+                exp = sum(w * x[k].double() for x, w in zip(xs, ws, strict=True)) / total
+                for r in out:
+                    assert torch.equal(r.tensors[k], out[0].tensors[k])  # bitwise equal on every member
+                    assert r.tensors[k].shape == xs[0][k].shape
+                    assert (r.tensors[k].double() - exp).abs().max() < 1e-6
+            for r in out:
+                assert not r.partial and r.total_weight == pytest.approx(total)
+
+    run(go())
+
+
+def test_unequal_regions_and_a_lossy_codec_give_every_member_the_same_bytes() -> None:
+    async def go() -> None:
+        async with memory_swarm(5) as ts:
+            regions = ["a", "a", "a", "a", "b"]  # the lone member of b carries all four shards
+            groups = await _form(ts, regions, "h2")
+            gen = torch.Generator().manual_seed(1)
+            xs = [[torch.randn(4096, generator=gen)] for _ in ts]
+            out = await asyncio.gather(*(_hier(t, g, x, 1.0, "e3m0") for t, g, x in zip(ts, groups, xs, strict=True)))
+            exact = sum(x[0] for x in xs) / 5
+            for r in out:
+                assert torch.equal(r.tensors[0], out[0].tensors[0])
+            assert (out[0].tensors[0] - exact).norm() / exact.norm() < 0.5  # quantised twice, but the mean
+
+    run(go())
+
+
+def test_a_carrier_that_never_offers_its_shard_is_replaced_by_another_regions_carrier() -> None:
+    """A carrier whose offers vanish (it crashed after its cross-region step): its region mates fetch the shard
+    from the other region's carrier of it and end with the same values as everyone."""
+    async def go() -> None:
+        async with memory_swarm(4) as ts:
+            regions = ["a", "a", "b", "b"]
+            groups = await _form(ts, regions, "h3")
+            quiet = ts[1]  # carries shard 1 of region a
+            quiet.offers.put = lambda name, data, ttl: "0" * 64  # type: ignore[method-assign]
+            xs = [[torch.full((10,), float(i))] for i in range(4)]
+            out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=4.0)
+                                         for t, g, x in zip(ts, groups, xs, strict=True)))
+            for r in out:
+                assert torch.allclose(r.tensors[0], torch.full((10,), 1.5))
+
+    run(go())
+
+
+@pytest.mark.parametrize("digest", ["honest", "of the lie"])
+def test_a_carrier_that_lies_to_its_region_fails_the_round_there_and_poisons_no_one(digest: str) -> None:
+    """A carrier serves its region a shard of ×100 values. Told the honest digest, the other region's members
+    are unaffected and the liar's region mate refuses; told the lie's digest too, the other region cannot tell
+    which carrier lies (two regions) and refuses as well. No member ever ends with the lie."""
+    async def go() -> None:
+        async with memory_swarm(4) as ts:
+            regions = ["a", "a", "b", "b"]
+            groups = await _form(ts, regions, "h4")
+            liar = ts[1]
+            honest_put = liar.offers.put
+
+            def lying_put(name: str, data: bytes, *, ttl: float) -> str:
+                if name.endswith("#sha"):
+                    return honest_put(name, data, ttl=ttl)
+                head = _HEADER.size
+                bad = data[:head] + torch.full(((len(data) - head) // 4,), 100.0).numpy().tobytes()
+                lie = honest_put(name, bad, ttl=ttl)
+                return hashlib.sha256(data).hexdigest() if digest == "honest" else lie
+
+            liar.offers.put = lying_put  # type: ignore[method-assign]
+            xs = [[torch.full((10,), float(i))] for i in range(4)]
+            out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=6.0)
+                                         for t, g, x in zip(ts, groups, xs, strict=True)), return_exceptions=True)
+            assert isinstance(out[0], RoundFailed) and "disagree" in str(out[0])  # the liar's region mate refuses
+            for r in out[1:]:
+                assert isinstance(r, RoundFailed) or torch.allclose(r.tensors[0], torch.full((10,), 1.5))
+            if digest == "honest":
+                for r in out[2:]:  # the other region is untouched
+                    assert isinstance(r, ReduceResult) and not r.partial
+
+    run(go())
+
+
+@pytest.mark.parametrize("make", SWARMS)
+def test_cross_region_bytes_are_about_one_fragment_per_region(make: Make) -> None:
+    """What the transport reports sending in the cross-region steps, summed over a region's members: about one
+    fragment (R = 2: each carrier sends half of each shard's contribution and half of its result), against
+    n = 3 fragments a region in a flat butterfly of the same six peers."""
+    async def go() -> None:
+        async with make(6) as ts:
+            sent: dict[str, list[tuple[str, int]]] = {t.peer_id: [] for t in ts}
+            for t in ts:
+                inner = t.allreduce
+
+                async def recording(group: Group, *a: Any, _inner: Any = inner, _me: str = t.peer_id,
+                                    **kw: Any) -> ReduceResult:
+                    r = await _inner(group, *a, **kw)
+                    sent[_me].append((group.key, r.bytes_sent))
+                    return r
+
+                t.allreduce = recording  # type: ignore[method-assign]
+            regions = ["a", "a", "a", "b", "b", "b"]
+            groups = await _form(ts, regions, "h5")
+            n = 60_000
+            xs = [[torch.randn(n)] for _ in ts]
+            out = await asyncio.gather(*(_hier(t, g, x, 1.0) for t, g, x in zip(ts, groups, xs, strict=True)))
+            assert all(not r.partial for r in out)
+            frag = get_codec("fp32").encoded_size(n)
+            for region in ("a", "b"):
+                cross = sum(b for t, r in zip(ts, regions, strict=True) if r == region
+                            for key, b in sent[t.peer_id] if "#s" in key)
+                assert 0.95 * frag <= cross <= 1.15 * frag, (region, cross / frag)  # headers and signatures
+            flat_cross_per_region = 3 * 3 * (frag / 6) * 2  # 3 members × 3 foreign owners × a part, out and back
+            assert flat_cross_per_region == 3 * frag
+
+    run(go())
