@@ -100,7 +100,8 @@ class JoinFlags:
 
     initial_peers: InitialPeers = None
     run_id: Annotated[str | None, typer.Option("--run-id", show_default="p2ptrain", help="The run to join (peers of one run find each other by it).")] = None
-    region: Annotated[str | None, typer.Option("--region", help="A label for this peer's location (shown by status).")] = None
+    region: Annotated[str | None, typer.Option("--region", help="This peer's location: peers of a region average among themselves, then one fragment a region crosses between regions.")] = None
+    flat_rounds: Annotated[bool, typer.Option("--flat-rounds", help="One all-reduce over every member, even across regions.")] = False
     method: Annotated[Method | None, typer.Option("--method", "-m", show_default="streaming", help="The outer-loop method (every peer of a run runs the same).")] = None
     preset_name: PresetOpt = None
     steps: Annotated[int | None, typer.Option("--steps", "-n", show_default="300", help="Leave cleanly after this many inner steps.")] = None

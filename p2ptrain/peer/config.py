@@ -50,6 +50,8 @@ class PeerConfig:
             waited for before the next step. Every peer of a run must use the same; ``steps`` makes a swarm's
             schedule exactly the simulator's (the equivalence tests), at the price of peers waiting for the
             slowest at every round.
+        flat_rounds: every round is one butterfly over all its members, even when they announce several
+            regions (by default such a group reduces region by region: :mod:`p2ptrain.net.hierarchy`).
     """
 
     run_id: str = "p2ptrain"
@@ -69,6 +71,7 @@ class PeerConfig:
     keep_checkpoints: int = 3
     eval_every: int = 0
     clock: Literal["wall", "steps"] = "wall"
+    flat_rounds: bool = False
 
     def __post_init__(self) -> None:
         if self.clock not in ("wall", "steps"):

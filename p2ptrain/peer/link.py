@@ -46,7 +46,8 @@ class SwarmLink:
         self.transport = self.net.call(self.factory(), timeout=self.cfg.join_timeout + 60)
         self.transport.serve_state(provide)
         self.runner = RoundRunner(self.transport, self.codec, join_timeout=self.cfg.join_timeout,
-                                  round_timeout=self.round_timeout, on_result=on_round)
+                                  round_timeout=self.round_timeout, on_result=on_round,
+                                  hierarchical=not self.cfg.flat_rounds)
         self._service = self.net.submit(self._serve(info, on_live))
         self.runner.wait_ready(10)
 

@@ -28,6 +28,7 @@ class Spec:
     delay: float = 0.0  # seconds to sleep after every inner step (a slower machine)
     start_after: float = 0.0  # seconds after the first peer started
     run: bool = True
+    region: str = ""  # the region the peer announces
 
 
 @dataclass
@@ -86,7 +87,7 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
             tr.step = slowed  # type: ignore[method-assign]
         cfg = PeerConfig(**{"run_id": "t", "steps": spec.steps, "step_seconds": step_seconds,
                             "join_window": join_window, "join_timeout": 10, "heartbeat": 0.3, "ttl": 4.0,
-                            "drain_timeout": 15, **overrides})
+                            "drain_timeout": 15, "region": spec.region, **overrides})
         peer = make_peer(cfg, method, tr, transports(i, list(initial)), net=shared)
         if keep_applied:
             peer.keep_applied = True  # type: ignore[attr-defined]

@@ -12,11 +12,14 @@ from typing import Any
 import pytest
 import torch
 
+from p2ptrain.algo.methods import method_config
 from p2ptrain.collective.codecs import get_codec
+from p2ptrain.data import Corpus
 from p2ptrain.net.hierarchy import _HEADER, hierarchical_allreduce, plan_for
 from p2ptrain.net.memory import MemorySwarm
 from p2ptrain.net.transport import Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, Transport
 
+from .peers import Spec, applied_agree, memory_transports, run_peers
 from .test_transport_contract import libp2p_swarm
 
 WINDOW = 1.0
@@ -217,3 +220,22 @@ def test_cross_region_bytes_are_about_one_fragment_per_region(make: Make) -> Non
             assert flat_cross_per_region == 3 * frag
 
     run(go())
+
+
+@pytest.mark.parametrize("name,knobs", [("diloco", {"H": 8}),
+                                        ("streaming", {"H": 8, "P": 2, "tau": 2, "codec": "e3m0"})])
+@pytest.mark.parametrize("flat", [False, True])
+def test_peers_in_two_regions_reduce_region_by_region_and_agree(name: str, knobs: dict[str, Any], flat: bool,
+                                                                corpus: Corpus) -> None:
+    """Peers end to end (the driver, the round runner): two regions of two peers reduce hierarchically unless
+    told ``flat_rounds``, and every peer holds the same θ after every applied round either way."""
+    swarm = MemorySwarm(join_window=10.0, ttl=3.0)
+    specs = [Spec(steps=48, delay=0.02, region=r) for r in ("eu", "eu", "us", "us")]
+    run = run_peers(method_config(name, timeout=15, **knobs), specs, corpus, memory_transports(swarm),
+                    shared_loop=True, clock="steps", warmup=1.0, timeout=240, flat_rounds=flat)
+    assert not run.errors, run.errors
+    res = [r for r in run.results if r is not None]
+    assert all(r.rounds_complete > 0 for r in res), [(r.rounds_complete, r.rounds_failed) for r in res]
+    applied_agree(res)
+    across = {key for (_, key, _) in swarm.phases if "#s" in key}
+    assert bool(across) != flat, sorted(swarm.phases)[:6]
