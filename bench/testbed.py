@@ -377,6 +377,22 @@ class Testbed:
             raise TestbedError(f"the delay relay could not listen on {self.addr(host)}:{port}: {answer or 'exited'}")
         self._exposed.add((host, port))
 
+    def partition(self, region: str, cut: bool = True) -> None:
+        """Cut ``region`` off from the others (``cut``) or heal it: packets between its hosts and the rest are
+        dropped silently both ways (a blackhole route in its gateway and in the core; no ICMP, like a cut
+        cable), while its own hosts still reach each other. Connections open across the cut stall until
+        their own timeouts; those not yet dead resume when it heals."""
+        if not self._up:
+            raise TestbedError("the testbed is not up")
+        ri = [r.name for r in self.spec.regions].index(self.spec.region(region).name) + 1
+        gw, core = self.ns(f"gw-{region}"), self.ns("core")
+        if cut:
+            _cmd("ip", "-n", gw, "route", "replace", "blackhole", "default")
+            _cmd("ip", "-n", core, "route", "replace", "blackhole", f"10.{ri}.0.0/16")
+        else:
+            _cmd("ip", "-n", gw, "route", "replace", "default", "via", f"10.250.{ri}.1")
+            _cmd("ip", "-n", core, "route", "replace", f"10.{ri}.0.0/16", "via", f"10.250.{ri}.2")
+
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Testbed:
         self.up()

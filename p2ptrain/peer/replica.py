@@ -46,6 +46,16 @@ def rebase(new: Sequence[torch.Tensor], local: Sequence[torch.Tensor],
     return [n + (x - o) for n, x, o in zip(new, local, old, strict=True)]
 
 
+def _log_applied(rnd: Round, digest: concurrent.futures.Future[str]) -> None:
+    """One line per applied round, once θ's digest is computed: what benchmarks read to compare replicas across
+    peers round by round (``tokens``: the round's total weight, the tokens of every contribution in it)."""
+    if digest.cancelled() or digest.exception() is not None:
+        return
+    tokens = rnd.weight / rnd.share if rnd.share > 0 else rnd.weight
+    log.info("event=applied key=%s fragment=%d members=%d tokens=%.0f divergent=%s digest=%s", rnd.key,
+             rnd.fragment, len(rnd.contributors) or rnd.members, tokens, rnd.divergent, digest.result()[:16])
+
+
 class ReplicaState:
     """What one outer-loop peer keeps and serves of its replica (see the module docstring).
 
@@ -82,7 +92,9 @@ class ReplicaState:
         theta = self.outer.theta(f)
         self.after[rnd.key] = (f, theta, self.outer.momentum(f), self.outer.round_state(f))
         self._prune(self.after)
-        self.applied_log[rnd.key] = (self._digests.submit(theta_digest, theta), list(theta) if self.keep_applied else [])
+        digest = self._digests.submit(theta_digest, theta)
+        digest.add_done_callback(lambda fut, r=rnd: _log_applied(r, fut))
+        self.applied_log[rnd.key] = (digest, list(theta) if self.keep_applied else [])
         self.history.append((rnd.key, tuple(c[-4:] for c in rnd.contributors), rnd.divergent))
 
     def _prune(self, versions: OrderedDict[str, Any]) -> None:

@@ -1,0 +1,782 @@
+"""Churn: ≥ 16 real peers in 2–3 testbed regions, a fault every ≤ 30 s for 30 minutes, next to the same
+swarm without faults for the same time.
+
+    python bench/churn.py                                   # 16 peers, 3 regions, 30 min faults, then 30 min baseline
+    python bench/churn.py --peers 6 --minutes 3 --every 20  # a smoke run
+    python bench/churn.py --phases baseline --minutes 10    # only the fault-free swarm
+
+Each phase gets a fresh testbed (bench/testbed.py: regions ``us``, ``eu``, ``ap``; every peer its own
+namespace and link, each region's uplink ``--between-rate`` with ``--delay-ms`` one way between regions), a
+bootstrap node and ``--peers`` ``p2ptrain join`` processes (one thread each, ``--min-step-seconds`` pads every
+inner step so that a peer's compute rate does not depend on how many others share this machine's 2 cores: a
+fault that stops a peer must not hand its CPU to the others and inflate their tokens). After ``--warmup``
+seconds the measured window of ``--minutes`` starts; in the fault phase a fault is drawn (seeded) every
+``--every`` seconds from:
+
+* ``kill``: SIGKILL to a peer and its libp2p daemon (its process group: a crashed machine), restarted
+  ``--restart-after`` seconds later on the same host with ``--resume`` (its checkpoints; a new peer id, as a restarted container without ``--identity``);
+* ``stop``: SIGSTOP to a peer and its daemon, SIGCONT ``--stop-seconds`` (20) later (a frozen machine);
+* ``partition``: a region is cut off from the others for ``--partition-seconds`` (60) (a blackhole route in
+  its gateway and in the core: :meth:`Testbed.partition`), then healed;
+* ``join``: a new peer (fresh identity and state) joins in a free slot (``--spare`` slots beyond ``--peers``);
+* ``leave``: SIGTERM to a peer: it finishes its step and rounds, writes a checkpoint and its summary, leaves.
+
+What is read, as it happens (every peer's log; the ``--json`` summaries at the end cross-check):
+``event=applied key fragment members tokens digest`` (a round applied, with θ's digest after it),
+``event=round_failed``, ``event=round_timeout`` (a stuck round: it outlived its own timeouts),
+``event=repaired``, and the status line (inner step, train loss). Per round key: outcome, members, how many
+peers applied it and whether their θ agreed (diverged replicas: appliers whose θ differs from the
+majority's right after it), failed and stuck counts. Goodput: tokens that reached θ (the total weight of
+each round applied, by the majority, in the window) over the same figure of the fault-free phase.
+Memory: resident memory of each peer and its daemon every ``--rss-every`` seconds. Survival per fault: the
+peer (or the cut region's peers) applied a round with the swarm again within ``--survive-within`` seconds;
+a leave: exit code 0 and a summary written.
+
+Writes bench/results/churn.json every few seconds (a crash loses nothing), and at the end churn.md (tables)
+and churn.png (live peers, tokens in θ, loss, memory over time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import itertools
+
+from bench.harness import P2PTRAIN, RESULTS, exit_on_sigterm, rss_tree_mb
+from bench.testbed import RegionSpec, Testbed, TestbedSpec, parse_rate, unavailable_reason
+from p2ptrain.procs import wait_lines
+
+KINDS = ("kill", "stop", "partition", "join", "leave")
+REGION_NAMES = ("us", "eu", "ap")
+
+_APPLIED = re.compile(r"event=applied key=(\S+) fragment=(\d+) members=(\d+) tokens=(\d+) divergent=(\w+) "
+                      r"digest=(\w+)")
+_FAILED = re.compile(r"event=round_failed key=(\S+)")
+_STUCK = re.compile(r"event=round_timeout key=(\S+)( when=leaving)?")
+_STATUS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.naif]+)")
+_TS = re.compile(r"^ts=(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+
+
+def _ts(line: str, default: float) -> float:
+    m = _TS.match(line)
+    if not m:
+        return default
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+# ---------------------------------------------------------------------------------------------- peers
+@dataclass
+class Life:
+    """One process of a peer (a restart after SIGKILL is a new life of the same peer)."""
+
+    index: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    json: Path
+    started: float
+    offset: int = 0
+    buf: str = ""
+    ended: float | None = None
+    code: int | None = None
+    how: str = ""  # killed / left / stopped-at-end / exited
+
+
+@dataclass
+class PeerRec:
+    """One peer: a slot's identity, its checkpoints, its lives."""
+
+    name: str
+    slot: int
+    host: str
+    region: str
+    fresh: bool  # one of the peers that started the run together (no state download at start)
+    lives: list[Life] = field(default_factory=list)
+    state: str = "live"  # live / stopped / dead (killed, waiting to restart) / leaving / gone
+    rss: list[tuple[float, float]] = field(default_factory=list)
+    loss: list[tuple[float, int, float]] = field(default_factory=list)  # (unix time, inner step, train loss)
+    applied: list[tuple[float, str, str]] = field(default_factory=list)  # (unix time, round key, digest)
+
+    @property
+    def life(self) -> Life:
+        return self.lives[-1]
+
+
+class Phase:
+    """One phase: a testbed, a bootstrap node, the peers, the faults, and what their logs said."""
+
+    def __init__(self, name: str, a: argparse.Namespace, work: Path, faults: bool) -> None:
+        self.name, self.a, self.work, self.with_faults = name, a, work, faults
+        self.rng = random.Random(a.seed)
+        self.run_id = f"churn-{name}-{os.getpid()}"
+        self.regions = list(REGION_NAMES[: a.regions])
+        self.slots = a.peers + (a.spare if faults else 0)
+        self.slot_host = {s: (self.regions[s % len(self.regions)], f"{self.regions[s % len(self.regions)]}"
+                                                                     f"{s // len(self.regions)}")
+                          for s in range(self.slots)}
+        self.peers: dict[str, PeerRec] = {}
+        self.gen = Counter[int]()
+        self.rounds: dict[str, dict[str, Any]] = {}
+        self.faults: list[dict[str, Any]] = []
+        self.live: list[tuple[float, int, int]] = []  # (unix time, peers computing, peer processes)
+        self.boot: list[str] = []
+        self.partitioned: dict[str, float] = {}  # region -> unix time it heals
+        self.timers: list[tuple[float, str, Any]] = []  # (unix time, action, arg)
+        self.t0 = math.nan  # all initial peers started
+        self.window = (math.nan, math.nan)
+        self.summaries: dict[str, Any] = {}
+        self.ended = False
+        self.fragments = a.P if a.method in ("streaming", "cocodc") else 1
+
+    # ------------------------------------------------------------------ the testbed
+    def spec(self) -> TestbedSpec:
+        per_region = math.ceil(self.slots / len(self.regions)) + 1  # +1: the bootstrap host in the first region
+        rate = parse_rate(self.a.between_rate)
+        return TestbedSpec(regions=tuple(
+            RegionSpec(name=r, hosts=per_region, host_rate=parse_rate(self.a.host_rate), uplink_rate=rate,
+                       delay_ms=self.a.delay_ms / 2) for r in self.regions))
+
+    def boot_host(self) -> str:
+        return f"{self.regions[0]}{math.ceil(self.slots / len(self.regions))}"
+
+    # ------------------------------------------------------------------ starting peers
+    def argv(self, rec: PeerRec, resume: bool, initial: list[str]) -> list[str]:
+        a = self.a
+        argv = [*P2PTRAIN, "join", "--run-id", self.run_id, "--method", a.method, "--preset", a.preset,
+                "--steps", "100000000", "--batch-size", str(a.batch_size), "--step-seconds", str(a.step_seconds),
+                "--min-step-seconds", str(a.min_step_seconds if a.min_step_seconds is not None else a.step_seconds),
+                "--H", str(a.H), "--region", rec.region, "--metrics-port", "-1", "--log-level", "INFO",
+                "--checkpoint-dir", str(self.work / f"{rec.name}.ck"),
+                "--maddrs-file", str(self.work / f"{rec.name}.maddrs")]
+        if a.method in ("streaming", "cocodc"):
+            argv += ["--P", str(a.P), "--tau", str(a.tau)]
+        if a.join_window is not None:
+            argv += ["--join-window", str(a.join_window)]
+        if rec.fresh and not resume:
+            argv += ["-c", str(self.work / "fresh_start.toml")]
+        if resume:
+            argv += ["--resume"]
+        for m in initial:
+            argv += ["--initial-peers", m]
+        return argv
+
+    def initial_for(self, rec: PeerRec) -> list[str]:
+        """The bootstrap node and two live peers (its own region's first): what a joiner would be given."""
+        others = [p for p in self.peers.values() if p.state == "live" and p is not rec
+                  and (self.work / f"{p.name}.maddrs").exists()]
+        others.sort(key=lambda p: (p.region != rec.region, self.rng.random()))
+        out = list(self.boot)
+        for p in others[:2]:
+            out += [m for m in (self.work / f"{p.name}.maddrs").read_text().split() if "/ip4/10.200." in m][:1]
+        return out
+
+    def spawn(self, tb: Testbed, rec: PeerRec, resume: bool) -> None:
+        i = len(rec.lives)
+        log, js = self.work / f"{rec.name}.{i}.log", self.work / f"{rec.name}.{i}.json"
+        (self.work / f"{rec.name}.maddrs").unlink(missing_ok=True)
+        listen, announce = tb.maddrs(rec.host)
+        argv = [*self.argv(rec, resume, self.initial_for(rec)), "--host-maddrs", listen[0], "--announce-maddrs",
+                announce[0], "--json", str(js)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with log.open("wb") as out:
+            proc = tb.run(rec.host, argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        rec.lives.append(Life(i, proc, log, js, time.time()))
+        rec.state = "live"
+
+    def new_peer(self, tb: Testbed, slot: int, fresh: bool) -> PeerRec:
+        self.gen[slot] += 1
+        region, host = self.slot_host[slot]
+        rec = PeerRec(f"s{slot:02d}g{self.gen[slot]}", slot, host, region, fresh)
+        self.peers[rec.name] = rec
+        self.spawn(tb, rec, resume=False)
+        return rec
+
+    # ------------------------------------------------------------------ reading the logs
+    def read_logs(self) -> None:
+        now = time.time()
+        for rec in self.peers.values():
+            for life in rec.lives:
+                if life.offset < 0:
+                    continue
+                try:
+                    with life.log.open("rb") as f:
+                        f.seek(life.offset)
+                        data = f.read()
+                except OSError:
+                    continue
+                life.offset += len(data)
+                text = life.buf + data.decode(errors="replace")
+                lines = text.split("\n")
+                life.buf = lines.pop()
+                for line in lines:
+                    self.parse(rec, line, now)
+                if life.ended is not None and life.proc.poll() is not None and not data:
+                    life.offset = -1  # done with this file
+
+    def round(self, key: str) -> dict[str, Any]:
+        return self.rounds.setdefault(key, {"fragment": None, "first": math.inf, "digests": {}, "tokens": {},
+                                            "members": [], "failed": [], "stuck": [], "flagged": 0})
+
+    def parse(self, rec: PeerRec, line: str, now: float) -> None:
+        if (m := _STATUS.match(line)) is not None:
+            with contextlib.suppress(ValueError):
+                rec.loss.append((now, int(m.group(1)), float(m.group(2))))
+            return
+        if "event=" not in line:
+            return
+        t = _ts(line, now)
+        if (m := _APPLIED.search(line)) is not None:
+            key, frag, members, tokens, divergent, digest = m.groups()
+            r = self.round(key)
+            r["fragment"], r["first"] = int(frag), min(r["first"], t)
+            r["digests"].setdefault(digest, []).append(rec.name)
+            r["tokens"][digest] = max(r["tokens"].get(digest, 0), int(tokens))
+            r["members"].append(int(members))
+            r["flagged"] += divergent == "True"
+            rec.applied.append((t, key, digest))
+        elif (m := _FAILED.search(line)) is not None:
+            self.round(m.group(1))["failed"].append(rec.name)
+        elif (m := _STUCK.search(line)) is not None:
+            self.round(m.group(1))["stuck"].append(rec.name + (" (leaving)" if m.group(2) else ""))
+
+    # ------------------------------------------------------------------ faults
+    def busy(self, rec: PeerRec) -> bool:
+        return rec.state != "live" or any(arg is rec for _, _, arg in self.timers)
+
+    def targets(self) -> list[PeerRec]:
+        return [p for p in self.peers.values() if not self.busy(p) and p.life.proc.poll() is None
+                and time.time() - p.life.started > self.a.settle]
+
+    def feasible(self) -> list[str]:
+        targets = self.targets()
+        live = [p for p in self.peers.values() if p.state in ("live", "stopped", "dead")]
+        used = {p.slot for p in self.peers.values() if p.state != "gone"}
+        kinds = []
+        if targets:
+            kinds += ["kill", "stop"]
+            if len(live) > self.a.peers - self.a.spare:
+                kinds.append("leave")
+        if not self.partitioned and len(self.regions) > 1:
+            kinds.append("partition")
+        if len(used) < self.slots:
+            kinds.append("join")
+        return kinds
+
+    def inject(self, tb: Testbed) -> None:
+        kinds = self.feasible()
+        if not kinds:
+            return
+        kind = self.rng.choice(KINDS)
+        if kind not in kinds:
+            kind = self.rng.choice(kinds)
+        now = time.time()
+        f: dict[str, Any] = {"t": now, "kind": kind, "survived": None}
+        if kind == "partition":
+            region = self.rng.choice(self.regions)
+            tb.partition(region, True)
+            self.partitioned[region] = now + self.a.partition_seconds
+            self.timers.append((now + self.a.partition_seconds, "heal", region))
+            f |= {"target": region, "peers": [p.name for p in self.peers.values()
+                                               if p.region == region and p.state == "live"]}
+        elif kind == "join":
+            used = {p.slot for p in self.peers.values() if p.state != "gone"}
+            slot = self.rng.choice([s for s in range(self.slots) if s not in used])
+            rec = self.new_peer(tb, slot, fresh=False)
+            f |= {"target": rec.name, "region": rec.region}
+        else:
+            rec = self.rng.choice(self.targets())
+            f |= {"target": rec.name, "region": rec.region}
+            pgid = rec.life.proc.pid
+            if kind == "kill":
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                rec.state = "dead"
+                rec.life.how = "killed"
+                self.timers.append((now + self.a.restart_after, "restart", rec))
+            elif kind == "stop":
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGSTOP)
+                rec.state = "stopped"
+                self.timers.append((now + self.a.stop_seconds, "cont", rec))
+            else:
+                rec.life.proc.send_signal(signal.SIGTERM)
+                rec.state = "leaving"
+                rec.life.how = "left"
+        self.faults.append(f)
+        msg = f"  {now - self.t0:6.0f} s  {kind:9s} {f.get('target', '')}"
+        print(msg, flush=True)
+
+    def due_timers(self, tb: Testbed) -> None:
+        now = time.time()
+        keep = []
+        for when, action, arg in self.timers:
+            if when > now:
+                keep.append((when, action, arg))
+                continue
+            if action == "heal":
+                tb.partition(arg, False)
+                self.partitioned.pop(arg, None)
+                for f in self.faults:
+                    if f["kind"] == "partition" and f["target"] == arg and "healed" not in f:
+                        f["healed"] = now
+            elif action == "cont":
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(arg.life.proc.pid, signal.SIGCONT)
+                if arg.state == "stopped":
+                    arg.state = "live"
+                for f in self.faults:
+                    if f["kind"] == "stop" and f["target"] == arg.name and "resumed" not in f:
+                        f["resumed"] = now
+            elif action == "restart":
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    arg.life.proc.wait(5)
+                arg.life.ended, arg.life.code = now, arg.life.proc.returncode
+                self.spawn(tb, arg, resume=True)
+                for f in self.faults:
+                    if f["kind"] == "kill" and f["target"] == arg.name and "restarted" not in f:
+                        f["restarted"] = now
+        self.timers = keep
+
+    def reap(self) -> None:
+        """Notice processes that ended on their own (a leave, or a crash)."""
+        for rec in self.peers.values():
+            life = rec.life
+            if life.ended is None and rec.state != "dead" and life.proc.poll() is not None:
+                life.ended, life.code = time.time(), life.proc.returncode
+                if rec.state == "leaving":
+                    rec.state = "gone"
+                    for f in self.faults:
+                        if f["kind"] == "leave" and f["target"] == rec.name:
+                            f["left_after"] = life.ended - f["t"]
+                            f["exit_code"] = life.code
+                else:
+                    life.how = life.how or "exited"
+                    rec.state = "gone"
+
+    def judge(self, final: bool = False) -> None:
+        """Whether each fault was survived (None: not yet known). ``final``: the peers were asked to leave at the
+        end of the phase; only leaves are judged then (a fault whose peer had no time to come back stays unknown)."""
+        within = self.a.survive_within
+        now = time.time()
+        majority = {k: max(r["digests"].items(), key=lambda kv: len(kv[1]))[0] for k, r in self.rounds.items()
+                    if r["digests"]}
+
+        def rejoined(rec: PeerRec, after: float) -> float | None:
+            for t, key, digest in rec.applied:
+                if t > after and majority.get(key) == digest and len(self.rounds[key]["digests"][digest]) > 1:
+                    return t
+            return None
+
+        for f in self.faults:
+            if f["survived"] is not None:
+                continue
+            kind, rec = f["kind"], self.peers.get(f.get("target", ""))
+            start = {"kill": f.get("restarted"), "stop": f.get("resumed"), "partition": f.get("healed"),
+                     "join": f["t"], "leave": f["t"]}[kind]
+            if start is None:
+                continue
+            if final and kind != "leave":
+                continue
+            if kind == "leave":
+                if "exit_code" in f:
+                    f["survived"] = f["exit_code"] == 0 and rec is not None and rec.life.json.exists()
+                elif now - start > self.a.leave_grace:
+                    f["survived"] = False
+                continue
+            recs = [self.peers[n] for n in f["peers"]] if kind == "partition" else [rec]
+            back = [rejoined(r, start) if r is not None else None for r in recs]
+            alive = [r for r in recs if r is not None and r.state in ("live", "stopped", "leaving")]
+            if kind == "partition":  # the rest of the swarm went on while the region was cut off
+                f["rounds_applied_elsewhere_during"] = len({key for p in self.peers.values() if p.region != f["target"]
+                                                            for t, key, _ in p.applied if f["t"] <= t <= start})
+            if kind == "stop":
+                f["rounds_applied_by_others_during"] = len({key for p in self.peers.values() if p is not rec
+                                                            for t, key, _ in p.applied if f["t"] <= t <= start})
+            if all(b is not None for b, r in zip(back, recs, strict=True) if r in alive) and alive:
+                f["survived"] = True
+                f["back_after"] = max(b for b in back if b is not None) - start
+            elif now - start > within or not alive:
+                f["survived"] = False
+                f["not_back"] = [r.name for b, r in zip(back, recs, strict=True) if r is not None and b is None]
+
+    # ------------------------------------------------------------------ samples
+    def sample(self, rss: bool) -> None:
+        now = time.time()
+        computing = sum(1 for p in self.peers.values() if p.state == "live" and p.life.proc.poll() is None)
+        running = sum(1 for p in self.peers.values() if p.life.proc.poll() is None)
+        self.live.append((now, computing, running))
+        if rss:
+            for p in self.peers.values():
+                if p.life.proc.poll() is None and p.state != "dead":
+                    p.rss.append((now, rss_tree_mb(p.life.proc.pid)))
+
+    # ------------------------------------------------------------------ the phase
+    def run(self, report: Report) -> None:
+        a = self.a
+        (self.work / "fresh_start.toml").write_text("[peer]\nsync_on_join = false\n")
+        print(f"[{self.name}] {a.peers} peers in {len(self.regions)} regions, {a.minutes:g} min"
+              + (f", a fault every {a.every:g} s" if self.with_faults else ", no faults"), flush=True)
+        with Testbed(self.spec()) as tb:
+            try:
+                bh = self.boot_host()
+                listen, announce = tb.maddrs(bh)
+                bf = self.work / "boot.maddrs"
+                boot = tb.run(bh, [*P2PTRAIN, "bootstrap", "--host-maddrs", listen[0], "--announce-maddrs",
+                                   announce[0], "--maddrs-file", str(bf)],
+                              stdout=(self.work / "boot.log").open("wb"), stderr=subprocess.STDOUT)
+                self.boot = [m for m in wait_lines(bf, 90, boot) if "/ip4/10.200." in m][:1]
+                for s in range(a.peers):
+                    self.new_peer(tb, s, fresh=True)
+                    time.sleep(a.stagger)
+                self.t0 = time.time()
+                start = self.t0 + a.warmup
+                end = start + 60 * a.minutes
+                self.window = (start, end)
+                next_fault = start if self.with_faults else math.inf
+                last_rss = last_write = 0.0
+                while time.time() < end:
+                    now = time.time()
+                    self.due_timers(tb)
+                    if now >= next_fault:
+                        self.inject(tb)
+                        next_fault += a.every
+                    self.reap()
+                    self.read_logs()
+                    rss = now - last_rss >= a.rss_every
+                    last_rss = now if rss else last_rss
+                    self.sample(rss)
+                    self.judge()
+                    if now - last_write >= 10:
+                        last_write = now
+                        report.write()
+                    time.sleep(1.0)
+                self.finish(tb)
+            finally:
+                for rec in self.peers.values():  # nothing stays frozen behind us
+                    if rec.life.proc.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(rec.life.proc.pid, signal.SIGCONT)
+        self.ended = True
+        report.write()
+
+    def finish(self, tb: Testbed) -> None:
+        """Undo what is still faulted, ask every peer to leave (SIGTERM), read what they left behind."""
+        self.reap()
+        self.read_logs()
+        self.judge()
+        for region in list(self.partitioned):
+            tb.partition(region, False)
+        self.partitioned.clear()
+        for _, action, arg in self.timers:
+            if action == "cont":
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(arg.life.proc.pid, signal.SIGCONT)
+                arg.state = "live"
+        self.timers = [t for t in self.timers if t[1] == "restart"]  # killed peers stay down: the window is over
+        for rec in self.peers.values():
+            if rec.life.proc.poll() is None and rec.state in ("live", "stopped"):
+                rec.life.proc.send_signal(signal.SIGTERM)
+                rec.state = "leaving"
+                rec.life.how = rec.life.how or "left at the end"
+        deadline = time.time() + self.a.leave_grace
+        while time.time() < deadline and any(p.life.proc.poll() is None for p in self.peers.values()
+                                             if p.state != "dead"):
+            self.reap()
+            self.read_logs()
+            time.sleep(1.0)
+        self.reap()
+        self.read_logs()
+        self.judge(final=True)
+        for rec in self.peers.values():
+            for life in rec.lives:
+                if life.json.exists():
+                    with contextlib.suppress(ValueError, OSError):
+                        s = json.loads(life.json.read_text())
+                        self.summaries[f"{rec.name}.{life.index}"] = {
+                            k: s.get(k) for k in ("peer_id", "steps", "val_loss", "rounds_complete", "rounds_partial",
+                                                  "rounds_failed", "rounds_applied", "stuck_rounds", "repairs",
+                                                  "stall_seconds", "loop_seconds", "utilization")} | {
+                            "applied": s.get("applied", {})}
+
+    # ------------------------------------------------------------------ figures
+    def in_window(self, t: float) -> bool:
+        return self.window[0] <= t <= self.window[1]
+
+    def round_rows(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for key, r in sorted(self.rounds.items(), key=lambda kv: kv[1]["first"]):
+            n = sum(len(v) for v in r["digests"].values())
+            top = max(r["digests"].items(), key=lambda kv: len(kv[1]), default=(None, []))
+            outcome = "applied" if n else ("stuck" if r["stuck"] else "failed")
+            out[key] = {"fragment": r["fragment"], "t": r["first"] - self.t0 if n else None, "outcome": outcome,
+                        "applied_by": n, "distinct_theta": len(r["digests"]), "diverged": n - len(top[1]),
+                        "diverged_peers": sorted(p for d, ps in r["digests"].items() if d != top[0] for p in ps),
+                        "members_min": min(r["members"], default=0), "members_max": max(r["members"], default=0),
+                        "tokens": r["tokens"].get(top[0], 0) if top[0] else 0, "failed_on": r["failed"],
+                        "stuck_on": r["stuck"], "flagged_divergent": r["flagged"],
+                        "in_window": bool(n) and self.in_window(r["first"])}
+        return out
+
+    def figures(self) -> dict[str, Any]:
+        rows = self.round_rows()
+        win = [r for r in rows.values() if r["in_window"]]
+        stuck = [s for r in rows.values() for s in r["stuck_on"]]
+        # tokens trained: per life, the inner steps its status lines saw advance inside the window
+        seq = self.a.batch_size * _seq_len(self.a.preset)
+        steps = 0
+        for p in self.peers.values():
+            pts = [(t, s) for t, s, _ in p.loss if self.in_window(t)]
+            for (_, s0), (_, s1) in itertools.pairwise(pts):
+                steps += max(0, s1 - s0)
+        growth = []
+        for p in self.peers.values():
+            pts = [(t, m) for t, m in p.rss if t >= self.window[0]]
+            if len(pts) >= 6 and pts[-1][0] - pts[0][0] >= 300:
+                first = statistics.median(m for _, m in pts[:3])
+                last = statistics.median(m for _, m in pts[-3:])
+                growth.append({"peer": p.name, "start_mb": first, "end_mb": last, "minutes": (pts[-1][0] - pts[0][0]) / 60,
+                               "growth_mb_per_min": (last - first) / ((pts[-1][0] - pts[0][0]) / 60)})
+        by_kind: dict[str, dict[str, int]] = {k: {"injected": 0, "survived": 0, "not_survived": 0, "pending": 0}
+                                              for k in KINDS}
+        for f in self.faults:
+            k = by_kind[f["kind"]]
+            k["injected"] += 1
+            k["survived" if f["survived"] else "pending" if f["survived"] is None else "not_survived"] += 1
+        return {
+            "rounds_in_window": len(win), "rounds_applied_in_window": sum(r["outcome"] == "applied" for r in win),
+            "rounds_with_diverged_replicas": sum(r["diverged"] > 0 for r in rows.values()),
+            "diverged_replicas": sum(r["diverged"] for r in rows.values()),
+            "rounds_failed_everywhere": sum(r["outcome"] == "failed" for r in rows.values()),
+            "round_failures": sum(len(r["failed_on"]) for r in rows.values()),
+            "stuck_rounds": len([s for s in stuck if "leaving" not in s]),
+            "stuck_rounds_when_leaving": len([s for s in stuck if "leaving" in s]),
+            # each fragment's round carries the tokens since that fragment's last send: a token reaches all of θ
+            # once every fragment's round that holds it is applied, so the sum over rounds counts it P times
+            "tokens_in_theta": sum(r["tokens"] for r in win) / self.fragments,
+            "tokens_trained": steps * seq,
+            "members_median": statistics.median([r["members_max"] for r in win]) if win else None,
+            "faults": by_kind, "rss_growth": growth,
+            "rss_growth_mb_per_min_median": statistics.median(g["growth_mb_per_min"] for g in growth) if growth else None,
+            "rss_growth_mb_per_min_max": max((g["growth_mb_per_min"] for g in growth), default=None),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        def rel(t: float) -> float:
+            return round(t - self.t0, 2)
+
+        return {
+            "phase": self.name, "faults_on": self.with_faults, "run_id": self.run_id, "work": str(self.work),
+            "started_unix": self.t0, "window_s": [rel(self.window[0]), rel(self.window[1])], "ended": self.ended,
+            "figures": self.figures() if not math.isnan(self.t0) else {},
+            "faults": [{**f, "t": rel(f["t"]), **{k: rel(f[k]) for k in ("healed", "resumed", "restarted") if k in f}}
+                       for f in self.faults],
+            "live": [[rel(t), c, r] for t, c, r in self.live[::5]],
+            "rounds": self.round_rows(),
+            "peers": {p.name: {"slot": p.slot, "host": p.host, "region": p.region,
+                               "lives": [{"started": rel(x.started), "ended": None if x.ended is None else rel(x.ended),
+                                          "exit_code": x.code, "how": x.how, "log": x.log.name} for x in p.lives],
+                               "rss_mb": [[rel(t), round(m, 1)] for t, m in p.rss],
+                               "loss": [[rel(t), s, round(v, 4)] for t, s, v in p.loss]} for p in self.peers.values()},
+            "summaries": self.summaries,
+        }
+
+
+def _seq_len(preset: str) -> int:
+    from p2ptrain.model import preset as model_preset
+
+    return int(model_preset(preset).seq_len)
+
+
+# ---------------------------------------------------------------------------------------------- report
+class Report:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a, self.phases = a, []
+
+    def payload(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"args": vars(self.a) | {"out": str(self.a.out)},
+                               "phases": {p.name: p.to_json() for p in self.phases}}
+        figs = {p.name: p.figures() for p in self.phases if not math.isnan(p.t0)}
+        if "faults" in figs and "baseline" in figs and figs["baseline"]["tokens_in_theta"]:
+            out["goodput"] = figs["faults"]["tokens_in_theta"] / figs["baseline"]["tokens_in_theta"]
+            if figs["baseline"]["tokens_trained"]:
+                out["tokens_trained_ratio"] = figs["faults"]["tokens_trained"] / figs["baseline"]["tokens_trained"]
+        return out
+
+    def write(self) -> None:
+        from bench.harness import write_json
+
+        tmp = self.a.out.with_suffix(".json.tmp")
+        write_json(tmp, self.payload())
+        tmp.replace(self.a.out)
+
+
+def _plot(report: Report, path: Path) -> None:
+    from p2ptrain.plot import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    (ax_live, ax_tok), (ax_loss, ax_mem) = axes
+    colors = {"faults": "tab:red", "baseline": "tab:blue"}
+    for ph in report.phases:
+        if math.isnan(ph.t0):
+            continue
+        c = colors.get(ph.name, "gray")
+        w0 = ph.window[0]
+        ax_live.step([(t - w0) / 60 for t, _, _ in ph.live], [n for _, n, _ in ph.live], where="post", color=c,
+                     label=f"{ph.name}: computing")
+        rows = [r for r in ph.round_rows().values() if r["in_window"]]
+        rows.sort(key=lambda r: r["t"])
+        cum, xs, ys = 0, [], []
+        for r in rows:
+            cum += r["tokens"] / ph.fragments
+            xs.append((r["t"] + ph.t0 - w0) / 60)
+            ys.append(cum / 1e6)
+        ax_tok.plot(xs, ys, color=c, label=ph.name)
+        bins: dict[int, list[float]] = {}
+        for p in ph.peers.values():
+            for t, _, v in p.loss:
+                if math.isfinite(v):
+                    bins.setdefault(int((t - w0) // 30), []).append(v)
+        ks = sorted(bins)
+        ax_loss.plot([(k * 30 + 15) / 60 for k in ks], [statistics.median(bins[k]) for k in ks], color=c, label=ph.name)
+        for p in ph.peers.values():
+            ax_mem.plot([(t - w0) / 60 for t, _ in p.rss], [m for _, m in p.rss], color=c, alpha=0.35, lw=0.8)
+        if ph.with_faults:
+            marks = {"kill": "x", "stop": "s", "partition": "^", "join": "+", "leave": "v"}
+            for kind, mk in marks.items():
+                fs = [f for f in ph.faults if f["kind"] == kind]
+                ax_live.scatter([(f["t"] - w0) / 60 for f in fs], [0.5] * len(fs), marker=mk, color="black", s=18,
+                                label=kind)
+    ax_live.set_ylabel("live peers (computing)")
+    ax_live.set_ylim(bottom=0)
+    ax_live.legend(fontsize=7, ncol=2)
+    ax_tok.set_ylabel("tokens that reached θ (M, cumulative)")
+    ax_tok.legend(fontsize=8)
+    ax_loss.set_ylabel("train loss (median of live peers, 30 s bins)")
+    ax_loss.legend(fontsize=8)
+    ax_mem.set_ylabel("RSS per peer + its daemon (MB)")
+    for ax in axes.flat:
+        ax.set_xlabel("minutes since the measured window started")
+        ax.axvline(0, color="gray", lw=0.6, ls="--")
+    a = report.a
+    fig.suptitle(f"churn: {a.peers} peers, {a.regions} regions, {a.method}/{a.preset}, a fault every {a.every:g} s "
+                 f"(red) vs none (blue)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _markdown(report: Report, payload: dict[str, Any]) -> str:
+    a = report.a
+    lines = [f"# Churn: {a.peers} peers in {a.regions} regions, a fault every {a.every:g} s for {a.minutes:g} min",
+             "", f"`{payload.get('command', '')}`", "",
+             f"{a.method}, preset {a.preset}, batch {a.batch_size}, H {a.H}"
+             + (f", P {a.P}, τ {a.tau}" if a.method in ("streaming", "cocodc") else "")
+             + f", step {a.step_seconds:g} s; regions {a.between_rate} uplinks, {a.delay_ms:g} ms one way between "
+               f"them; one thread per peer on {os.cpu_count()} cores.", ""]
+    phases = payload["phases"]
+    if "faults" in phases and phases["faults"].get("figures"):
+        figs = phases["faults"]["figures"]
+        lines += ["| fault | injected | survived | not survived | unknown at the end |", "|---|---:|---:|---:|---:|"]
+        for k in KINDS:
+            d = figs["faults"][k]
+            lines.append(f"| {k} | {d['injected']} | {d['survived']} | {d['not_survived']} | {d['pending']} |")
+        tot = {x: sum(figs["faults"][k][x] for k in KINDS) for x in ("injected", "survived", "not_survived", "pending")}
+        lines += [f"| **all** | {tot['injected']} | {tot['survived']} | {tot['not_survived']} | {tot['pending']} |", ""]
+    lines += ["| phase | rounds applied in window | members (median) | diverged replicas (rounds) | rounds failed "
+              "everywhere | round failures on a peer | stuck rounds | tokens in θ (M) | tokens trained (M) | "
+              "RSS growth MB/min (median / max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, ph in phases.items():
+        f = ph.get("figures") or {}
+        if not f:
+            continue
+        g1, g2 = f.get("rss_growth_mb_per_min_median"), f.get("rss_growth_mb_per_min_max")
+        lines.append(f"| {name} | {f['rounds_applied_in_window']} | {f['members_median']} | {f['diverged_replicas']} "
+                     f"({f['rounds_with_diverged_replicas']}) | {f['rounds_failed_everywhere']} | {f['round_failures']} "
+                     f"| {f['stuck_rounds']} (+{f['stuck_rounds_when_leaving']} when leaving) | "
+                     f"{f['tokens_in_theta'] / 1e6:.2f} | {f['tokens_trained'] / 1e6:.2f} | "
+                     f"{'-' if g1 is None else f'{g1:+.2f}'} / {'-' if g2 is None else f'{g2:+.2f}'} |")
+    if "goodput" in payload:
+        lines += ["", f"Goodput (tokens that reached θ, faults / fault-free): **{payload['goodput']:.3f}**; "
+                      f"tokens trained, faults / fault-free: {payload.get('tokens_trained_ratio', math.nan):.3f}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", type=int, default=16)
+    ap.add_argument("--regions", type=int, default=3, choices=(2, 3))
+    ap.add_argument("--spare", type=int, default=2, help="slots beyond --peers for joiners (a leave frees one)")
+    ap.add_argument("--minutes", type=float, default=30.0, help="the measured window of each phase")
+    ap.add_argument("--every", type=float, default=25.0, help="seconds between faults (≤ 30)")
+    ap.add_argument("--phases", default="faults,baseline", help="faults, baseline, or both (in that order)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=float, default=60.0, help="seconds from the last start to the window")
+    ap.add_argument("--method", default="streaming", choices=("streaming", "diloco"))
+    ap.add_argument("--preset", default="micro")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--H", type=int, default=40)
+    ap.add_argument("--P", type=int, default=4)
+    ap.add_argument("--tau", type=int, default=5)
+    ap.add_argument("--step-seconds", type=float, default=1.0)
+    ap.add_argument("--min-step-seconds", type=float, default=None, help="pad inner steps (default: --step-seconds)")
+    ap.add_argument("--join-window", type=float, default=None)
+    ap.add_argument("--host-rate", default="1gbit")
+    ap.add_argument("--between-rate", default="100mbit")
+    ap.add_argument("--delay-ms", type=float, default=40.0, help="one-way delay between two regions")
+    ap.add_argument("--restart-after", type=float, default=10.0)
+    ap.add_argument("--stop-seconds", type=float, default=20.0)
+    ap.add_argument("--partition-seconds", type=float, default=60.0)
+    ap.add_argument("--settle", type=float, default=30.0, help="a peer is not faulted in its first seconds")
+    ap.add_argument("--survive-within", type=float, default=180.0)
+    ap.add_argument("--leave-grace", type=float, default=150.0)
+    ap.add_argument("--stagger", type=float, default=1.0)
+    ap.add_argument("--rss-every", type=float, default=15.0)
+    ap.add_argument("--out", type=Path, default=RESULTS / "churn.json")
+    a = ap.parse_args()
+    exit_on_sigterm()
+    if a.every > 30:
+        raise SystemExit("--every must be at most 30 s")
+    if (reason := unavailable_reason()) is not None:
+        raise SystemExit(f"testbed unavailable: {reason}")
+    work = Path(tempfile.mkdtemp(prefix="p2ptrain-churn-"))
+    print(f"logs in {work}", flush=True)
+    report = Report(a)
+    try:
+        for name in [p.strip() for p in a.phases.split(",") if p.strip()]:
+            if name not in ("faults", "baseline"):
+                raise SystemExit(f"unknown phase {name!r}")
+            ph = Phase(name, a, work / name, faults=name == "faults")
+            ph.work.mkdir(parents=True, exist_ok=True)
+            report.phases.append(ph)
+            ph.run(report)
+    finally:
+        report.write()
+        payload = json.loads(a.out.read_text())
+        a.out.with_suffix(".md").write_text(_markdown(report, payload))
+        with contextlib.suppress(Exception):
+            _plot(report, a.out.with_suffix(".png"))
+        print(a.out.with_suffix(".md").read_text(), flush=True)
+        print(f"wrote {a.out}, {a.out.with_suffix('.md')}, {a.out.with_suffix('.png')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
