@@ -121,21 +121,28 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
         witnesses = others[start:] + others[:start]
         t0 = time.monotonic()
         ours = t0 + 0.75 * (deadline - t0)
-        data: bytes | BaseException | None = None
-        digest: bytes | BaseException | None = None
-        async with asyncio.TaskGroup() as tg:
-            check = tg.create_task(_poll(transport, witnesses[0], name + "#sha", ours))
+
+        async def answer(peer: str, what: str) -> bytes | BaseException:  # never raises: silence is an answer
             try:
-                data = await _poll(transport, holder, name, ours)
+                return await _poll(transport, peer, what, ours)
             except RoundFailed as e:
-                data = e
-            # The witness offered at about the time our carrier did: a witness still silent well after that
-            # is not waited for (it may be dead), another is asked.
-            try:
-                digest = await asyncio.wait_for(asyncio.shield(check), max(2.0, time.monotonic() - t0))
-            except (RoundFailed, TimeoutError) as e:
-                digest = e
-                check.cancel()
+                return e
+
+        hold = asyncio.ensure_future(answer(holder, name))
+        check = asyncio.ensure_future(answer(witnesses[0], name + "#sha"))
+        try:
+            # Our carrier and the witness offer at about the same time (their shard's step ended for both): once
+            # one has answered, the other is given as long again (at least 2 s), not the whole round's time: a
+            # carrier that died is replaced, a witness that died is replaced, without waiting for the deadline.
+            await asyncio.wait({hold, check}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({hold, check}, timeout=max(2.0, time.monotonic() - t0))
+            late = RoundFailed(f"{name}: no answer in time")
+            data = hold.result() if hold.done() else late
+            digest = check.result() if check.done() else late
+        finally:
+            for t in (hold, check):
+                t.cancel()
+            await asyncio.gather(hold, check, return_exceptions=True)
         if isinstance(data, bytes):
             for w in witnesses[1:]:
                 if isinstance(digest, bytes):
