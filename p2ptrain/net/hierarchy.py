@@ -193,6 +193,10 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         name = _offer_name(group, phase, s)
         digest = transport.offers.put(name, offer, ttl=OFFER_TTL)
         transport.offers.put(name + "#sha", digest.encode(), ttl=OFFER_TTL)
+        # The other regions' carriers outvoted this region's θ (this carrier was excluded as divergent): the
+        # region's members learn it with the shard, and whom to take θ from (not the region's own members).
+        transport.offers.put(name + "#div", ",".join(res.contributors if res.divergent else ()).encode(),
+                             ttl=OFFER_TTL)
         return s, res, offer
 
     carried = await asyncio.gather(*(carry(s) for s in plan.carried), return_exceptions=True)
@@ -207,10 +211,20 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
     timeline["across"] = time.monotonic() - t0
     fetched = 0
 
+    outvoted: list[str] = [m for c in carried if not isinstance(c, BaseException) and c[1].divergent
+                           for m in c[1].contributors]
+
     async def fetch(s: int) -> None:
         nonlocal fetched
         offers[s], n = await _shard_bytes(transport, plan, group, phase, s, me, deadline)
         fetched += n
+        if plan.holder[s] != me:
+            try:  # whether our region's carrier of s was outvoted (absent: it was not, or it is gone)
+                said = await _poll(transport, plan.holder[s], _offer_name(group, phase, s) + "#div",
+                                   min(deadline, time.monotonic() + 2.0))
+            except RoundFailed:
+                return
+            outvoted.extend(m for m in said.decode(errors="replace").split(",") if m and m in group.members)
 
     await asyncio.gather(*(fetch(s) for s in range(plan.shards) if s not in offers))
     timeline["gathered"] = time.monotonic() - t0
@@ -233,11 +247,14 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         offset += n
     served = sum(len(o) * (len(plan.local.members) - 1) for s, o in offers.items() if s in plan.carried)
     contributors = tuple(sorted(set(local.contributors) | {m for r in crossed for m in r.contributors}))
+    if outvoted:  # this region's θ is not the swarm's: repair (which tries contributors in order) from the majority
+        contributors = tuple(dict.fromkeys([*sorted(set(outvoted)), *contributors]))
     return ReduceResult(pieces, max(totals) if totals else local.total_weight, group.members, contributors,
                         partial=partial or len(totals) > 1,
                         bytes_sent=local.bytes_sent + sum(r.bytes_sent for r in crossed) + served,
                         bytes_received=local.bytes_received + sum(r.bytes_received for r in crossed) + fetched,
-                        seconds=time.monotonic() - t0, divergent=local.divergent or any(r.divergent for r in crossed),
+                        seconds=time.monotonic() - t0,
+                        divergent=local.divergent or any(r.divergent for r in crossed) or bool(outvoted),
                         verify_bytes=local.verify_bytes + sum(r.verify_bytes for r in crossed),
                         liars=tuple(sorted(set(local.liars) | {m for r in crossed for m in r.liars})),
                         timeline={**timeline, "assembled": time.monotonic() - t0})
