@@ -1,6 +1,6 @@
 """Hierarchical rounds against flat ones: 2 regions × 3 peers on the testbed, a slow link between the regions.
 
-    python bench/hierarchy.py                                      # diloco, micro, 10 Mbit/s between regions
+    python bench/hierarchy.py                                      # diloco, tiny, 10 Mbit/s between regions
     python bench/hierarchy.py --between-rate 10mbit --max-minutes 5 --H 10 --repeats 2
 
 The testbed (bench/testbed.py): regions ``us`` and ``eu``, three peers each (plus the bootstrap node on a fourth
@@ -82,7 +82,7 @@ def fragment_bytes(preset: str, codec: str) -> int:
 def run_variant(variant: str, a: argparse.Namespace, work: Path, n: int) -> dict[str, Any]:
     tag = f"{variant}-{n}"
     extra = ["--join-window", str(a.join_window), "--eval-every", str(a.eval_every), "--codec", a.codec,
-             "--min-step-seconds", str(a.step_seconds),
+             "--min-step-seconds", str(a.step_seconds), "--clock", a.clock,
              *fresh_start_args(work), *(["--flat-rounds"] if variant == "flat" else [])]
     launches = [PeerLaunch(join_argv(a.method, preset=a.preset, steps=a.steps, batch_size=a.batch_size, H=a.H,
                                      step_seconds=a.step_seconds, run_id=f"hier-{tag}-{os.getpid()}", region=r,
@@ -134,19 +134,23 @@ def _plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", default="diloco")
-    ap.add_argument("--preset", default="micro")
+    ap.add_argument("--preset", default="tiny")
     ap.add_argument("--codec", default="fp32")
     ap.add_argument("--steps", type=int, default=5000, help="inner steps per peer (at most: --max-minutes ends the run)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--H", type=int, default=10)
-    ap.add_argument("--step-seconds", type=float, default=0.3,
+    ap.add_argument("--step-seconds", type=float, default=0.5,
                     help="every inner step takes this long (padded: a GPU's step, longer than one of six CPU peers'), "
                          "and the rounds are paced by it")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--host-rate", default="1gbit")
     ap.add_argument("--between-rate", default="10mbit")
     ap.add_argument("--delay-ms", type=float, default=100.0, help="one-way delay between the regions")
-    ap.add_argument("--join-window", type=float, default=5.0)
+    ap.add_argument("--clock", default="steps", choices=("steps", "wall"),
+                    help="steps: every round waits for the slowest peer, as a blocking diloco round is meant to (wall "
+                         "pacing with rounds longer than H steps has peers reach a round far apart: measured, most "
+                         "rounds then fail to form, flat or not)")
+    ap.add_argument("--join-window", type=float, default=10.0)
     ap.add_argument("--max-minutes", type=float, default=5.0, help="training time per run (then the peers leave)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "hierarchy.json")

@@ -6,7 +6,7 @@ must answer without importing torch. ``tests/cli/test_choices.py`` checks each a
 
 from typing import Literal, get_args
 
-__all__ = ["AGGREGATIONS", "CODECS", "DTYPES", "LOG_LEVELS", "METHODS", "PRESETS", "SCHEDULES", "Aggregation",
+__all__ = ["AGGREGATIONS", "CODECS", "DTYPES", "LOG_LEVELS", "METHODS", "PRESETS", "SCHEDULES", "Aggregation", "Clock",
            "Codec", "Dtype", "LogLevel", "Method", "Preset", "Schedule"]
 
 Preset = Literal["micro", "tiny", "small", "150m", "1b"]
@@ -16,6 +16,7 @@ Aggregation = Literal["mean", "trimmed-mean", "centered-clip"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Schedule = Literal["1f1b", "gpipe"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+Clock = Literal["wall", "steps"]
 
 PRESETS: tuple[str, ...] = get_args(Preset)
 METHODS: tuple[str, ...] = get_args(Method)
