@@ -629,44 +629,134 @@ class Report:
         tmp.replace(self.a.out)
 
 
-def _plot(report: Report, path: Path) -> None:
+def _life_of(lives: list[dict[str, Any]], t: float) -> int:
+    """The index of the life running at ``t`` (seconds since the phase started)."""
+    i = 0
+    for k, life in enumerate(lives):
+        if life["started"] <= t:
+            i = k
+    return i
+
+
+def memory_growth(ph: dict[str, Any], after_start: float = 120.0, min_span: float = 300.0) -> list[dict[str, Any]]:
+    """Resident memory growth of every peer process that lived ``min_span`` seconds inside the window, from
+    ``after_start`` seconds after it started (imports, first rounds and caches come first) to its end:
+    the median of its first and of its last three samples."""
+    w0, w1 = ph["window_s"]
+    out = []
+    for name, p in ph["peers"].items():
+        by_life: dict[int, list[tuple[float, float]]] = {}
+        for t, mb in p["rss_mb"]:
+            i = _life_of(p["lives"], t)
+            if t >= max(w0, p["lives"][i]["started"] + after_start) and t <= w1:
+                by_life.setdefault(i, []).append((t, mb))
+        for i, pts in by_life.items():
+            if len(pts) < 6 or pts[-1][0] - pts[0][0] < min_span:
+                continue
+            first, last = statistics.median(m for _, m in pts[:3]), statistics.median(m for _, m in pts[-3:])
+            minutes = (pts[-1][0] - pts[0][0]) / 60
+            out.append({"peer": f"{name}.{i}", "start_mb": round(first, 1), "end_mb": round(last, 1),
+                        "minutes": round(minutes, 1), "growth_mb_per_min": round((last - first) / minutes, 3)})
+    return out
+
+
+def phase_figures(ph: dict[str, Any], fragments: int) -> dict[str, Any]:
+    """The figures of one phase, from its JSON record alone (so a report can be remade from churn.json)."""
+    rows = list(ph["rounds"].values())
+    win = [r for r in rows if r["in_window"]]
+    stuck = [s for r in rows for s in r["stuck_on"]]
+    growth = memory_growth(ph)
+    rates = [g["growth_mb_per_min"] for g in growth]
+    kinds: dict[str, dict[str, int]] = {k: {"injected": 0, "survived": 0, "not_survived": 0, "pending": 0}
+                                        for k in KINDS}
+    for f in ph["faults"]:
+        k = kinds[f["kind"]]
+        k["injected"] += 1
+        k["survived" if f["survived"] else "pending" if f["survived"] is None else "not_survived"] += 1
+    w0, w1 = ph["window_s"]
+    covered = min(w1, max((t for t, _, _ in ph["live"]), default=w0)) - w0
+    return {
+        "minutes_covered": round(covered / 60, 2),
+        "rounds_applied_in_window": sum(r["outcome"] == "applied" for r in win),
+        "rounds_with_diverged_replicas": sum(r["diverged"] > 0 for r in rows),
+        "diverged_replicas": sum(r["diverged"] for r in rows),
+        "rounds_failed_everywhere": sum(r["outcome"] == "failed" for r in rows),
+        "round_failures": sum(len(r["failed_on"]) for r in rows),
+        "stuck_rounds": len([s for s in stuck if "leaving" not in s]),
+        "stuck_rounds_when_leaving": len([s for s in stuck if "leaving" in s]),
+        "tokens_in_theta": sum(r["tokens"] for r in win) / fragments,
+        "tokens_trained": (ph.get("figures") or {}).get("tokens_trained", 0),
+        "members_median": statistics.median([r["members_max"] for r in win]) if win else None,
+        "faults": kinds, "rss_growth": growth,
+        "rss_growth_mb_per_min_median": statistics.median(rates) if rates else None,
+        "rss_growth_mb_per_min_max": max(rates, default=None),
+        "rss_mb_median": statistics.median([m for p in ph["peers"].values() for t, m in p["rss_mb"]
+                                            if w0 <= t <= w1]) if ph["peers"] else None,
+    }
+
+
+#: Memory counts as flat when the median peer grows less than this (MB per minute, after its first two minutes).
+FLAT_MB_PER_MIN = 0.5
+
+
+def targets(payload: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
+    """The issue's done-when targets for churn: (target, measured, holds)."""
+    f = figs.get("faults")
+    if not f:
+        return []
+    g = payload.get("goodput")
+    m = f["rss_growth_mb_per_min_median"]
+    return [
+        ("0 diverged replicas after any applied round", f"{f['diverged_replicas']} in {f['rounds_with_diverged_replicas']}"
+                                                          " rounds", f["diverged_replicas"] == 0),
+        ("0 stuck rounds", f"{f['stuck_rounds']} (+{f['stuck_rounds_when_leaving']} when leaving)",
+         f["stuck_rounds"] + f["stuck_rounds_when_leaving"] == 0),
+        ("goodput ≥ 0.98 of the fault-free run", "-" if g is None else f"{g:.3f}", None if g is None else g >= 0.98),
+        (f"memory flat (median growth < {FLAT_MB_PER_MIN} MB/min)",
+         "-" if m is None else f"median {m:+.2f}, max {f['rss_growth_mb_per_min_max']:+.2f} MB/min over "
+                               f"{len(f['rss_growth'])} peer processes", None if m is None else m < FLAT_MB_PER_MIN),
+    ]
+
+
+def _plot(payload: dict[str, Any], path: Path) -> None:
     from p2ptrain.plot import pyplot
 
     plt = pyplot()
+    a = payload["args"]
+    fragments = a["P"] if a["method"] in ("streaming", "cocodc") else 1
     fig, axes = plt.subplots(2, 2, figsize=(13, 8))
     (ax_live, ax_tok), (ax_loss, ax_mem) = axes
     colors = {"faults": "tab:red", "baseline": "tab:blue"}
-    for ph in report.phases:
-        if math.isnan(ph.t0):
+    for name, ph in payload["phases"].items():
+        if not ph.get("live"):
             continue
-        c = colors.get(ph.name, "gray")
-        w0 = ph.window[0]
-        ax_live.step([(t - w0) / 60 for t, _, _ in ph.live], [n for _, n, _ in ph.live], where="post", color=c,
-                     label=f"{ph.name}: computing")
-        rows = [r for r in ph.round_rows().values() if r["in_window"]]
-        rows.sort(key=lambda r: r["t"])
-        cum, xs, ys = 0, [], []
+        c = colors.get(name, "gray")
+        w0 = ph["window_s"][0]
+        ax_live.step([(t - w0) / 60 for t, _, _ in ph["live"]], [n for _, n, _ in ph["live"]], where="post", color=c,
+                     label=f"{name}: peers computing")
+        rows = sorted((r for r in ph["rounds"].values() if r["in_window"]), key=lambda r: r["t"])
+        cum, xs, ys = 0.0, [], []
         for r in rows:
-            cum += r["tokens"] / ph.fragments
-            xs.append((r["t"] + ph.t0 - w0) / 60)
+            cum += r["tokens"] / fragments
+            xs.append((r["t"] - w0) / 60)
             ys.append(cum / 1e6)
-        ax_tok.plot(xs, ys, color=c, label=ph.name)
+        ax_tok.plot(xs, ys, color=c, label=name)
         bins: dict[int, list[float]] = {}
-        for p in ph.peers.values():
-            for t, _, v in p.loss:
+        for p in ph["peers"].values():
+            for t, _, v in p["loss"]:
                 if math.isfinite(v):
                     bins.setdefault(int((t - w0) // 30), []).append(v)
         ks = sorted(bins)
-        ax_loss.plot([(k * 30 + 15) / 60 for k in ks], [statistics.median(bins[k]) for k in ks], color=c, label=ph.name)
-        for p in ph.peers.values():
-            ax_mem.plot([(t - w0) / 60 for t, _ in p.rss], [m for _, m in p.rss], color=c, alpha=0.35, lw=0.8)
-        if ph.with_faults:
+        ax_loss.plot([(k * 30 + 15) / 60 for k in ks], [statistics.median(bins[k]) for k in ks], color=c, label=name)
+        for p in ph["peers"].values():
+            ax_mem.plot([(t - w0) / 60 for t, _ in p["rss_mb"]], [m for _, m in p["rss_mb"]], color=c, alpha=0.35,
+                        lw=0.8)
+        if ph["faults_on"]:
             marks = {"kill": "x", "stop": "s", "partition": "^", "join": "+", "leave": "v"}
             for kind, mk in marks.items():
-                fs = [f for f in ph.faults if f["kind"] == kind]
-                ax_live.scatter([(f["t"] - w0) / 60 for f in fs], [0.5] * len(fs), marker=mk, color="black", s=18,
-                                label=kind)
-    ax_live.set_ylabel("live peers (computing)")
+                ts = [(f["t"] - w0) / 60 for f in ph["faults"] if f["kind"] == kind]
+                ax_live.scatter(ts, [0.5] * len(ts), marker=mk, color="black", s=18, label=kind)
+    ax_live.set_ylabel("live peers (computing: not frozen, not dead)")
     ax_live.set_ylim(bottom=0)
     ax_live.legend(fontsize=7, ncol=2)
     ax_tok.set_ylabel("tokens that reached θ (M, cumulative)")
@@ -677,47 +767,69 @@ def _plot(report: Report, path: Path) -> None:
     for ax in axes.flat:
         ax.set_xlabel("minutes since the measured window started")
         ax.axvline(0, color="gray", lw=0.6, ls="--")
-    a = report.a
-    fig.suptitle(f"churn: {a.peers} peers, {a.regions} regions, {a.method}/{a.preset}, a fault every {a.every:g} s "
-                 f"(red) vs none (blue)")
+    fig.suptitle(f"churn: {a['peers']} peers, {a['regions']} regions, {a['method']}/{a['preset']}, a fault every "
+                 f"{a['every']:g} s (red) vs none (blue)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def _markdown(report: Report, payload: dict[str, Any]) -> str:
-    a = report.a
-    lines = [f"# Churn: {a.peers} peers in {a.regions} regions, a fault every {a.every:g} s for {a.minutes:g} min",
-             "", f"`{payload.get('command', '')}`", "",
-             f"{a.method}, preset {a.preset}, batch {a.batch_size}, H {a.H}"
-             + (f", P {a.P}, τ {a.tau}" if a.method in ("streaming", "cocodc") else "")
-             + f", step {a.step_seconds:g} s; regions {a.between_rate} uplinks, {a.delay_ms:g} ms one way between "
-               f"them; one thread per peer on {os.cpu_count()} cores.", ""]
-    phases = payload["phases"]
-    if "faults" in phases and phases["faults"].get("figures"):
-        figs = phases["faults"]["figures"]
+def _markdown(payload: dict[str, Any]) -> str:
+    a = payload["args"]
+    fragments = a["P"] if a["method"] in ("streaming", "cocodc") else 1
+    figs = {n: phase_figures(ph, fragments) for n, ph in payload["phases"].items() if ph.get("live")}
+    lines = [f"# Churn: {a['peers']} peers in {a['regions']} regions, a fault every {a['every']:g} s for "
+             f"{a['minutes']:g} min", "", f"`{payload.get('command', '')}`", "",
+             f"{a['method']}, preset {a['preset']}, batch {a['batch_size']}, H {a['H']}"
+             + (f", P {a['P']}, τ {a['tau']}" if a["method"] in ("streaming", "cocodc") else "")
+             + f", step {a['step_seconds']:g} s (inner steps padded to it), join window "
+               f"{a['join_window'] if a['join_window'] is not None else 'default'}; regions with "
+               f"{a['between_rate']} uplinks, {a['delay_ms']:g} ms one way between them; one thread per peer on "
+               f"{payload.get('machine', {}).get('cores', '?')} cores.", ""]
+    for name, f in figs.items():
+        ph = payload["phases"][name]
+        if not ph["ended"]:
+            lines += [f"**{name}: stopped after {f['minutes_covered']:g} of {a['minutes']:g} minutes** (partial).", ""]
+    if "faults" in figs:
+        k = figs["faults"]["faults"]
         lines += ["| fault | injected | survived | not survived | unknown at the end |", "|---|---:|---:|---:|---:|"]
-        for k in KINDS:
-            d = figs["faults"][k]
-            lines.append(f"| {k} | {d['injected']} | {d['survived']} | {d['not_survived']} | {d['pending']} |")
-        tot = {x: sum(figs["faults"][k][x] for k in KINDS) for x in ("injected", "survived", "not_survived", "pending")}
-        lines += [f"| **all** | {tot['injected']} | {tot['survived']} | {tot['not_survived']} | {tot['pending']} |", ""]
-    lines += ["| phase | rounds applied in window | members (median) | diverged replicas (rounds) | rounds failed "
+        for kind in KINDS:
+            d = k[kind]
+            lines.append(f"| {kind} | {d['injected']} | {d['survived']} | {d['not_survived']} | {d['pending']} |")
+        tot = {x: sum(k[kind][x] for kind in KINDS) for x in ("injected", "survived", "not_survived", "pending")}
+        lines += [f"| **all** | {tot['injected']} | {tot['survived']} | {tot['not_survived']} | {tot['pending']} |",
+                  "", "Survived: the peer (a cut region: each of its peers) applied a round with the majority's θ "
+                  f"again within {a['survive_within']:g} s of coming back; a leave: exit code 0 and its summary "
+                  "written. Unknown: the window ended first.", ""]
+    lines += ["| phase | minutes | rounds applied | members (median) | diverged replicas (rounds) | rounds failed "
               "everywhere | round failures on a peer | stuck rounds | tokens in θ (M) | tokens trained (M) | "
-              "RSS growth MB/min (median / max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, ph in phases.items():
-        f = ph.get("figures") or {}
-        if not f:
-            continue
-        g1, g2 = f.get("rss_growth_mb_per_min_median"), f.get("rss_growth_mb_per_min_max")
-        lines.append(f"| {name} | {f['rounds_applied_in_window']} | {f['members_median']} | {f['diverged_replicas']} "
-                     f"({f['rounds_with_diverged_replicas']}) | {f['rounds_failed_everywhere']} | {f['round_failures']} "
-                     f"| {f['stuck_rounds']} (+{f['stuck_rounds_when_leaving']} when leaving) | "
-                     f"{f['tokens_in_theta'] / 1e6:.2f} | {f['tokens_trained'] / 1e6:.2f} | "
+              "RSS median MB | RSS growth MB/min (median / max) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, f in figs.items():
+        g1, g2 = f["rss_growth_mb_per_min_median"], f["rss_growth_mb_per_min_max"]
+        lines.append(f"| {name} | {f['minutes_covered']:g} | {f['rounds_applied_in_window']} | {f['members_median']} "
+                     f"| {f['diverged_replicas']} ({f['rounds_with_diverged_replicas']}) | "
+                     f"{f['rounds_failed_everywhere']} | {f['round_failures']} | {f['stuck_rounds']} "
+                     f"(+{f['stuck_rounds_when_leaving']} when leaving) | {f['tokens_in_theta'] / 1e6:.2f} | "
+                     f"{f['tokens_trained'] / 1e6:.2f} | {f['rss_mb_median'] or 0:.0f} | "
                      f"{'-' if g1 is None else f'{g1:+.2f}'} / {'-' if g2 is None else f'{g2:+.2f}'} |")
     if "goodput" in payload:
         lines += ["", f"Goodput (tokens that reached θ, faults / fault-free): **{payload['goodput']:.3f}**; "
                       f"tokens trained, faults / fault-free: {payload.get('tokens_trained_ratio', math.nan):.3f}."]
+    if ts := targets(payload, figs):
+        lines += ["", "| done-when target | measured | holds |", "|---|---|---|"]
+        for what, measured, ok in ts:
+            lines.append(f"| {what} | {measured} | {'unknown' if ok is None else 'yes' if ok else '**no**'} |")
+    lines += ["", "Members: contributors a peer's applied round names (hierarchical rounds: its region's and the "
+                  "carriers it met across regions, not the whole group). Tokens in θ: the total weight of every round "
+                  "applied by the majority in the window, over the P fragments (each fragment's round carries the "
+                  "tokens since that fragment's last send)."]
     return "\n".join(lines) + "\n"
+
+
+def write_report(payload: dict[str, Any], out: Path) -> None:
+    """churn.md and churn.png next to ``out`` from its JSON payload."""
+    out.with_suffix(".md").write_text(_markdown(payload))
+    _plot(payload, out.with_suffix(".png"))
 
 
 def main() -> None:
@@ -751,7 +863,13 @@ def main() -> None:
     ap.add_argument("--stagger", type=float, default=1.0)
     ap.add_argument("--rss-every", type=float, default=15.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "churn.json")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="only remake the .md and .png of an existing churn JSON (written next to it)")
     a = ap.parse_args()
+    if a.report is not None:
+        write_report(json.loads(a.report.read_text()), a.report)
+        print(a.report.with_suffix(".md").read_text(), flush=True)
+        return
     exit_on_sigterm()
     if a.every > 30:
         raise SystemExit("--every must be at most 30 s")
@@ -770,10 +888,7 @@ def main() -> None:
             ph.run(report)
     finally:
         report.write()
-        payload = json.loads(a.out.read_text())
-        a.out.with_suffix(".md").write_text(_markdown(report, payload))
-        with contextlib.suppress(Exception):
-            _plot(report, a.out.with_suffix(".png"))
+        write_report(json.loads(a.out.read_text()), a.out)
         print(a.out.with_suffix(".md").read_text(), flush=True)
         print(f"wrote {a.out}, {a.out.with_suffix('.md')}, {a.out.with_suffix('.png')}", flush=True)
 
