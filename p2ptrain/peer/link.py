@@ -62,18 +62,44 @@ class SwarmLink:
             await self.runner.stop()
 
     async def _heartbeat(self, info: Callable[[], PeerInfo], on_live: Callable[[int], None]) -> None:
+        """Announce this peer every ``heartbeat`` seconds, on a fixed cadence whatever the DHT's latency: the
+        announcement is what keeps it in the others' view of who is live, and it expires ``ttl`` seconds after
+        it was stored. Reading who is live and republishing the pacing run beside it (each bounded as the
+        announcement is) and never hold the next one back: one after the other, with a pause after them, a
+        slow DHT (a loaded machine) spread announcements up to 3 × 2 × heartbeat + heartbeat apart, longer than
+        the ttl, and a live peer fell out of the others' views (bench/churn.py: its joins then came after its
+        rounds' groups had closed)."""
         assert self.transport is not None
-        limit = self.cfg.heartbeat * 2
-        while True:
+        transport, limit = self.transport, self.cfg.heartbeat * 2
+        loop = asyncio.get_running_loop()
+
+        async def bounded(what: str, aw: Awaitable[Any]) -> Any:
             try:
-                await asyncio.wait_for(self.transport.announce(info()), limit)
-                on_live(len(await asyncio.wait_for(self.transport.peers(), limit)))
-                if self.step_seconds is not None:
-                    await asyncio.wait_for(self.transport.publish_meta(
-                        {"step_seconds": self.step_seconds, "since": self.pacing_since}), limit)
+                return await asyncio.wait_for(aw, limit)
             except (TimeoutError, OSError, RoundFailed) as e:
-                log.info("event=heartbeat_failed reason=%s", e)
-            await asyncio.sleep(self.cfg.heartbeat)
+                log.info("event=heartbeat_failed what=%s reason=%s", what, str(e) or type(e).__name__)
+                return None
+
+        async def look() -> None:
+            live = await bounded("peers", transport.peers())
+            if live is not None:
+                on_live(len(live))
+            if self.step_seconds is not None:
+                await bounded("pacing", transport.publish_meta({"step_seconds": self.step_seconds,
+                                                                "since": self.pacing_since}))
+
+        side: asyncio.Task[None] | None = None
+        try:
+            while True:
+                t0 = loop.time()
+                await bounded("announce", transport.announce(info()))
+                if side is None or side.done():
+                    side = asyncio.ensure_future(look())
+                await asyncio.sleep(max(0.0, self.cfg.heartbeat - (loop.time() - t0)))
+        finally:
+            if side is not None:
+                side.cancel()
+                await asyncio.gather(side, return_exceptions=True)
 
     def announce_now(self, info: PeerInfo) -> None:
         assert self.transport is not None
