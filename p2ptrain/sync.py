@@ -156,11 +156,12 @@ class RoundRunner:
 
     def __init__(self, transport: Transport, codec: Codec, *, join_timeout: float, round_timeout: float,
                  ema: float = 0.3, on_result: Callable[[Round, ReduceResult | None], None] | None = None,
-                 hierarchical: bool = True) -> None:
+                 hierarchical: bool = True, max_group: int | None = None) -> None:
         self.transport, self.codec = transport, codec
         # Groups whose members announce several regions reduce region by region (net/hierarchy.py); not for
         # error-feedback codecs, whose buffers assume the flat butterfly's parts (algo/feedback.py).
         self.hierarchical = hierarchical and not codec.error_feedback
+        self.max_group = max_group  # the largest cell of a round (net/hierarchy.py); None: a region is one cell
         self.join_timeout, self.round_timeout, self.ema = join_timeout, round_timeout, ema
         self.stats = RoundStats()
         self.needs_resync = threading.Event()  # a group said our round state differs from the swarm's
@@ -241,7 +242,7 @@ class RoundRunner:
                 group = await self.transport.form_group(group_or_request, None, timeout=self.join_timeout)
             phase, partial = 0, False
             payload = rnd.payload
-            plan = plan_for(group, self.transport.peer_id) if self.hierarchical else None
+            plan = plan_for(group, self.transport.peer_id, self.max_group) if self.hierarchical else None
             while payload is not None:
                 n0 = time.monotonic()
                 # (hierarchical: a carrier's shards cross a link shared by fewer members)

@@ -329,7 +329,8 @@ def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> J
     if f.resume and not checkpoints:
         raise ConfigError("--resume needs --checkpoint-dir (the folder to continue from and keep writing to)")
     peer_cfg = build(PeerConfig, merged({k: v for k, v in peer_file.items() if k != "initial_peers"}, {
-        "run_id": run_id, "region": f.region, "flat_rounds": f.flat_rounds or None, "clock": f.clock, "steps": total,
+        "run_id": run_id, "region": f.region, "flat_rounds": f.flat_rounds or None, "max_group": f.max_group,
+        "clock": f.clock, "steps": total,
         "step_seconds": f.step_seconds,
         "join_window": f.join_window, "min_step_seconds": f.min_step_seconds, "eval_every": f.eval_every,
         "checkpoint_dir": str(checkpoints) if checkpoints else None, "checkpoint_every": f.checkpoint_every}), "peer")

@@ -1,29 +1,36 @@
-"""Hierarchical rounds by region: a fragment crosses the slow inter-region link once per region, not once per peer.
+"""Hierarchical rounds by region and bounded cells: a fragment crosses the slow inter-region link once per region,
+and no step of a round involves more than a bounded number of peers.
 
 A flat butterfly over k peers in R regions sends each member's share to every owner in the other regions: with n
-peers a region, about n fragments leave each region per round. Here a round runs in three steps over the same
-transport (any :class:`~p2ptrain.net.transport.Transport`):
+peers a region, about n fragments leave each region per round; and it opens k(k−1) streams and waits for the
+slowest of k. Here a round's members are put in *cells* (a region's members; a region larger than the maximum group
+size G is split into balanced groups of at most G, drawn afresh each round from the round key:
+:func:`p2ptrain.algo.grouping.split_groups`), and the round runs in three steps over the same transport (any
+:class:`~p2ptrain.net.transport.Transport`):
 
-1. **inside the region**: the region's members all-reduce the fragment (their weighted mean M_r, total weight W_r);
-2. **across regions**: the fragment is cut into S shards (S = the largest region's size); shard s of M_r is
-   all-reduced, with weight W_r, by one member of each region, its *carrier* (member ``s mod n_r`` of the region's
-   sorted members), so every member carries 1/n of its region's cross-region bytes and a region sends about one
+1. **inside the cell**: the cell's members all-reduce the fragment (their weighted mean M_c, total weight W_c);
+2. **across cells**: the fragment is cut into S shards (S = the largest cell's size); shard s of M_c is
+   all-reduced, with weight W_c, by one member of each cell, its *carrier* (member ``s mod n_c`` of the cell's
+   sorted members), so every member carries 1/n of its cell's cross-cell bytes and a cell sends about one
    fragment out per round;
-3. **back inside the region**: each carrier offers the shard's result, encoded, and the region's other members fetch
-   it. Every carrier of shard s (one per region) holds the same bytes (the butterfly gives every member the same
-   result, and encoding is deterministic), so each member checks what it fetched from its region's carrier against
-   the digest a carrier in another region offers: a carrier that lies to its region makes that region's round
-   fail; it cannot poison it.
+3. **back inside the cell**: each carrier offers the shard's result, encoded, and the cell's other members fetch
+   it. Every carrier of shard s (one per cell) holds the same bytes (the butterfly gives every member the same
+   result, and encoding is deterministic), so each member checks what it fetched from its cell's carrier against
+   the digest a carrier of another cell offers: a carrier that lies to its cell makes that cell's round fail; it
+   cannot poison it.
 
-The result is the same weighted mean as the flat round: Σ_r W_r M_r / Σ_r W_r = Σ_i w_i x_i / Σ_i w_i (in float
-arithmetic, to rounding: tests/net/test_hierarchy.py checks it against a float64 reference). Robust aggregations and
-the norm bound apply inside each step: within a region to members' contributions, across regions to the regions'
-means (a region's mean is one contribution there); a trimmed mean of regions is not the trimmed mean of peers.
+The result is the same weighted mean as the flat round: Σ_c W_c M_c / Σ_c W_c = Σ_i w_i x_i / Σ_i w_i (in float
+arithmetic, to rounding: tests/net/test_hierarchy.py checks it against a float64 reference). So, unlike averaging
+in small groups that only mix over rounds, every member ends every round with the same θ: the θ agreement the
+methods rely on holds swarm-wide, not per group. A member takes part in a cell of at most G and in the shard groups
+of its carried shards (one member per cell): O(G + k/G) peers, not k. Robust aggregations and the norm bound apply
+inside each step: within a cell to members' contributions, across cells to the cells' means (a cell's mean is one
+contribution there); a trimmed mean of cells is not the trimmed mean of peers.
 
-Failures: a member whose region step fails fails the round (as in a flat round); a shard whose carrier in this
-region never offers it is fetched from a carrier in another region (cross-region bytes, but the same values);
-a shard no carrier delivers fails the round. A shard averaged without some region (its carrier dropped) makes the
-round partial: every member still ends with the same bytes for it.
+Failures: a member whose cell step fails fails the round (as in a flat round); a shard whose carrier in this cell
+never offers it is fetched from another cell's carrier (cross-cell bytes, but the same values); a shard no carrier
+delivers fails the round. A shard averaged without some cell (its carrier dropped) makes the round partial: every
+member still ends with the same bytes for it.
 """
 
 from __future__ import annotations
@@ -39,11 +46,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..algo.grouping import split_groups
 from ..collective.butterfly import part_bounds
 from ..collective.codecs import Codec
 from .transport import Group, ReduceResult, RoundFailed, Transport
 
-__all__ = ["Plan", "hierarchical_allreduce", "plan_for"]
+__all__ = ["Plan", "cells_of", "hierarchical_allreduce", "plan_for"]
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +61,16 @@ OFFER_TTL = 300.0  # seconds a carrier serves its shard (members that were slow 
 
 @dataclass(frozen=True)
 class Plan:
-    """One member's view of a hierarchical round: its region's group, the shards, who carries which."""
+    """One member's view of a hierarchical round: its cell's group, the shards, who carries which.
+
+    A *cell* is a region's members, or, when a region has more than the maximum group size, one of the bounded
+    groups it is split into (:func:`p2ptrain.algo.grouping.split_groups`, drawn afresh each round)."""
 
     region: str
-    local: Group  # this member's region (steps 1 and 3)
+    local: Group  # this member's cell (steps 1 and 3)
     shards: int  # S
-    carriers: dict[int, tuple[str, ...]]  # shard -> its carriers, one per region (sorted: the step-2 group)
-    holder: dict[int, str]  # shard -> its carrier in this member's region
+    carriers: dict[int, tuple[str, ...]]  # shard -> its carriers, one per cell (sorted: the step-2 group)
+    holder: dict[int, str]  # shard -> its carrier in this member's cell
     carried: tuple[int, ...]  # the shards this member carries across
 
     def shard_group(self, group: Group, s: int) -> Group:
@@ -67,25 +78,41 @@ class Plan:
         return Group(f"{group.key}#s{s}", members, min(members), group.fragment, group.signature, group.schedule)
 
 
-def plan_for(group: Group, me: str) -> Plan | None:
-    """The hierarchical plan of ``group`` as ``me`` sees it, or None when a flat round does as well: one region, or
-    no region with two members (every member then crosses anyway)."""
+def cells_of(group: Group, max_group: int | None = None) -> list[tuple[str, tuple[str, ...]]]:
+    """The group's cells as (region, sorted members): one per region, a region larger than ``max_group`` split
+    into balanced bounded groups that change with the round key."""
     by_region: dict[str, list[str]] = {}
     for m, r in group.region_of().items():
         by_region.setdefault(r, []).append(m)
-    if len(by_region) < 2 or max(len(ms) for ms in by_region.values()) < 2 or me not in group.members:
+    cells: list[tuple[str, tuple[str, ...]]] = []
+    for region in sorted(by_region):
+        members = sorted(by_region[region])
+        if max_group is not None and len(members) > max_group:
+            cells += [(region, g) for g in split_groups(members, max_group, f"{group.key}/{region}")]
+        else:
+            cells.append((region, tuple(members)))
+    return cells
+
+
+def plan_for(group: Group, me: str, max_group: int | None = None) -> Plan | None:
+    """The hierarchical plan of ``group`` as ``me`` sees it, or None when a flat round does as well: one cell,
+    or no cell with two members (every member then crosses anyway). ``max_group``: the largest cell (None: a
+    region is one cell, however large)."""
+    if max_group is not None and max_group < 2:
+        raise ValueError(f"the maximum group size must be at least 2, got {max_group}")
+    cells = cells_of(group, max_group)
+    if len(cells) < 2 or max(len(ms) for _, ms in cells) < 2 or me not in group.members:
         return None
-    regions = {r: sorted(ms) for r, ms in by_region.items()}
-    mine = group.region_of()[me]
-    shards = max(len(ms) for ms in regions.values())
-    carriers = {s: tuple(sorted(ms[s % len(ms)] for ms in regions.values())) for s in range(shards)}
-    local = regions[mine]
+    mine = next((r, ms) for r, ms in cells if me in ms)
+    shards = max(len(ms) for _, ms in cells)
+    carriers = {s: tuple(sorted(ms[s % len(ms)] for _, ms in cells)) for s in range(shards)}
+    region, local = mine
     holder = {s: local[s % len(local)] for s in range(shards)}
-    # The region's key names the region by a digest: region labels are free-form text.
-    tag = zlib.crc32(mine.encode()) & 0xFFFFFFFF
-    local_group = Group(f"{group.key}@r{tag:08x}", tuple(local), min(local), group.fragment, group.signature,
+    # The cell's key names it by a digest of its region (free-form text) and its first member.
+    tag = zlib.crc32(f"{region}\0{local[0]}".encode()) & 0xFFFFFFFF
+    local_group = Group(f"{group.key}@c{tag:08x}", local, min(local), group.fragment, group.signature,
                         group.schedule)
-    return Plan(mine, local_group, shards, carriers, holder, tuple(s for s in range(shards) if holder[s] == me))
+    return Plan(region, local_group, shards, carriers, holder, tuple(s for s in range(shards) if holder[s] == me))
 
 
 def _offer_name(group: Group, phase: int, s: int) -> str:
@@ -128,9 +155,9 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
             except RoundFailed as e:
                 return e
 
-        hold = asyncio.ensure_future(answer(holder, name))
-        check = asyncio.ensure_future(answer(witnesses[0], name + "#sha"))
-        try:
+        async with asyncio.TaskGroup() as tg:  # (answer() never raises: the group only owns and awaits them)
+            hold = tg.create_task(answer(holder, name))
+            check = tg.create_task(answer(witnesses[0], name + "#sha"))
             # Our carrier and the witness offer at about the same time (their shard's step ended for both): once
             # one has answered, the other is given as long again (at least 2 s), not the whole round's time: a
             # carrier that died is replaced, a witness that died is replaced, without waiting for the deadline.
@@ -139,10 +166,8 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
             late = RoundFailed(f"{name}: no answer in time")
             data = hold.result() if hold.done() else late
             digest = check.result() if check.done() else late
-        finally:
-            for t in (hold, check):
-                t.cancel()
-            await asyncio.gather(hold, check, return_exceptions=True)
+            hold.cancel()
+            check.cancel()
         if isinstance(data, bytes):
             for w in witnesses[1:]:
                 if isinstance(digest, bytes):
@@ -231,7 +256,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
     out = torch.empty_like(mean)
     totals: set[float] = set()
     partial = local.partial or any(isinstance(c, BaseException) for c in carried)
-    regions = len({r for r in group.region_of().values()})
+    cells = len(plan.carriers[0])  # every shard has one carrier a cell
     for s, (lo, hi) in enumerate(bounds):
         offer = offers[s]
         if len(offer) < _HEADER.size:
@@ -239,7 +264,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         total, count = _HEADER.unpack_from(offer)
         out[lo:hi] = await asyncio.to_thread(codec.decode, offer[_HEADER.size:], hi - lo)
         totals.add(total)
-        partial |= count < regions
+        partial |= count < cells
     pieces, offset = [], 0
     for shape in shapes:
         n = int(torch.Size(shape).numel())

@@ -51,7 +51,10 @@ class PeerConfig:
             schedule exactly the simulator's (the equivalence tests), at the price of peers waiting for the
             slowest at every round.
         flat_rounds: every round is one butterfly over all its members, even when they announce several
-            regions (by default such a group reduces region by region: :mod:`p2ptrain.net.hierarchy`).
+            regions or outnumber ``max_group`` (by default such a group reduces region by region, in cells of at
+            most ``max_group`` peers: :mod:`p2ptrain.net.hierarchy`).
+        max_group: the most peers one step of a round involves (G): a region with more members is split into
+            cells of at most G, drawn afresh each round; every member still ends with the swarm's mean.
     """
 
     run_id: str = "p2ptrain"
@@ -72,6 +75,7 @@ class PeerConfig:
     eval_every: int = 0
     clock: Literal["wall", "steps"] = "wall"
     flat_rounds: bool = False
+    max_group: int = 32
 
     def __post_init__(self) -> None:
         if self.clock not in ("wall", "steps"):
@@ -89,6 +93,8 @@ class PeerConfig:
         for name in ("join_window", "join_timeout", "heartbeat", "ttl", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.max_group < 2:
+            raise ValueError(f"max_group must be at least 2 (a cell of one peer averages nothing), got {self.max_group}")
         if self.ttl <= self.heartbeat:
             raise ValueError("ttl must be longer than the heartbeat period")
 

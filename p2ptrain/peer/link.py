@@ -47,7 +47,7 @@ class SwarmLink:
         self.transport.serve_state(provide)
         self.runner = RoundRunner(self.transport, self.codec, join_timeout=self.cfg.join_timeout,
                                   round_timeout=self.round_timeout, on_result=on_round,
-                                  hierarchical=not self.cfg.flat_rounds)
+                                  hierarchical=not self.cfg.flat_rounds, max_group=self.cfg.max_group)
         self._service = self.net.submit(self._serve(info, on_live))
         self.runner.wait_ready(10)
 

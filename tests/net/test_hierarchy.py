@@ -15,7 +15,7 @@ import torch
 from p2ptrain.algo.methods import method_config
 from p2ptrain.collective.codecs import get_codec
 from p2ptrain.data import Corpus
-from p2ptrain.net.hierarchy import _HEADER, hierarchical_allreduce, plan_for
+from p2ptrain.net.hierarchy import _HEADER, cells_of, hierarchical_allreduce, plan_for
 from p2ptrain.net.memory import MemorySwarm
 from p2ptrain.net.transport import Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, Transport
 
@@ -70,6 +70,27 @@ def test_flat_when_one_region_or_no_region_has_two_members() -> None:
     assert plan_for(_group(["a", "b", "c"], ["X", "X", "Y"]), "zz") is None  # not a member
 
 
+def test_cells_bound_every_step_and_change_from_round_to_round() -> None:
+    """Without regions, 10 members and G = 4 make 3 balanced cells of ≤ 4; every member is in one; each shard
+    group has one carrier per cell (3), so no step involves more than 4 peers; another round key, other cells.
+    Regions larger than G are split, smaller ones kept whole."""
+    members = [f"p{i:02d}" for i in range(10)]
+    g = Group("k1", tuple(members), "p00", 0)
+    cells = cells_of(g, 4)
+    assert sorted(len(c) for _, c in cells) == [3, 3, 4]
+    assert sorted(m for _, c in cells for m in c) == members
+    plans = {m: plan_for(g, m, 4) for m in members}
+    assert all(p is not None and len(p.local.members) <= 4 and all(len(c) == 3 for c in p.carriers.values())
+               for p in plans.values())
+    assert {c for _, c in cells_of(Group("k2", tuple(members), "p00", 0), 4)} != {c for _, c in cells}
+    assert plan_for(g, "p00") is None  # one region, no bound: flat
+    assert plan_for(g, "p00", 10) is None  # everyone fits in one cell: flat
+    rg = _group(members, ["a"] * 6 + ["b"] * 4)
+    assert sorted((r, len(c)) for r, c in cells_of(rg, 4)) == [("a", 3), ("a", 3), ("b", 4)]
+    with pytest.raises(ValueError, match="at least 2"):
+        plan_for(g, "p00", 1)
+
+
 def test_group_regions_travel_with_the_group_and_must_match_its_members() -> None:
     g = _group(["b", "a"], ["east", "west"])
     assert g.members == ("a", "b") and g.regions == ("west", "east")
@@ -87,8 +108,8 @@ async def _form(ts: list[Transport], regions: list[str], key: str) -> list[Group
 
 
 async def _hier(t: Transport, g: Group, x: list[torch.Tensor], w: float, codec: str = "fp32",
-                timeout: float = 30.0) -> ReduceResult:
-    plan = plan_for(g, t.peer_id)
+                timeout: float = 30.0, max_group: int | None = None) -> ReduceResult:
+    plan = plan_for(g, t.peer_id, max_group)
     assert plan is not None
     return await hierarchical_allreduce(t, g, plan, 0, x, w, get_codec(codec), timeout=timeout)
 
@@ -183,6 +204,27 @@ def test_a_carrier_that_lies_to_its_region_fails_the_round_there_and_poisons_no_
             if digest == "honest":
                 for r in out[2:]:  # the other region is untouched
                     assert isinstance(r, ReduceResult) and not r.partial
+
+    run(go())
+
+
+@pytest.mark.parametrize("make", SWARMS)
+def test_bounded_cells_end_every_member_with_the_swarms_mean(make: Make) -> None:
+    """Seven members of one region, cells of at most 3 (3 cells): every member ends with the same bytes, the
+    float64 weighted mean of all seven to fp32 rounding; two rounds with other cells agree with it too."""
+    async def go() -> None:
+        async with make(7) as ts:
+            gen = torch.Generator().manual_seed(5)
+            for key in ("b1", "b2"):
+                groups = await _form(ts, [""] * 7, key)
+                xs = [[torch.randn(3000, generator=gen)] for _ in ts]
+                ws = [1.0 + i for i in range(7)]
+                out = await asyncio.gather(*(_hier(t, g, x, w, max_group=3)
+                                             for t, g, x, w in zip(ts, groups, xs, ws, strict=True)))
+                exp = sum(w * x[0].double() for x, w in zip(xs, ws, strict=True)) / sum(ws)
+                for r in out:
+                    assert torch.equal(r.tensors[0], out[0].tensors[0]) and not r.partial
+                    assert (r.tensors[0].double() - exp).abs().max() < 1e-6
 
     run(go())
 
