@@ -159,10 +159,11 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
             hold = tg.create_task(answer(holder, name))
             check = tg.create_task(answer(witnesses[0], name + "#sha"))
             # Our carrier and the witness offer at about the same time (their shard's step ended for both): once
-            # one has answered, the other is given as long again (at least 2 s), not the whole round's time: a
-            # carrier that died is replaced, a witness that died is replaced, without waiting for the deadline.
+            # one has answered, the other is given three times as long again (at least 5 s: the shard's transfer
+            # from a busy carrier), not the whole round's time: a carrier or witness that died is replaced without
+            # waiting for the deadline. Replacing a live but slow carrier costs the shard's bytes across cells.
             await asyncio.wait({hold, check}, return_when=asyncio.FIRST_COMPLETED)
-            await asyncio.wait({hold, check}, timeout=max(2.0, time.monotonic() - t0))
+            await asyncio.wait({hold, check}, timeout=max(5.0, 3.0 * (time.monotonic() - t0)))
             late = RoundFailed(f"{name}: no answer in time")
             data = hold.result() if hold.done() else late
             digest = check.result() if check.done() else late
@@ -183,6 +184,8 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
                 raise RoundFailed(f"{name}: the region's carrier {holder[-8:]} and another region's disagree on it")
             return data, len(data) + len(digest)
     fetched = 0
+    if holder != me:
+        log.info("event=shard_from_other_cell name=%s holder=%s", name, holder[-8:])
     for other in others:  # our region's carrier is gone or late: the same bytes from across the regions
         try:
             data = await _poll(transport, other, name, deadline)
