@@ -1,14 +1,17 @@
 """Scale, protocol only: one fragment round among 2 → 1024 peers, modelled (sim/protocol.py).
 
-    python bench/scale_protocol.py                                # k = 2, 4, ..., 1024; G = 8; 4 regions
+    python bench/scale_protocol.py                                # k = 2, 4, ..., 1024; G = 8; cells of 32; 4 regions
     python bench/scale_protocol.py --peers 2,16,128 --group-size 16 --regions 2 --trials 8
 
 For each k and each way of averaging a fragment of F bytes (flat butterfly over all k; bounded groups of
-at most G from algo/grouping.split_groups; hierarchical by region): the round time (mean over seeded
-trials of straggler delays), payload bytes sent per peer and across regions, streams per peer, the
+at most G from algo/grouping.split_groups; hierarchical by region; cells, what the product runs:
+net/hierarchy.py's cells of at most ``--cell-size`` inside each region, all-reduced across by one carrier a
+cell, built by its own cells_of/plan_for): the round time (mean over seeded trials of straggler delays),
+payload bytes sent per peer and across regions, streams and distinct peers per peer, the
 round's buffers per peer, and for bounded groups the rounds needed to mix (spread of k scalars below
 1e-3, averaged in the real split_groups' groups). Then the same with a share of peers vanishing each
-round. The issue's yardstick: ``round_time(k) / (T_G · log2 k)``, with T_G the flat round of G peers.
+round. The issue's yardstick: ``round_time(k) / (T_G · log2 k)``, with T_G the flat round of G peers (the
+same T_G, G = ``--group-size``, for every scheme, cells included).
 
 Before the model: its byte and message counts against the real butterfly (the swarm's ButterflyRun,
 messages handed over in memory, sim/loopback.py) and the in-memory transport, k ≤ ``--validate-upto``;
@@ -41,6 +44,8 @@ def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default=",".join(str(2**i) for i in range(1, 11)), help="swarm sizes k")
     ap.add_argument("--group-size", type=int, default=8, help="G, the bounded groups' maximum size")
+    ap.add_argument("--cell-size", type=int, default=32,
+                    help="the cells scheme's G (the product's --max-group): the largest cell")
     ap.add_argument("--regions", type=int, default=4, help="R; peer i is in region i mod R")
     ap.add_argument("--fragment-mib", type=float, default=64.0, help="F, the fragment's encoded size (MiB)")
     ap.add_argument("--intra-bandwidth", type=parse_bandwidth, default=parse_bandwidth("1gbit"))
@@ -63,8 +68,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--validate-upto", type=int, default=16, help="check the model against the real butterfly")
     ap.add_argument("--out", type=Path, default=RESULTS / "scale_protocol.json")
     a = ap.parse_args()
-    if a.group_size < 2 or a.trials < 1:
-        ap.error("--group-size must be at least 2 and --trials at least 1")
+    if a.group_size < 2 or a.cell_size < 2 or a.trials < 1:
+        ap.error("--group-size and --cell-size must be at least 2 and --trials at least 1")
     return a
 
 
@@ -112,14 +117,15 @@ def _grouping_cost(k: int, g: int) -> dict[str, Any]:
 
 
 def _one_k(k: int, a: argparse.Namespace, link: Any, trials: int) -> dict[str, Any]:
-    from p2ptrain.sim.protocol import bounded, flat, hierarchical, mean_over_trials, ready_times
+    from p2ptrain.sim.protocol import bounded, cells, flat, hierarchical, mean_over_trials, ready_times
 
-    rows: dict[str, list[Any]] = {"flat": [], "bounded": [], "hierarchical": []}
+    rows: dict[str, list[Any]] = {"flat": [], "bounded": [], "hierarchical": [], "cells": []}
     for t in range(trials):
         ready = ready_times(k, link, random.Random(1000 * k + t))  # the same stragglers for every scheme
         rows["flat"].append(flat(k, link, ready))
         rows["bounded"].append(bounded(k, a.group_size, link, ready, seed=f"run/round{t}"))
         rows["hierarchical"].append(hierarchical(k, link, ready))
+        rows["cells"].append(cells(k, a.cell_size, link, ready, seed=f"run/round{t}"))
     return {name: mean_over_trials(v).as_dict() for name, v in rows.items()}
 
 
@@ -138,6 +144,7 @@ def _criterion(rows: list[dict[str, Any]], g: int, per_group: float) -> dict[str
         "bounded_round": [(r["k"], r["bounded"]["round_seconds"]) for r in rows],
         "bounded_to_mix": [(r["k"], r["mix_rounds"] * r["bounded"]["round_seconds"]) for r in rows],
         "hierarchical": [(r["k"], r["hierarchical"]["round_seconds"]) for r in rows],
+        "cells": [(r["k"], r["cells"]["round_seconds"]) for r in rows],  # one round: every member has the mean
     }
     for name, pts in series.items():
         ratios = {k: log2_ratio(t, per_group, k) for k, t in pts}
@@ -198,17 +205,32 @@ def main() -> None:
                      for r in v]))
     out.print(table(_title(a), _COLUMNS, [_row(r) for r in rows]))
     out.print(table(f"the same with {a.fail_prob:g} of peers vanishing per round (groups wait {a.fail_wait:g} s)",
-                    ["k", "flat s", "bounded s (slowest)", "bounded s (mean group)", "hier s"],
+                    ["k", "flat s", "bounded s (slowest)", "bounded s (mean group)", "hier s", "cells s"],
                     [[r["k"], r["with_failures"]["flat"]["round_seconds"],
                       r["with_failures"]["bounded"]["round_seconds"], r["with_failures"]["bounded"]["group_seconds"],
-                      r["with_failures"]["hierarchical"]["round_seconds"]] for r in rows]))
+                      r["with_failures"]["hierarchical"]["round_seconds"], r["with_failures"]["cells"]["round_seconds"]]
+                     for r in rows]))
     c = payload["criterion"]
+    over = [r for r in rows if r["cells"]["extra"].get("carriers_over_G")]
+    payload["cells_limit"] = {"G": a.cell_size, "G_squared": a.cell_size ** 2, "k_with_carriers_over_G":
+                              [r["k"] for r in over], "note": "the product does not recurse: for C > G (k > G^2 in "
+                              "one region) step 2 is one butterfly of C > G carriers, modelled as such"}
+    write_json(a.out, payload)
     out.print(table(f"O(log k): T(k) / (T_G · log2 k), T_G = {per_group:.2f} s (flat round of G={a.group_size})",
-                    ["k", "flat", "bounded round", "bounded to mix", "hier"],
-                    [[r["k"], *(c[s]["ratio"][r["k"]] for s in ("flat", "bounded_round", "bounded_to_mix",
-                                                                "hierarchical"))] for r in rows]))
+                    ["k", "flat", "bounded round", "bounded to mix", "hier", "cells"],
+                    [[r["k"], *(c[s]["ratio"][r["k"]] for s in _SERIES)] for r in rows]))
     out.print("holds (ratio(k) <= 1.1 × max ratio over 2G..8G, for every k > 8G): " +
-              ", ".join(f"{s} {c[s]['holds']}" for s in ("flat", "bounded_round", "bounded_to_mix", "hierarchical")))
+              ", ".join(f"{s} {c[s]['holds']}" for s in _SERIES))
+    out.print(table(f"cells (G = {a.cell_size}): the plan net/hierarchy.py makes",
+                    ["k", "plan", "cells C", "shards S", "largest cell", "C > G", "peers/member",
+                     "(fragment bytes only)", "digest B/region across"],
+                    [[r["k"], r["cells"]["extra"]["plan"], r["cells"]["extra"]["cells"], r["cells"]["extra"]["shards"],
+                      r["cells"]["extra"]["cell_size_max"], r["cells"]["extra"].get("carriers_over_G", False),
+                      r["cells"]["peers_per_peer"], r["cells"]["extra"].get("peers_max_without_digests", "-"),
+                      r["cells"]["extra"]["digest_bytes_per_region"]] for r in rows]))
+    out.print(f"model limit: the product does not recurse, so for k > G² = {a.cell_size ** 2} (or C > G with many "
+              "regions) step 2 is a butterfly of more than G carriers; the model runs it as one "
+              f"({'reached at k = ' + ', '.join(str(r['k']) for r in over) if over else 'not reached here'}).")
     gc = payload["grouping_cost"]
     out.print(f"split_groups over {gc['k']} members: {gc['split_groups_ms']:.2f} ms; group_of {gc['group_of_ms']:.2f} ms")
     try:
@@ -217,27 +239,29 @@ def main() -> None:
         out.print(f"no plot: {e}")
 
 
-_COLUMNS = ["k", "flat s", "bounded s", "(mean group)", "hier s", "MiB/peer flat", "bounded", "hier",
-            "cross MiB/region flat", "bounded", "hier", "streams/peer flat", "bounded", "hier", "buffers MiB",
-            "mix rounds"]
+_SERIES = ("flat", "bounded_round", "bounded_to_mix", "hierarchical", "cells")
+_COLUMNS = ["k", "flat s", "bounded s", "(mean group)", "hier s", "cells s", "MiB/peer flat", "bounded", "hier",
+            "cells", "cross MiB/region flat", "bounded", "hier", "cells", "streams/peer flat", "bounded", "hier",
+            "cells", "peers/peer flat", "bounded", "hier", "cells", "buffers MiB", "mix rounds"]
 
 
 def _title(a: argparse.Namespace) -> str:
     return (f"one round of a {a.fragment_mib:g} MiB fragment: {a.regions} regions, G={a.group_size}, "
-            f"{a.trials} trials (model)")
+            f"cells of ≤ {a.cell_size}, {a.trials} trials (model)")
 
 
 def _row(r: dict[str, Any]) -> list[Any]:
-    f, b, h = r["flat"], r["bounded"], r["hierarchical"]
+    f, b, h, c = r["flat"], r["bounded"], r["hierarchical"], r["cells"]
     mib = 2**20
-    return [r["k"], f["round_seconds"], b["round_seconds"], b["group_seconds"], h["round_seconds"],
-            f["bytes_sent_per_peer"] / mib, b["bytes_sent_per_peer"] / mib, h["bytes_sent_per_peer"] / mib,
-            f["inter_bytes_per_region"] / mib, b["inter_bytes_per_region"] / mib, h["inter_bytes_per_region"] / mib,
-            f["streams_per_peer"], b["streams_per_peer"], h["streams_per_peer"],
-            max(f["buffer_bytes"], b["buffer_bytes"], h["buffer_bytes"]) / mib, r["mix_rounds"]]
+    four = (f, b, h, c)
+    return [r["k"], f["round_seconds"], b["round_seconds"], b["group_seconds"], h["round_seconds"], c["round_seconds"],
+            *(x["bytes_sent_per_peer"] / mib for x in four), *(x["inter_bytes_per_region"] / mib for x in four),
+            *(x["streams_per_peer"] for x in four), *(x["peers_per_peer"] for x in four),
+            max(x["buffer_bytes"] for x in four) / mib, r["mix_rounds"]]
 
 
-_COLOR = {"flat": "tab:blue", "bounded": "tab:orange", "hierarchical": "tab:green"}
+_COLOR = {"flat": "tab:blue", "bounded": "tab:orange", "hierarchical": "tab:green", "cells": "tab:red"}
+_STYLES = (("flat", "o-"), ("bounded", "s-"), ("hierarchical", "^-"), ("cells", "D-"))
 
 
 def _plot(rows: list[dict[str, Any]], c: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
@@ -247,7 +271,7 @@ def _plot(rows: list[dict[str, Any]], c: dict[str, Any], a: argparse.Namespace, 
     ks = [r["k"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     ax = axes[0][0]
-    for name, style in (("flat", "o-"), ("bounded", "s-"), ("hierarchical", "^-")):
+    for name, style in _STYLES:
         ax.plot(ks, [r[name]["round_seconds"] for r in rows], style, color=_COLOR[name], label=name)
     ax.plot(ks, [r["bounded"]["group_seconds"] for r in rows], "s--", color=_COLOR["bounded"],
             label="bounded (mean group)")
@@ -256,7 +280,7 @@ def _plot(rows: list[dict[str, Any]], c: dict[str, Any], a: argparse.Namespace, 
     ax.set_title("round time, seconds (model)")
     ax.set_yscale("log")
     ax = axes[0][1]
-    for name, style in (("flat", "o-"), ("bounded", "s-"), ("hierarchical", "^-")):
+    for name, style in _STYLES:
         ax.plot(ks, [r[name]["inter_bytes_per_region"] / 2**20 for r in rows], style, color=_COLOR[name],
                 label=f"{name}: cross/region")
         ax.plot(ks, [r[name]["bytes_sent_per_peer"] / 2**20 for r in rows], style.replace("-", "--"),
@@ -264,19 +288,23 @@ def _plot(rows: list[dict[str, Any]], c: dict[str, Any], a: argparse.Namespace, 
     ax.set_yscale("log")
     ax.set_title("MiB per round")
     ax = axes[1][0]
-    for name, style in (("flat", "o-"), ("bounded", "s-"), ("hierarchical", "^-")):
-        ax.plot(ks, [r[name]["streams_per_peer"] for r in rows], style, color=_COLOR[name], label=name)
+    for name, style in _STYLES:
+        ax.plot(ks, [r[name]["streams_per_peer"] for r in rows], style, color=_COLOR[name], label=f"{name}: streams")
+        ax.plot(ks, [r[name]["peers_per_peer"] for r in rows], style.replace("-", ":"), color=_COLOR[name],
+                label=f"{name}: distinct peers")
     ax.set_yscale("log")
-    ax.set_title("streams per peer per round")
+    ax.set_title("streams and distinct peers per peer per round")
     ax = axes[1][1]
-    for name, style in (("flat", "o-"), ("bounded_round", "s-"), ("bounded_to_mix", "s:"), ("hierarchical", "^-")):
+    for name, style in (("flat", "o-"), ("bounded_round", "s-"), ("bounded_to_mix", "s:"), ("hierarchical", "^-"),
+                        ("cells", "D-")):
         ax.plot(ks, [c[name]["ratio"][k] for k in ks], style, color=_COLOR[name.split("_")[0]], label=name)
     ax.set_title(f"T(k) / (T_G · log2 k), T_G = {c['per_group_seconds']:.2f} s")
     for ax in axes.flat:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("peers k")
         ax.legend(fontsize=7)
-    fig.suptitle(f"protocol model: F = {a.fragment_mib:g} MiB, {a.regions} regions, G = {a.group_size}")
+    fig.suptitle(f"protocol model: F = {a.fragment_mib:g} MiB, {a.regions} regions, G = {a.group_size} "
+                 f"(bounded), cells of ≤ {a.cell_size} (what the product runs)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

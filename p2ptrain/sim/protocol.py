@@ -1,11 +1,12 @@
 """A protocol-only model of one fragment round among k peers: time, bytes, streams, buffers, no tensors.
 
 For the scale benchmark (bench/scale_protocol.py) to 1024 peers and beyond, which no machine here runs
-for real. Three ways to average one fragment of F bytes:
+for real. Four ways to average one fragment of F bytes:
 
-* **flat**: one butterfly over all k peers (today's round). Reduce-scatter: every peer sends each other
-  peer its 1/k slice ((k−1)/k·F out, the same in); all-gather: every part's owner sends its average to
-  the k−1 others (again (k−1)/k·F). 2(k−1) streams per peer, k(k−1) per phase in the swarm.
+* **flat**: one butterfly over all k peers (the round with ``--flat-rounds``, or of a single cell).
+  Reduce-scatter: every peer sends each other peer its 1/k slice ((k−1)/k·F out, the same in); all-gather:
+  every part's owner sends its average to the k−1 others (again (k−1)/k·F). 2(k−1) streams per peer,
+  k(k−1) per phase in the swarm.
 * **bounded**: the members split into groups of at most G (algo/grouping.split_groups, new each round),
   each a flat butterfly of its own, run in parallel. One round averages within groups only: it takes
   several rounds to mix (measured on scalars by :func:`rounds_to_mix`, the real split_groups).
@@ -13,6 +14,21 @@ for real. Three ways to average one fragment of F bytes:
   across regions: member s of every region all-reduces shard s with its R−1 counterparts (a butterfly of
   R over F/n, so every member carries 1/n of its region's cross bytes, 2(R−1)/R·F per region); inside
   each region: all-gather. With n = 1 it is the flat butterfly of the R region members.
+* **cells** (what the product runs, p2ptrain/net/hierarchy.py, ``--max-group`` G, default 32): the real
+  :func:`~p2ptrain.net.hierarchy.cells_of` / :func:`~p2ptrain.net.hierarchy.plan_for` put the members in
+  cells (a region's members; a region of more than G split into balanced cells of ≤ G by split_groups,
+  new each round). Step 1: each cell's n_c members all-reduce the whole fragment (a flat butterfly of F);
+  step 2: F is cut into S shards (S = the largest cell), shard s all-reduced by its C carriers (one per
+  cell: a butterfly of C over F/S; a member carrying several shards runs them at once on its one link);
+  step 3: every member fetches each shard it did not carry from its cell's carrier (F·(1 − carried/S) in
+  over the intra link, the carrier serving n_c − 1 members), checks it against the 64-byte digest of a
+  carrier of another cell (a round trip, cross-region when that cell is in another region; the witness is
+  picked as the product does, and answers its requests one after another) and asks its carrier whether it
+  was outvoted (one more intra round trip). One round gives every member the exact swarm mean: no rounds to
+  mix. When plan_for declines (one cell, or no cell of two) the product runs the flat butterfly, and so does
+  the model. The product does not recurse: for C > G (k > G² in one region) step 2 is a butterfly of more
+  than G carriers, and the model runs it as such. A vanished carrier's shard is fetched, after the product's
+  2 s wait for a silent carrier, from the first other carrier of that shard.
 
 Time of one butterfly phase at peer i (a message to every other member, sizes as above):
 ``latency + streams · stream_cost + max(intra_bytes / intra_bw, inter_bytes / inter_bw)``, with latency
@@ -36,16 +52,23 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from typing import Any
 
 from ..algo.grouping import average_within, split_groups
+from ..net.hierarchy import cells_of, plan_for
+from ..net.transport import Group
 
-__all__ = ["MIB", "LinkModel", "RoundModel", "bounded", "flat", "hierarchical", "log2_ratio", "mean_over_trials",
-           "peer_names", "ready_times", "region_of", "rounds_to_mix"]
+__all__ = ["DIGEST_BYTES", "MIB", "CellLayout", "LinkModel", "RoundModel", "bounded", "cell_layout", "cells",
+           "cells_group", "flat", "hierarchical", "log2_ratio", "mean_over_trials", "peer_names", "ready_times",
+           "region_of", "rounds_to_mix"]
 
 MIB = 2**20
+DIGEST_BYTES = 64  # a shard offer's sha256, hex (what a member fetches from another cell's carrier)
+SILENT_CARRIER_WAIT = 2.0  # seconds a member gives its cell's silent carrier once the witness answered (hierarchy.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +130,8 @@ class RoundModel:
     when groups do not wait for each other); bytes are payload sent per peer (received is the same);
     ``inter_bytes_per_region``: bytes a region sends to other regions in one round; ``buffer_bytes``: the
     largest per-peer buffers of a round (fragment snapshot + result being assembled + contributions to
-    the parts it owns)."""
+    the parts it owns); ``streams_per_peer``: the most messages (streams) a peer sends or opens in a round;
+    ``peers_per_peer``: the most distinct peers one peer exchanges with in a round."""
 
     scheme: str
     k: int
@@ -123,6 +147,7 @@ class RoundModel:
     groups: int
     group_size_max: int
     extra: dict[str, Any] = field(default_factory=dict)
+    peers_per_peer: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -184,7 +209,12 @@ def _butterfly_seconds(ready: Sequence[float], ph: _Phase, link: LinkModel) -> f
     """End of a two-phase butterfly whose members start at ``ready`` (both phases move the same bytes):
     the reduce-scatter ends with the last message in, then every owner sends its average. A vanished
     member (ready = inf) is waited for until ``fail_wait`` after the first member started."""
-    live = [(t, s) for t, s in zip(ready, ph.seconds, strict=True) if math.isfinite(t)]
+    return _butterfly_end(ready, ph.seconds, link)
+
+
+def _butterfly_end(ready: Sequence[float], seconds: Sequence[float], link: LinkModel) -> float:
+    """:func:`_butterfly_seconds` with each member's phase time given."""
+    live = [(t, s) for t, s in zip(ready, seconds, strict=True) if math.isfinite(t)]
     if not live:
         return math.nan
     if len(ready) == 1:
@@ -192,7 +222,7 @@ def _butterfly_seconds(ready: Sequence[float], ph: _Phase, link: LinkModel) -> f
     rs_end = max(t + s for t, s in live)
     if len(live) < len(ready):
         rs_end = max(rs_end, min(t for t, _ in live) + link.fail_wait)
-    return rs_end + max(ph.seconds)
+    return rs_end + max(seconds)
 
 
 def _inter_per_region(k: int, inter: Sequence[float], link: LinkModel) -> float:
@@ -236,7 +266,7 @@ def bounded(k: int, max_size: int, link: LinkModel, ready: Sequence[float], *, s
     return RoundModel(scheme, k, max(times) - start, statistics.fmean(times) - start, statistics.fmean(sent),
                       max(sent), statistics.fmean(inter), _inter_per_region(k, inter, link), streams,
                       sum(2 * (len(g) - 1) * len(g) for g in groups), buffers, len(groups),
-                      max(len(g) for g in groups))
+                      max(len(g) for g in groups), peers_per_peer=max(len(g) for g in groups) - 1)
 
 
 def hierarchical(k: int, link: LinkModel, ready: Sequence[float]) -> RoundModel:
@@ -281,7 +311,205 @@ def hierarchical(k: int, link: LinkModel, ready: Sequence[float]) -> RoundModel:
     total_streams = sum(2 * (len(v) - 1) * len(v) for v in members.values()) + 2 * (R - 1) * k
     return RoundModel("hierarchical", k, end - t0, end - t0, statistics.fmean(sent), max(sent),
                       statistics.fmean(inter), _inter_per_region(k, inter, link), streams, total_streams, buffers,
-                      R, max(len(v) for v in members.values()), {"regions": R})
+                      R, max(len(v) for v in members.values()), {"regions": R},
+                      peers_per_peer=max(len(v) for v in members.values()) - 1 + R - 1)
+
+
+@dataclass(frozen=True)
+class CellLayout:
+    """One round's cells and carriers as the product plans them (net/hierarchy.py), by peer index.
+
+    ``cells[c]``: the sorted members of cell c; ``cell_of[i]``: peer i's cell; ``shards``: S;
+    ``carriers[s]``: shard s's carriers, one per cell (the step-2 group); ``holder[c][s]``: cell c's carrier
+    of shard s; ``carried[i]``: the shards peer i carries; ``witness[i]``: for each shard peer i fetches
+    (shard, the carrier of another cell it asks for the digest); ``peers[i]``: every peer i exchanges with
+    in the round (its cell, its shards' other carriers, the witnesses it asks and the members asking it);
+    ``data_peers``: the most peers one exchanges fragment bytes with (its cell and its shards' carriers)."""
+
+    cells: tuple[tuple[int, ...], ...]
+    cell_of: tuple[int, ...]
+    shards: int
+    carriers: tuple[tuple[int, ...], ...]
+    holder: tuple[tuple[int, ...], ...]
+    carried: tuple[tuple[int, ...], ...]
+    witness: tuple[tuple[tuple[int, int], ...], ...]
+    peers: tuple[frozenset[int], ...]
+    data_peers: int
+
+
+def cells_group(k: int, regions: int, key: str) -> Group:
+    """The round's :class:`~p2ptrain.net.transport.Group` of the model's k peers (peer i in region i mod R;
+    no region labels for one region)."""
+    names = peer_names(k)
+    labels = tuple(f"region{i % regions}" for i in range(k)) if regions > 1 else ()
+    return Group(key, tuple(names), min(names), 0, regions=labels)
+
+
+@lru_cache(maxsize=64)
+def cell_layout(k: int, regions: int, max_group: int, key: str) -> CellLayout | None:
+    """The cells of a round of ``k`` peers in ``regions`` regions with round key ``key``, from the product's
+    own :func:`cells_of` and :func:`plan_for` (None where plan_for declines: the product then runs the flat
+    butterfly). The digest witness is picked as hierarchy._shard_bytes does."""
+    group = cells_group(k, regions, key)
+    names = group.members
+    plan = plan_for(group, names[0], max_group)
+    if plan is None:
+        return None
+    index = {n: i for i, n in enumerate(names)}
+    cells = tuple(tuple(index[m] for m in ms) for _, ms in cells_of(group, max_group))
+    cell_of = [0] * k
+    for c, idx in enumerate(cells):
+        for i in idx:
+            cell_of[i] = c
+    S = plan.shards
+    carriers = tuple(tuple(index[m] for m in plan.carriers[s]) for s in range(S))
+    holder = [[0] * S for _ in cells]
+    carried: list[list[int]] = [[] for _ in range(k)]
+    for s, cs in enumerate(carriers):
+        for i in cs:  # one carrier per cell
+            holder[cell_of[i]][s] = i
+            carried[i].append(s)
+    peers: list[set[int]] = [set(cells[cell_of[i]]) - {i} for i in range(k)]
+    witness: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    others = [[[x for x in carriers[s] if x != holder[c][s]] for s in range(S)] for c in range(len(cells))]
+    for i in range(k):
+        for s in carried[i]:
+            peers[i].update(carriers[s])
+        peers[i].discard(i)
+    data_peers = max(len(p) for p in peers)  # before the digests: the cell and the shards' carriers
+    for i in range(k):
+        mine, crc, candidates = set(carried[i]), zlib.crc32(names[i].encode()), others[cell_of[i]]
+        for s in range(S):
+            if s not in mine:
+                w = candidates[s][crc % len(candidates[s])]
+                witness[i].append((s, w))
+                peers[i].add(w)
+                peers[w].add(i)
+    return CellLayout(cells, tuple(cell_of), S, carriers, tuple(tuple(h) for h in holder),
+                      tuple(tuple(c) for c in carried), tuple(tuple(w) for w in witness),
+                      tuple(frozenset(p) for p in peers), data_peers)
+
+
+def cells(k: int, max_group: int, link: LinkModel, ready: Sequence[float], *, seed: str) -> RoundModel:
+    """The product's round (net/hierarchy.py): cells of at most ``max_group`` (G), the round key ``seed``.
+    See the module docstring for the three steps and what is timed."""
+    lay = cell_layout(k, link.regions, max_group, seed)
+    if lay is None:  # plan_for declines: the product runs the flat butterfly
+        r = flat(k, link, ready)
+        return replace(r, scheme="cells", extra={"plan": "flat", "cells": 1, "carriers": 0, "shards": 1,
+                                                 "cell_size_max": k, "digest_bytes_per_region": 0.0})
+    F, S, C = link.fragment_bytes, lay.shards, len(lay.cells)
+    reg = [region_of(i, link) for i in range(k)]
+    sent, inter = [0.0] * k, [0.0] * k
+    streams = [0] * k
+    buffers = 0.0
+    # Step 1: every cell all-reduces F (a flat butterfly inside one region).
+    end1 = [0.0] * len(lay.cells)
+    for c, idx in enumerate(lay.cells):
+        n = len(idx)
+        if n == 1:
+            end1[c] = ready[idx[0]]
+            continue
+        ph = _phase([reg[i] for i in idx], F, link)
+        t = _butterfly_seconds([ready[i] for i in idx], ph, link)
+        end1[c] = math.inf if math.isnan(t) else t
+        for j, i in enumerate(idx):
+            sent[i] += 2 * (ph.intra[j] + ph.inter[j])
+            inter[i] += 2 * ph.inter[j]
+            streams[i] += 2 * ph.streams
+        buffers = max(buffers, 2 * F + (n - 1) * F / n)
+    # Step 2: per shard a butterfly of the C carriers over F/S; a member runs its shards at once on its link.
+    part = F / S / C
+    same_region = {s: {r: sum(1 for c in cs if reg[c] == r) for r in set(reg[c] for c in cs)}
+                   for s, cs in enumerate(lay.carriers)}
+    a2, b2 = [0.0] * k, [0.0] * k  # one phase's bytes to the own / other regions
+    for i in range(k):
+        for s in lay.carried[i]:
+            same = same_region[s][reg[i]] - 1
+            a2[i] += same * part
+            b2[i] += (C - 1 - same) * part
+    cross2: dict[int, float] = {}
+    for i in range(k):
+        cross2[reg[i]] = cross2.get(reg[i], 0.0) + b2[i]
+    secs2 = [0.0] * k
+    for i in range(k):
+        m = len(lay.carried[i])
+        if m == 0:
+            continue
+        latency = link.inter_latency if b2[i] > 0 else link.intra_latency
+        wire = max(8 * a2[i] / link.intra_bandwidth, 8 * b2[i] / link.inter_bandwidth)
+        if link.region_bandwidth is not None:
+            wire = max(wire, 8 * cross2[reg[i]] / link.region_bandwidth)
+        secs2[i] = latency + m * (C - 1) * link.stream_cost + wire
+        sent[i] += 2 * (a2[i] + b2[i])
+        inter[i] += 2 * b2[i]
+        streams[i] += 2 * m * (C - 1)
+    end2 = []
+    for cs in lay.carriers:  # a carrier starts its shards when its cell's step 1 ends
+        starts = [end1[lay.cell_of[c]] if math.isfinite(ready[c]) else math.inf for c in cs]
+        t = _butterfly_end(starts, [secs2[c] for c in cs], link)
+        end2.append(math.inf if math.isnan(t) else t)
+    # Step 3: fetch the other shards from the cell's carrier (who serves n_c − 1 members), the digest from
+    # a carrier of another cell (who answers its requests one after another), then the carrier's "outvoted?".
+    asked = [0] * k
+    digest_cross: dict[int, float] = {}
+    for i in range(k):
+        for _, w in lay.witness[i]:
+            asked[w] += 1
+            if reg[w] != reg[i]:
+                digest_cross[reg[w]] = digest_cross.get(reg[w], 0.0) + DIGEST_BYTES
+    serve = [0.0] * k  # a carrier's time to serve its shards to its cell
+    for idx in lay.cells:
+        n = len(idx)
+        for i in idx:
+            out = len(lay.carried[i]) * F / S * (n - 1)
+            sent[i] += out
+            serve[i] = 2 * len(lay.carried[i]) * (n - 1) * link.stream_cost + 8 * out / link.intra_bandwidth
+    ends = []
+    for i in range(k):
+        if not math.isfinite(ready[i]):
+            continue
+        c = lay.cell_of[i]
+        own = max((end2[s] for s in lay.carried[i]), default=end1[c])
+        fetched = lay.witness[i]
+        streams[i] += 3 * len(fetched)
+        if not fetched:
+            ends.append(own)
+            continue
+        start = max(own, *(end2[s] for s, _ in fetched))
+        in_intra = in_inter = 0.0
+        fetch_lat, holder_time, digest_time, wait = 0.0, 0.0, 0.0, 0.0
+        for s, w in fetched:
+            h = lay.holder[c][s]
+            if not math.isfinite(ready[h]):  # silent carrier: the first other carrier of s, after a wait
+                wait = SILENT_CARRIER_WAIT
+                h = next((x for x in lay.carriers[s] if x != h and math.isfinite(ready[x])), h)
+            else:
+                holder_time = max(holder_time, serve[h])
+            if reg[h] == reg[i]:
+                in_intra += F / S
+                fetch_lat = max(fetch_lat, 2 * link.intra_latency)
+            else:
+                in_inter += F / S
+                fetch_lat = max(fetch_lat, 2 * link.inter_latency)
+            lat = link.inter_latency if reg[w] != reg[i] else link.intra_latency
+            digest_time = max(digest_time, 2 * lat + asked[w] * link.stream_cost)
+        wire = max(8 * in_intra / link.intra_bandwidth, 8 * in_inter / link.inter_bandwidth, holder_time)
+        step3 = 3 * len(fetched) * link.stream_cost + max(fetch_lat + wire, digest_time) + wait \
+            + 2 * link.intra_latency
+        ends.append(start + step3)
+        buffers = max(buffers, 3 * F + len(lay.carried[i]) * F / S)  # snapshot, cell mean, result, offers
+    ends = [t for t in ends if math.isfinite(t)]
+    t0 = min(ready)
+    end = max(ends) - t0 if ends else math.nan
+    sizes = [len(idx) for idx in lay.cells]
+    extra = {"plan": "cells", "cells": C, "carriers": C, "shards": S, "cell_size_max": max(sizes),
+             "carriers_over_G": C > max_group,
+             "digest_bytes_per_region": max(digest_cross.values(), default=0.0),
+             "peers_max_without_digests": lay.data_peers}
+    return RoundModel("cells", k, end, end, statistics.fmean(sent), max(sent), statistics.fmean(inter),
+                      _inter_per_region(k, inter, link), max(streams), sum(streams), buffers, C,
+                      max(max(sizes), C), extra, peers_per_peer=max(len(p) for p in lay.peers))
 
 
 def rounds_to_mix(k: int, max_size: int, *, tol: float = 1e-3, trials: int = 3, seed: int = 0,
@@ -315,8 +543,13 @@ def mean_over_trials(rows: Sequence[RoundModel]) -> RoundModel:
         setattr(out, name, statistics.fmean(getattr(r, name) for r in rows))
     for name in ("bytes_sent_max", "inter_bytes_per_region", "buffer_bytes"):
         setattr(out, name, max(getattr(r, name) for r in rows))
+    for name in ("streams_per_peer", "peers_per_peer", "group_size_max"):
+        setattr(out, name, max(getattr(r, name) for r in rows))
     out.extra = {**first.extra, "round_seconds_max": max(r.round_seconds for r in rows),
                  "trials": len(rows)}
+    for name in ("cells", "carriers", "shards", "cell_size_max"):
+        if name in first.extra:
+            out.extra[name] = max(r.extra[name] for r in rows)
     return out
 
 

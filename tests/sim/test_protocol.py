@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
+import zlib
 
 import pytest
 
+from p2ptrain.net.hierarchy import plan_for
 from p2ptrain.sim.loopback import loopback_round, memory_swarm_bytes
 from p2ptrain.sim.protocol import (
     MIB,
     LinkModel,
     bounded,
+    cell_layout,
+    cells,
+    cells_group,
     flat,
     hierarchical,
     mean_over_trials,
@@ -104,6 +110,88 @@ def test_model_bytes_match_the_real_butterfly(k: int) -> None:
         assert real.payload_sent == [model.bytes_sent_per_peer] * k
         assert real.messages_sent == [model.streams_per_peer] * k
     assert asyncio.run(memory_swarm_bytes(k, numel)) == [model.bytes_sent_per_peer] * k
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_cells_cross_one_fragment_share_per_region(R: int) -> None:
+    """R regions of 3 peers (cells = regions, S = 3 shards, one carrier per shard and region): a region
+    sends 2(R−1)/R·F across (F for R = 2), as the hierarchical scheme; by hand, a member sends its cell's
+    butterfly (2·2/3·F), its shard's butterfly of R (2(R−1)/R·F/3) and its shard to its 2 cell mates."""
+    k = 3 * R
+    link = LinkModel(fragment_bytes=F, regions=R, jitter_scale=0.0)
+    c, h = cells(k, 32, link, [0.0] * k, seed="r"), hierarchical(k, link, [0.0] * k)
+    assert c.extra["plan"] == "cells" and c.extra["cells"] == R and c.extra["shards"] == 3
+    assert c.inter_bytes_per_region == pytest.approx(F * 2 * (R - 1) / R) == h.inter_bytes_per_region
+    assert c.bytes_sent_per_peer == pytest.approx(2 * 2 / 3 * F + 2 * (R - 1) / R * F / 3 + 2 * F / 3)
+    assert c.extra["digest_bytes_per_region"] == 3 * 2 * 64  # 3 members × 2 fetched shards, 64 B from abroad
+    assert math.isfinite(c.round_seconds) and c.round_seconds > 0
+
+
+def test_cells_layout_is_the_products_plan_and_bounds_the_peers() -> None:
+    """One region of k = 10, G = 4: cells of 4, 3, 3 (C = 3), S = 4 shards. The model's layout is what
+    plan_for gives each member; the peers a member exchanges with, derived here from each member's own plan:
+    fragment bytes with its cell mates and its shards' other carriers, at most (G − 1) + ⌈S / n_min⌉·(C − 1)
+    (here 5 of that bound's 7); counting the 64-byte digests (a witness in another cell per fetched shard,
+    and the members asking it) every member of this small swarm meets all 9 others."""
+    k, G = 10, 4
+    link = LinkModel(fragment_bytes=F, regions=1, jitter_scale=0.0)
+    lay = cell_layout(k, 1, G, "r")
+    group = cells_group(k, 1, "r")
+    names = group.members
+    assert lay is not None and sorted(len(c) for c in lay.cells) == [3, 3, 4] and lay.shards == 4
+    data: dict[str, set[str]] = {}
+    full: dict[str, set[str]] = {}
+    for i, me in enumerate(names):
+        plan = plan_for(group, me, G)
+        assert plan is not None and plan.local.members == tuple(names[j] for j in lay.cells[lay.cell_of[i]])
+        assert plan.carried == lay.carried[i]
+        assert all(tuple(names[j] for j in lay.carriers[s]) == plan.carriers[s] for s in range(plan.shards))
+        data[me] = (set(plan.local.members) | {c for s in plan.carried for c in plan.carriers[s]}) - {me}
+        full.setdefault(me, set()).update(data[me])
+        for s in range(plan.shards):
+            if s not in plan.carried:
+                others = [c for c in plan.carriers[s] if c != plan.holder[s]]
+                w = others[zlib.crc32(me.encode()) % len(others)]
+                full[me].add(w)
+                full.setdefault(w, set()).add(me)
+    C, S, n_min = len(lay.cells), lay.shards, min(len(c) for c in lay.cells)
+    r = cells(k, G, link, [0.0] * k, seed="r")
+    assert r.extra["peers_max_without_digests"] == max(len(v) for v in data.values()) == 5
+    assert max(len(v) for v in data.values()) <= (G - 1) + -(-S // n_min) * (C - 1) == 7
+    assert r.peers_per_peer == max(len(v) for v in full.values()) == k - 1
+    assert r.group_size_max == max(G, C) and not r.extra["carriers_over_G"]
+    assert r.inter_bytes_per_region == 0  # one region: nothing crosses
+
+
+def test_cells_more_carriers_than_G_are_flagged() -> None:
+    """k = 20 in one region, G = 4: 5 cells, so step 2 is a butterfly of 5 carriers > G (k > G²)."""
+    r = cells(20, 4, LinkModel(fragment_bytes=F, regions=1, jitter_scale=0.0), [0.0] * 20, seed="r")
+    assert r.extra["carriers"] == 5 and r.extra["carriers_over_G"] and r.group_size_max == 5
+
+
+@pytest.mark.parametrize("k,R", [(8, 1), (32, 1), (4, 4)])
+def test_cells_of_a_single_cell_is_the_flat_butterfly(k: int, R: int) -> None:
+    """One cell (k ≤ G in one region), or no cell of two (one peer a region): plan_for declines and the
+    product runs the flat butterfly; so does the model, bytes, streams and time alike."""
+    link = LinkModel(fragment_bytes=F, regions=R, jitter_scale=0.0)
+    assert cell_layout(k, R, 32, "r") is None
+    c, f = cells(k, 32, link, [0.0] * k, seed="r"), flat(k, link, [0.0] * k)
+    assert c.bytes_sent_per_peer == f.bytes_sent_per_peer == 2 * (k - 1) / k * F
+    assert c.streams_per_peer == f.streams_per_peer and c.peers_per_peer == f.peers_per_peer == k - 1
+    assert c.round_seconds == f.round_seconds and c.extra["plan"] == "flat"
+
+
+def test_cells_at_1024_cross_once_per_cell() -> None:
+    """Defaults (4 regions of 256), G = 32: 8 cells a region, C = 32 carriers; every cell's carriers send
+    2(C − 8)/C·F to other regions (the other 24 cells are abroad), 8 × 1.5F a region against the
+    hierarchical scheme's 1.5F; fragment bytes with at most 31 cell mates + 31 carriers."""
+    link = LinkModel(fragment_bytes=F)
+    ready = ready_times(1024, link, random.Random(0))
+    c, h = cells(1024, 32, link, ready, seed="r"), hierarchical(1024, link, ready)
+    assert c.extra["cells"] == 32 and c.extra["shards"] == 32 and not c.extra["carriers_over_G"]
+    assert c.inter_bytes_per_region == pytest.approx(8 * 1.5 * F) and h.inter_bytes_per_region == pytest.approx(1.5 * F)
+    assert c.extra["peers_max_without_digests"] == 62
+    assert c.round_seconds < flat(1024, link, ready).round_seconds
 
 
 def test_link_model_checks() -> None:
