@@ -80,7 +80,7 @@ class SwarmLink:
                 log.info("event=heartbeat_failed what=%s reason=%s", what, str(e) or type(e).__name__)
                 return None
 
-        async def look() -> None:
+        async def look() -> None:  # (bounded() swallows what the DHT raises: the TaskGroup never sees it fail)
             live = await bounded("peers", transport.peers())
             if live is not None:
                 on_live(len(live))
@@ -88,18 +88,14 @@ class SwarmLink:
                 await bounded("pacing", transport.publish_meta({"step_seconds": self.step_seconds,
                                                                 "since": self.pacing_since}))
 
-        side: asyncio.Task[None] | None = None
-        try:
+        async with asyncio.TaskGroup() as tg:  # owns the side look; cancelled with the heartbeat
+            side: asyncio.Task[None] | None = None
             while True:
                 t0 = loop.time()
                 await bounded("announce", transport.announce(info()))
                 if side is None or side.done():
-                    side = asyncio.ensure_future(look())
+                    side = tg.create_task(look())
                 await asyncio.sleep(max(0.0, self.cfg.heartbeat - (loop.time() - t0)))
-        finally:
-            if side is not None:
-                side.cancel()
-                await asyncio.gather(side, return_exceptions=True)
 
     def announce_now(self, info: PeerInfo) -> None:
         assert self.transport is not None

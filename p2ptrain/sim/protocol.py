@@ -3,6 +3,9 @@
 For the scale benchmark (bench/scale_protocol.py) to 1024 peers and beyond, which no machine here runs
 for real. Four ways to average one fragment of F bytes:
 
+Why it is long: the four schemes share one link and straggler model and one report; split apart, each
+would carry a copy of the per-step timing it shares with the others.
+
 * **flat**: one butterfly over all k peers (the round with ``--flat-rounds``, or of a single cell).
   Reduce-scatter: every peer sends each other peer its 1/k slice ((k−1)/k·F out, the same in); all-gather:
   every part's owner sends its average to the k−1 others (again (k−1)/k·F). 2(k−1) streams per peer,
