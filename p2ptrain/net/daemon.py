@@ -42,8 +42,8 @@ async def dial(p2p: Any, peer: str, addrs: list[str], timeout: float = 5.0) -> N
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
-    await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in dialable(peer, addrs)]),
-                           timeout)
+    async with asyncio.timeout(timeout):  # (not wait_for: on 3.11 it can swallow a cancellation, see swarm.aclose)
+        await p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in dialable(peer, addrs)])
 
 
 @dataclass(kw_only=True)
