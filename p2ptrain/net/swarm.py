@@ -24,6 +24,10 @@ all-reduce (net/allreduce.py, with net/mailbox.py, net/chunks.py, net/parts.py).
 Every network wait has a timeout; background tasks belong to the transport's
 TaskGroup and end with :meth:`HivemindTransport.aclose`; an all-reduce's tasks
 belong to its run and end with it.
+
+Why it is long: it is the one class that implements the whole Transport contract on the real network
+(lifecycle, discovery, groups, all-reduce, state, meta, recontact); each part is a few lines that call
+into the modules above.
 """
 
 from __future__ import annotations
@@ -124,9 +128,7 @@ class HivemindTransport(Transport):
         self._stop.set()
         if self._runner is not None:
             self._runner.cancel()
-            # Bounded: on Python 3.11 a wait_for that finishes in the step it is cancelled swallows the
-            # cancellation, and a background loop could then outlive it; the node and the daemon are shut down
-            # whatever happens here (they were left running: bench/scale_net.py, 32 transports in a process).
+            # Bounded (3.11's wait_for can swallow a cancellation): the node and daemon go down regardless.
             done, _ = await asyncio.wait({self._runner}, timeout=10)
             if not done:
                 log.warning("event=transport_close status=background_tasks_still_running")
