@@ -827,8 +827,13 @@ def _markdown(payload: dict[str, Any]) -> str:
 
 
 def write_report(payload: dict[str, Any], out: Path) -> None:
-    """churn.md and churn.png next to ``out`` from its JSON payload."""
-    out.with_suffix(".md").write_text(_markdown(payload))
+    """churn.md and churn.png next to ``out`` from its JSON payload (sections written by hand between block markers,
+bench/md_blocks.py, are kept)."""
+    from bench.md_blocks import blocks
+
+    md = out.with_suffix(".md")
+    kept = blocks(md)
+    md.write_text(_markdown(payload) + "".join("\n" + b for b in kept.values()))
     _plot(payload, out.with_suffix(".png"))
 
 
