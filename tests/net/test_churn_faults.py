@@ -107,20 +107,23 @@ def _no_divergence(tmp: Path, names: list[str]) -> None:
         assert len(digests) == 1, f"θ differs after round {key}: {digests}"
 
 
+@pytest.mark.timeout(180)
 def test_a_frozen_peer_is_left_out_and_rejoins_after_sigcont(tmp_path: Path) -> None:
-    """SIGSTOP (peer and daemon) for 20 s: the others' rounds go on without it; after SIGCONT it applies
+    """SIGSTOP (peer and daemon): the others' rounds go on without it (waited for up to 60 s: its announcement
+    must expire first, and on a loaded machine that and the next rounds take a while); after SIGCONT it applies
     rounds with the same θ as theirs again."""
     names = ["a", "b", "c"]
     with _swarm(tmp_path, names) as procs:
         _wait(lambda: _agreeing_after(tmp_path, names, 0.0), 40, "a round all three applied")
         os.killpg(procs["c"].pid, signal.SIGSTOP)
         frozen = time.time()
-        time.sleep(20)
-        during = _agreeing_after(tmp_path, ["a", "b"], frozen + 8.0)  # past the rounds c was a member of
-        os.killpg(procs["c"].pid, signal.SIGCONT)
+        try:  # past the rounds c was a member of when it froze
+            _wait(lambda: len(_agreeing_after(tmp_path, ["a", "b"], frozen + 8.0)) >= 2, 60,
+                  "the others' rounds going on without the frozen peer")
+        finally:
+            os.killpg(procs["c"].pid, signal.SIGCONT)
         back = time.time()
-        assert len(during) >= 3, "the others' rounds did not go on without the frozen peer"
-        _wait(lambda: _agreeing_after(tmp_path, names, back + 2.0), 25, "the thawed peer applies rounds with the rest")
+        _wait(lambda: _agreeing_after(tmp_path, names, back + 2.0), 40, "the thawed peer applies rounds with the rest")
         assert all(p.poll() is None for p in procs.values())
     _no_divergence(tmp_path, ["a", "b"])
 
