@@ -42,6 +42,7 @@ __all__ = [
     "loss_at_step",
     "machine",
     "median",
+    "rss_mb",
     "rss_tree_mb",
     "run_swarm",
     "summarize",
@@ -147,6 +148,15 @@ def join_argv(method: str, *, preset: str, steps: int, batch_size: int, H: int, 
     return argv + list(extra)
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of one process, MB (0 once it is gone)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def rss_tree_mb(pid: int) -> float:
     """Resident memory of a process and all its descendants (a peer and its p2pd daemon), MB."""
     total, todo, seen = 0.0, [pid], set()
@@ -155,10 +165,8 @@ def rss_tree_mb(pid: int) -> float:
         if p in seen:
             continue
         seen.add(p)
+        total += rss_mb(p)
         with contextlib.suppress(OSError, ValueError):
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) / 1024
             for task in Path(f"/proc/{p}/task").iterdir():
                 with contextlib.suppress(OSError, ValueError):
                     todo += [int(c) for c in (task / "children").read_text().split()]

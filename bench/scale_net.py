@@ -52,7 +52,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import RESULTS, exit_on_sigterm, write_json
+from bench.harness import RESULTS, exit_on_sigterm, rss_mb, write_json
 
 __all__ = ["NetScaleConfig", "daemon_pids", "run_net", "run_net_sync"]
 
@@ -101,14 +101,6 @@ def daemon_pids(pid: int | None = None) -> list[int]:
     return sorted(found)
 
 
-def _rss_mb(pid: int) -> float:
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 @dataclass
 class _Memory:
     """Peak resident memory of this process and of the sum of its daemons, sampled."""
@@ -119,9 +111,9 @@ class _Memory:
     daemons: int = 0
 
     def sample(self) -> None:
-        py = _rss_mb(os.getpid())
+        py = rss_mb(os.getpid())
         pids = daemon_pids()
-        dm = sum(_rss_mb(p) for p in pids)
+        dm = sum(rss_mb(p) for p in pids)
         self.python_mb, self.daemons_mb = max(self.python_mb, py), max(self.daemons_mb, dm)
         self.total_mb, self.daemons = max(self.total_mb, py + dm), max(self.daemons, len(pids))
 
@@ -149,7 +141,7 @@ def _weight(i: int) -> float:
 
 async def _member(t: Any, cfg: NetScaleConfig, key: str, region: str, x: Any, w: float, codec: Any) -> dict[str, Any]:
     """One member's round: form the group, then the flat or the hierarchical all-reduce (as sync.RoundRunner)."""
-    from p2ptrain.net.hierarchy import hierarchical_allreduce, plan_for
+    from p2ptrain.net.hierarchy import allreduce, plan_for
     from p2ptrain.net.transport import JoinRequest
 
     t0 = time.monotonic()
@@ -160,10 +152,7 @@ async def _member(t: Any, cfg: NetScaleConfig, key: str, region: str, x: Any, w:
         rec |= {"group_seconds": time.monotonic() - t0, "members": len(group.members)}
         plan = plan_for(group, t.peer_id)
         rec["mode"] = "flat" if plan is None else "hierarchical"
-        if plan is None:
-            res = await t.allreduce(group, 0, [x], w, codec, timeout=cfg.round_timeout)
-        else:
-            res = await hierarchical_allreduce(t, group, plan, 0, [x], w, codec, timeout=cfg.round_timeout)
+        res = await allreduce(t, group, plan, 0, [x], w, codec, timeout=cfg.round_timeout)
     except Exception as e:  # RoundFailed, TimeoutError, a broken stream, or a bug: recorded, the round fails
         return rec | {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
     return rec | {"result": res, "seconds": time.monotonic() - t0, "reduce_seconds": res.seconds,
@@ -310,7 +299,7 @@ async def run_net(cfg: NetScaleConfig, on_round: Any = None) -> dict[str, Any]:
     before_daemons = daemon_pids()
     load_before = _load()
     mem = _Memory()
-    python_before = _rss_mb(os.getpid())
+    python_before = rss_mb(os.getpid())
     started: list[Any] = []
     rounds: list[dict[str, Any]] = []
     bg: list[asyncio.Task[None]] = [asyncio.create_task(mem.every(1.0))]
@@ -325,7 +314,7 @@ async def run_net(cfg: NetScaleConfig, on_round: Any = None) -> dict[str, Any]:
         summary["settle_seconds"] = await _settle(ts, cfg, regions)
         bg.append(asyncio.create_task(_heartbeat(ts, regions, cfg.ttl / 4)))
         mem.sample()
-        summary["idle_mb"] = {"python": _rss_mb(os.getpid()), "daemons": sum(_rss_mb(p) for p in daemon_pids())}
+        summary["idle_mb"] = {"python": rss_mb(os.getpid()), "daemons": sum(rss_mb(p) for p in daemon_pids())}
         for n in range(cfg.rounds):
             rec = await _round(ts, cfg, n, regions, codec)
             mem.sample()

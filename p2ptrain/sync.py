@@ -28,7 +28,7 @@ from .aio import new_event_loop
 from .algo.methods import Round
 from .collective.codecs import Codec
 from .net.bandwidth import ThroughputEMA
-from .net.hierarchy import hierarchical_allreduce, plan_for
+from .net.hierarchy import allreduce, plan_for
 from .net.transport import Decide, Group, JoinRequest, ReduceResult, RoundFailed, StateMismatch, Transport
 
 __all__ = ["NetLoop", "RoundRunner", "RoundStats", "fingerprint", "theta_digest"]
@@ -249,12 +249,8 @@ class RoundRunner:
                 timeout = self.timeout_for(payload, len(group.members if plan is None else plan.local.members))
                 fp = print_ if phase == 0 else None
                 try:
-                    if plan is None:
-                        res = await self.transport.allreduce(group, phase, payload, rnd.weight, self.codec,
-                                                             timeout=timeout, fingerprint=fp)
-                    else:
-                        res = await hierarchical_allreduce(self.transport, group, plan, phase, payload, rnd.weight,
-                                                           self.codec, timeout=timeout, fingerprint=fp)
+                    res = await allreduce(self.transport, group, plan, phase, payload, rnd.weight, self.codec,
+                                          timeout=timeout, fingerprint=fp)
                 except (RoundFailed, TimeoutError):
                     self._took(time.monotonic() - n0, timeout, late=True)
                     raise

@@ -51,7 +51,7 @@ from ..collective.butterfly import part_bounds
 from ..collective.codecs import Codec
 from .transport import Group, ReduceResult, RoundFailed, Transport
 
-__all__ = ["Plan", "cells_of", "hierarchical_allreduce", "plan_for"]
+__all__ = ["Plan", "allreduce", "cells_of", "hierarchical_allreduce", "plan_for"]
 
 log = logging.getLogger(__name__)
 
@@ -286,3 +286,13 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
                         verify_bytes=local.verify_bytes + sum(r.verify_bytes for r in crossed),
                         liars=tuple(sorted(set(local.liars) | {m for r in crossed for m in r.liars})),
                         timeline={**timeline, "assembled": time.monotonic() - t0})
+
+
+async def allreduce(transport: Transport, group: Group, plan: Plan | None, phase: int, tensors: Sequence[torch.Tensor],
+                    weight: float, codec: Codec, *, timeout: float,
+                    fingerprint: Sequence[float] | None = None) -> ReduceResult:
+    """A round's all-reduce: the flat butterfly when ``plan`` is None (see :func:`plan_for`), else cell by cell."""
+    if plan is None:
+        return await transport.allreduce(group, phase, tensors, weight, codec, timeout=timeout, fingerprint=fingerprint)
+    return await hierarchical_allreduce(transport, group, plan, phase, tensors, weight, codec, timeout=timeout,
+                                        fingerprint=fingerprint)

@@ -258,8 +258,7 @@ def test_cross_region_bytes_are_about_one_fragment_per_region(make: Make) -> Non
                 cross = sum(b for t, r in zip(ts, regions, strict=True) if r == region
                             for key, b in sent[t.peer_id] if "#s" in key)
                 assert 0.95 * frag <= cross <= 1.15 * frag, (region, cross / frag)  # headers and signatures
-            flat_cross_per_region = 3 * 3 * (frag / 6) * 2  # 3 members × 3 foreign owners × a part, out and back
-            assert flat_cross_per_region == 3 * frag
+            # (a flat butterfly of the six: 3 members × 3 foreign owners × a part of F/6, out and back = 3F a region)
 
     run(go())
 
