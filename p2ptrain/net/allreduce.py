@@ -390,22 +390,39 @@ class ButterflyRun:
             await self.box.wait(min(deadline, time.monotonic() + 0.5))
 
     async def _fetch_missing(self) -> None:
-        for j in range(len(self.members)):
-            if j in self.box.results:
+        """Ask for the parts whose results never came: their owner first (our send to it may have failed
+        while its result to us still goes through), then the other members. A member without the result
+        says whether it still expects it; while any does, ask again (until the relay deadline), so that a
+        member whose own send failed ends with the result every other member ends with."""
+        pause = 0.1
+        while missing := [j for j in range(len(self.members)) if j not in self.box.results]:
+            expected = await asyncio.gather(*(self._ask_for(j) for j in missing))
+            if not any(expected) or self._left(self.relays_at) <= 0:
+                return
+            await self.box.wait(min(self._until(self.relays_at), time.monotonic() + pause))
+            pause = min(1.0, pause * 2)
+
+    async def _ask_for(self, j: int) -> bool:
+        """One pass over the members for part ``j``'s result (filed if one has it); whether it is still
+        expected somewhere."""
+        owner = self.members[j]
+        expected = False
+        for other in [owner, *(m for m in self.members if m not in (owner, self.me_id))]:
+            if j in self.box.results or self._left(self.relays_at) <= 0:
+                return False
+            try:
+                reply, _ = await self.call(other, "getpart",
+                                           {"key": self.group.key, "phase": self.phase, "part": j, "owner": owner},
+                                           timeout=max(0.1, self._left(self.relays_at)))
+            except RoundFailed:
                 continue
-            for other in self.members:
-                if other in (self.me_id, self.members[j]) or self._left(self.relays_at) < 0:
-                    continue
-                try:
-                    reply, _ = await self.call(other, "getpart", {"key": self.group.key, "phase": self.phase, "part": j},
-                                               timeout=max(0.1, self._left(self.relays_at)))
-                except RoundFailed:
-                    continue
-                if isinstance(reply.get("result"), dict):
-                    relayed = {k: v for k, v in reply["result"].items()
-                               if not (isinstance(k, str) and k.startswith("_"))}
-                    self.box.results[j] = {**relayed, "_from": other}  # relayed by a member
-                    break
+            if isinstance(reply.get("result"), dict):
+                relayed = {k: v for k, v in reply["result"].items() if not (isinstance(k, str) and k.startswith("_"))}
+                self.box.results.setdefault(j, {**relayed, "_from": other})  # relayed (or pulled from its owner)
+                self.box.poke()
+                return False
+            expected |= reply.get("expects") is True
+        return expected
 
     # 5. verified aggregation
     async def _verify(self, tg: asyncio.TaskGroup) -> None:

@@ -223,10 +223,16 @@ class Mailboxes:
         return {"ok": True}
 
     async def relay(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
-        """A part's result we hold, for a member that missed it (as one message)."""
+        """A part's result we hold, for a member that missed it (as one message). Without it, whether we
+        still expect it (``expects``: our all-reduce of that phase has not ended and the part's ``owner``,
+        when named, is not unreachable for us): the asker then tries again rather than giving the part up."""
         box = self.boxes.get((str(msg["key"]), int(msg["phase"])))
         res = None if box is None else box.results.get(int(msg["part"]))
-        return {"result": wire_result(res)} if res is not None else {"error": "no such part here"}
+        if res is not None:
+            return {"result": wire_result(res)}
+        owner = msg.get("owner")
+        expects = box is not None and box.finished is None and owner not in box.unreachable
+        return {"error": "no such part here", "expects": expects}
 
     async def accept_check(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         """File a member's claims about its contributions (net/verify.py); the first one of a sender stays."""

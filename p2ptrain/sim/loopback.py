@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +52,11 @@ def _vectors(k: int, numel: int) -> list[torch.Tensor]:
 
 
 async def loopback_round(k: int, numel: int, *, codec: str = "fp32", chunk: int = 1 << 18,
-                         timeout: float = 30.0) -> LoopbackRound:
+                         timeout: float = 30.0, cut: Callable[[str, str, str], bool] | None = None) -> LoopbackRound:
     """All-reduce ``k`` random fp32 vectors of ``numel`` values through the real butterfly, members
-    ``peer00``…; RoundFailed if any member's run fails. Checks the result is the plain mean (fp32).
+    ``peer00``…; RoundFailed if any member's run fails. Checks the result is the plain mean (fp32), unless
+    ``cut(sender, receiver, kind)`` fails some calls (RoundFailed at the sender: a one-way link failure;
+    the caller checks what the members ended with).
     ValueError for a ``chunk`` below the smallest a swarm allows (MIN_CHUNK)."""
     if chunk < MIN_CHUNK:
         raise ValueError(f"chunk must be at least {MIN_CHUNK} values, got {chunk}")
@@ -73,6 +75,8 @@ async def loopback_round(k: int, numel: int, *, codec: str = "fp32", chunk: int 
                        "getpart": boxes[peer].relay}.get(kind)
             if handler is None:
                 raise RoundFailed(f"loopback: no handler for {kind!r}")
+            if cut is not None and cut(me, peer, kind):
+                raise RoundFailed(f"loopback: {kind} from {me} to {peer} cut")
             msg = dict(msg)
             msgs[me] += 1
             if isinstance(msg.get("data"), bytes):
@@ -111,7 +115,7 @@ async def loopback_round(k: int, numel: int, *, codec: str = "fp32", chunk: int 
         return await run.run()
 
     results = list(await asyncio.gather(*(one(i, m) for i, m in enumerate(members))))
-    if codec == "fp32":
+    if codec == "fp32" and cut is None:
         mean = torch.stack(flats).mean(0)
         for r in results:
             if not torch.allclose(r.tensors[0], mean, atol=1e-5):
