@@ -5,6 +5,12 @@ requests and closes the group once every live peer joined (checked again on a fr
 live) or the join window, counted from the first join, expired, whichever comes first. A group is
 closed once: a join that arrives later is refused, and a join that was still looking at who is live
 when another one closed the group takes that group instead of closing it again.
+
+Quorum: a group that holds no more than half of the peers its leader saw live when it closed averages
+nothing (every joiner gets RoundFailed, the progress stays in θ − θ_i). Two leaders whose views of who is
+live disagree can each close a group for one round key; both applying would fork θ, and two disjoint
+groups cannot each hold more than half of one view. A cut-off minority (a region partitioned away) waits
+instead of training a θ of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from .transport import Decide, Decision, Group, JoinRequest, RoundFailed, StateMismatch
 
 __all__ = ["Forming", "LiveView", "agreed_fragment", "alone_check", "close_group", "fingerprints_match", "leader_of",
-           "majority_fingerprint", "members_by_signature", "membership_check"]
+           "majority_fingerprint", "members_by_signature", "membership_check", "quorum_problem"]
 
 #: Who is live now (this peer included); ``fresh=True`` asks for a view read just now, not a cached one.
 LiveView = Callable[[bool], Awaitable[Collection[str]]]
@@ -39,6 +45,7 @@ class Forming:
         self.created = clock()
         self.closed = asyncio.Event()
         self.group: Group | None = None
+        self.refusal: str | None = None  # why the closed group averages nothing (no quorum), or None
 
     def join(self, request: JoinRequest, decide: Decide | None = None) -> None:
         """Record a join request (and the decision rule its peer offers, used if that peer closes as
@@ -58,16 +65,20 @@ class Forming:
         """Seconds until the join window (from the first join) expires; 0 once it has."""
         return max(0.0, self.first + self.window - self.clock())
 
-    def close(self, leader: str | None = None, *, drop: Collection[str] = ()) -> Group:
+    def close(self, leader: str | None = None, *, drop: Collection[str] = (),
+              live: Collection[str] | None = None) -> Group:
         """Close the group once (every later call returns the same group): the members of the most common
         signature among the requests not in ``drop``, led by ``leader`` (by default the smallest of them),
-        with the fragment they proposed or the one ``leader``'s decision rule picks."""
+        with the fragment they proposed or the one ``leader``'s decision rule picks. ``live``: who the
+        leader sees live as it closes; the group is refused (:attr:`refusal`) if it has no quorum of them."""
         if self.group is None:
             alive = {p: r for p, r in self.requests.items() if p not in drop}
             if leader is None:
                 members = members_by_signature(alive)
                 leader = leader_of(members) if members else ""
             self.group = close_group(self.key, alive, leader, self.decides.get(leader))
+            if live is not None:
+                self.refusal = quorum_problem(self.key, alive, set(live) - set(drop))
             self.closed.set()
         return self.group
 
@@ -75,7 +86,8 @@ class Forming:
                            deadline: float = math.inf, poll: float = math.inf) -> Group:
         """Wait for the group to close, closing it (see :meth:`close`) as soon as it is due: every live peer
         joined, the join window expired, or ``deadline`` (on ``clock``) passed. Who is live is looked at
-        again at least every ``poll`` seconds. Never waits past the window or the deadline."""
+        again at least every ``poll`` seconds. Never waits past the window or the deadline. RoundFailed
+        (for every caller alike) if the group closed without a quorum of who was live."""
         while self.group is None:
             now_live = await live(False)
             if self.everyone_joined(now_live):
@@ -83,13 +95,26 @@ class Forming:
             if self.group is not None:
                 break  # closed by another join while we looked at who is live: never close twice
             if self.everyone_joined(now_live) or self.window_left() <= 0 or self.clock() >= deadline:
-                return self.close(leader, drop=drop)
+                self.close(leader, drop=drop, live=now_live)
+                break
             try:
                 await asyncio.wait_for(self.closed.wait(), min(poll, self.window_left(),
                                                                max(0.0, deadline - self.clock())))
             except TimeoutError:
                 pass
+        if self.refusal is not None:
+            raise RoundFailed(self.refusal)
         return self.group
+
+
+def quorum_problem(key: str, joined: Collection[str], live: Collection[str]) -> str | None:
+    """Why a group of the peers that ``joined`` a round must not average, or None: it holds no more than
+    half of everyone the leader knows to be live (``live`` ∪ ``joined``). See the module docstring."""
+    everyone = set(live) | set(joined)
+    if len(everyone) > 1 and 2 * len(set(joined)) <= len(everyone):
+        return (f"round {key}: no quorum: {len(set(joined))} of {len(everyone)} live peers joined (a group must "
+                f"hold more than half, or two groups could apply one round)")
+    return None
 
 
 def leader_of(live: Sequence[str]) -> str:

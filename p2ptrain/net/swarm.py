@@ -292,11 +292,12 @@ class HivemindTransport(Transport):
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
         deadline = time.monotonic() + timeout
         skipped: set[str] = set()
+        hinted: str | None = None  # a leader another peer named: one our view did not show yet
         while time.monotonic() < deadline:
             candidates = [p for p in await self._live_ids() if p not in skipped]
             if not candidates:
                 break
-            leader = leader_of(candidates)
+            leader = hinted or leader_of(candidates)
             if leader == self.peer_id:
                 group = await self._lead(request, decide, deadline)
             else:
@@ -305,7 +306,13 @@ class HivemindTransport(Transport):
                                                 timeout=min(deadline - time.monotonic(), self.cfg.join_window + 10))
                 except RoundFailed as e:
                     log.info("event=leader_unreachable leader=%s reason=%s", leader[-8:], e)
+                    if leader == hinted:  # the leader the others follow is out of our reach: sit this one out
+                        raise RoundFailed(f"round {request.key}: the leader {leader[-8:]} is unreachable") from None
                     skipped.add(leader)
+                    continue
+                redirect = reply.get("leader")
+                if isinstance(redirect, str) and hinted is None and redirect not in skipped | {leader}:
+                    hinted = redirect  # its view shows a smaller live peer ours does not (yet): follow it once
                     continue
                 if "error" in reply:
                     raise RoundFailed(f"round {request.key}: leader says {reply['error']}")
@@ -337,6 +344,10 @@ class HivemindTransport(Transport):
         req = JoinRequest.from_wire(msg)
         if req.peer_id != sender:
             return {"error": "peer id does not match the stream's peer"}
+        if req.key not in self._forming and (smaller := leader_of(await self._live_ids())) != self.peer_id:
+            # The joiner's view lacks a smaller live peer ours shows: we would lead a second group for this
+            # round key. Name the leader instead (our own form_group found it unreachable if we lead already).
+            return {"error": f"not the leader of round {req.key}", "leader": smaller}
         try:
             group = await self._lead(req, None, time.monotonic() + self.cfg.join_window + 5)
         except RoundFailed as e:
