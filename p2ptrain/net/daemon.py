@@ -60,6 +60,10 @@ class SwarmConfig:
         use_relay, use_auto_relay: libp2p circuit relays (passed to the daemon).
         join_window: seconds a leader waits for live peers to join a round.
         ttl: seconds an announcement lives (the heartbeat refreshes it).
+        quorum_memory: seconds a peer seen live still counts toward a round's quorum after its announcement
+            expired (net/groups.py): a region cut off for less than this waits instead of training a θ of
+            its own once its view no longer shows the others. A peer that announced its departure stops
+            counting at once. 0: the quorum is of the current view only.
         connect_attempts, connect_backoff: retries when initial peers are unreachable.
         recontact_every: seconds between re-pings of known peers (heals splits).
         max_message: the largest frame accepted from the network, bytes.
@@ -92,6 +96,7 @@ class SwarmConfig:
     use_auto_relay: bool = False
     join_window: float = 2.0
     ttl: float = 8.0
+    quorum_memory: float = 120.0
     connect_attempts: int = 5
     connect_backoff: float = 1.0
     recontact_every: float = 10.0
@@ -111,6 +116,8 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         if self.muxer not in MUXERS:
             raise ValueError(f"unknown muxer {self.muxer!r}: choose one of {', '.join(MUXERS)}")
+        if not 0.0 <= self.quorum_memory:
+            raise ValueError(f"quorum_memory must be at least 0, got {self.quorum_memory}")
         if not 0.0 <= self.audit_rate:
             raise ValueError(f"audit_rate must be at least 0, got {self.audit_rate}")
         if self.chunk_values < MIN_CHUNK:

@@ -83,11 +83,13 @@ class Forming:
         return self.group
 
     async def until_closed(self, live: LiveView, *, leader: str | None = None, drop: Collection[str] = (),
-                           deadline: float = math.inf, poll: float = math.inf) -> Group:
+                           deadline: float = math.inf, poll: float = math.inf,
+                           known: Callable[[], Collection[str]] | None = None) -> Group:
         """Wait for the group to close, closing it (see :meth:`close`) as soon as it is due: every live peer
         joined, the join window expired, or ``deadline`` (on ``clock``) passed. Who is live is looked at
         again at least every ``poll`` seconds. Never waits past the window or the deadline. RoundFailed
-        (for every caller alike) if the group closed without a quorum of who was live."""
+        (for every caller alike) if the group closed without a quorum of who was live (and of ``known()``:
+        peers seen live lately whose announcements expired, see SwarmConfig.quorum_memory)."""
         while self.group is None:
             now_live = await live(False)
             if self.everyone_joined(now_live):
@@ -95,7 +97,7 @@ class Forming:
             if self.group is not None:
                 break  # closed by another join while we looked at who is live: never close twice
             if self.everyone_joined(now_live) or self.window_left() <= 0 or self.clock() >= deadline:
-                self.close(leader, drop=drop, live=now_live)
+                self.close(leader, drop=drop, live=set(now_live) | set(known() if known is not None else ()))
                 break
             try:
                 await asyncio.wait_for(self.closed.wait(), min(poll, self.window_left(),

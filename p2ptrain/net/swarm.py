@@ -81,6 +81,7 @@ class HivemindTransport(Transport):
         self.offers = Offers()
         self._forming: dict[str, Forming] = {}
         self._live: list[PeerInfo] = []
+        self._seen_at: dict[str, float] = {}  # peer -> when (monotonic) a view last showed it live
         self._live_at = 0.0
         self._maddrs: dict[str, list[str]] = {}
         self._states = StateServer(cfg.state_chunk, offers=self.offers)
@@ -227,7 +228,17 @@ class HivemindTransport(Transport):
             infos.append(info)
             self._maddrs[info.peer_id] = info.maddrs
         self._live, self._live_at = infos, time.monotonic()
+        for i in infos:
+            self._seen_at[i.peer_id] = self._live_at
         return sorted(infos, key=lambda i: i.peer_id)
+
+    def _known(self) -> set[str]:
+        """Peers seen live within the last ``quorum_memory`` seconds that did not announce their departure
+        and are not banned: whom a round's quorum is counted of, beside the current view."""
+        now, memory = time.monotonic(), self.cfg.quorum_memory
+        for p in [p for p, t in self._seen_at.items() if now - t > memory or p in self._left]:
+            del self._seen_at[p]
+        return {p for p in self._seen_at if not self.guard.is_banned(p)}
 
     async def _live_ids(self, max_age: float = 1.0) -> list[str]:
         if time.monotonic() - self._live_at > max_age:
@@ -338,7 +349,7 @@ class HivemindTransport(Transport):
         async def live(fresh: bool) -> list[str]:
             return await self._live_ids(max_age=0.2) if fresh else await self._live_ids()
 
-        return await f.until_closed(live, leader=self.peer_id, deadline=deadline, poll=0.1)
+        return await f.until_closed(live, leader=self.peer_id, deadline=deadline, poll=0.1, known=self._known)
 
     async def _on_join(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         req = JoinRequest.from_wire(msg)

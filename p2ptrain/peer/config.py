@@ -34,6 +34,8 @@ class PeerConfig:
         join_window: seconds a round's leader waits for live peers to join before it closes the group.
         join_timeout: seconds a peer waits for its group to form.
         heartbeat: seconds between announcements; an announcement expires after ``ttl``.
+        quorum_memory: seconds a peer seen live still counts toward a round's quorum after its announcement
+            expired (SwarmConfig.quorum_memory): a cut-off minority waits instead of forking θ.
         sync_on_join: a peer that finds a live swarm downloads θ and the outer state first.
         drain_timeout: seconds to wait for rounds still in flight when leaving.
         min_step_seconds: pad every inner step to at least this long (emulates a slower device in
@@ -65,6 +67,7 @@ class PeerConfig:
     join_timeout: float = 30.0
     heartbeat: float = 2.0
     ttl: float = 8.0
+    quorum_memory: float = 120.0
     sync_on_join: bool = True
     drain_timeout: float = 60.0
     min_step_seconds: float = 0.0
@@ -90,6 +93,8 @@ class PeerConfig:
             raise ValueError("steps must be at least 1")
         if self.step_seconds is not None and self.step_seconds <= 0:
             raise ValueError("step_seconds must be positive")
+        if self.quorum_memory < 0:
+            raise ValueError(f"quorum_memory must be at least 0, got {self.quorum_memory}")
         for name in ("join_window", "join_timeout", "heartbeat", "ttl", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

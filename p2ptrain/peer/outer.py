@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -23,9 +24,26 @@ from ..driver import DriverHooks, OuterDriver
 from .base import PeerBase
 from .replica import ReplicaState
 
-__all__ = ["Peer"]
+__all__ = ["Peer", "steps_to_advance"]
 
 log = logging.getLogger(__name__)
+
+
+def steps_to_advance(last: int, now: Callable[[], int], max_behind: int) -> Iterator[int]:
+    """The logical steps an outer loop at ``last`` advances through, up to the clock's ``now()`` (``now()``
+    itself again when the clock did not move). A step more than ``max_behind`` behind the clock as it comes up
+    is skipped (its sends could meet no group: the others sent theirs long ago), so that a peer whose rounds
+    kept it waiting catches up with the swarm's clock instead of sending ever older round keys; the rounds it
+    has in flight are applied at the next step it does take (a round is due at or after its step)."""
+    target = now()
+    if target <= last:
+        yield target
+        return
+    step = last + 1
+    while step <= target:
+        if step == target or step >= now() - max_behind:
+            yield step
+        step += 1
 
 
 class _Hooks(DriverHooks):
@@ -89,6 +107,8 @@ class Peer(PeerBase):
                 self.outer.load_state_dict(resumed["outer"])
         # A slot's decision reaches every member within two join windows (and a second of slack).
         lag = 1 if self.cfg.clock == "steps" else math.ceil((2 * self.cfg.join_window + 1.0) / self.step_seconds)
+        # A send later than that meets no group either: a peer that far behind the clock skips ahead.
+        self.max_behind = 10**9 if self.cfg.clock == "steps" else lag
         self.driver = OuterDriver(self.outer, self.trainer, self.collective, hooks=_Hooks(self), lock=self.lock,
                                   negotiate_at_slot=self.cfg.clock == "steps", slot_lag=lag)
         if self._tokens_resumed is not None and len(self._tokens_resumed) == len(self.driver.tokens_at_send):
@@ -185,8 +205,12 @@ class Peer(PeerBase):
                 self.sync_from_swarm(keep_progress=True)
         assert self.collective is not None
         t0, waited = time.perf_counter(), self.collective.stall
-        for step in range(self.last_lstep + 1, lstep + 1) if lstep > self.last_lstep else [lstep]:
+        done = self.last_lstep
+        for step in steps_to_advance(done, self.logical_step, self.max_behind):
+            if step > done + 1:
+                log.info("event=steps_skipped first=%d last=%d reason=behind the swarm's clock", done + 1, step - 1)
             self.driver.advance(step)
+            done = lstep = max(done, step)
         self.outer_seconds += time.perf_counter() - t0 - (self.collective.stall - waited)
         self.last_lstep = max(self.last_lstep, lstep)
         if self.checkpoints is not None:

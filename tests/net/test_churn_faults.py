@@ -165,13 +165,14 @@ def test_a_graceful_leave_keeps_the_swarm_going(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("rounds", ["flat", pytest.param("hierarchical", marks=pytest.mark.xfail(
-    strict=False, reason="known bug, not always (bench/results/churn.md): after the cut heals, the cut region's peers keep "
-                        "failing their rounds (alone in the group, or joined after it closed) while the other region "
-                        "goes on in groups of its own; θ never agrees again"))])
+    strict=False, reason="known bug, not always: a cut that falls in the middle of a hierarchical round fails its "
+                        "step across regions, and each region applies its own region's mean: θ differs between the "
+                        "regions for that round (they agree again after the next rounds' repair)"))])
 def test_a_region_cut_off_for_a_while_rejoins_the_swarm(tmp_path: Path, rounds: str) -> None:
-    """Two regions of two peers on the testbed; one is cut off (blackhole routes, both ways) for 15 s. The swarm
-    goes on; after the cut heals, all four apply rounds with the same θ again (flat rounds; the regions'
-    hierarchical rounds do not yet)."""
+    """Two regions of two peers on the testbed; one is cut off (blackhole routes, both ways) for 15 s. Neither
+    half holds more than half of the swarm it saw (net/groups.py's quorum, SwarmConfig.quorum_memory): both
+    wait instead of training two θ; after the cut heals, all four apply rounds with the same θ again (flat
+    rounds; the regions' hierarchical rounds do not always yet)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from bench.testbed import RegionSpec, Testbed, TestbedSpec, unavailable_reason
 
@@ -200,11 +201,12 @@ def test_a_region_cut_off_for_a_while_rejoins_the_swarm(tmp_path: Path, rounds: 
             time.sleep(15)
             tb.partition("eu", False)
             healed = time.time()
-            # the swarm went on while cut: a side applied rounds of its own (the side without the smallest peer id,
-            # the rounds' leader, may wait out its leader's timeout longer than the cut lasts)
-            assert any(_agreeing_after(tmp_path, side, cut + 7.0) for side in (["a", "b"], ["c", "d"])), \
-                "no side applied a round while cut off"
-            _wait(lambda: _agreeing_after(tmp_path, peers, healed + 2.0), 30, "all four agree again after healing")
+            # No half forked θ while cut (a round formed before the cut may still end in its first seconds).
+            during = {n: [k for k, (t, _) in _applied(tmp_path / f"{n}.log").items() if cut + 10.0 < t < healed]
+                      for n in peers}
+            assert not any(during.values()), f"rounds applied without a quorum while cut off: {during}"
+            _wait(lambda: _agreeing_after(tmp_path, peers, healed + 2.0), 40, "all four agree again after healing")
+            _no_divergence(tmp_path, peers)
             assert all(p.poll() is None for p in procs)
         finally:
             _stop(procs)
