@@ -568,7 +568,11 @@ async def _relay_main(cfg: dict[str, Any]) -> None:
 
     async def serve(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter, target: tuple[str, int],
                     dst_region: str) -> None:
-        src = region_of(client_w.get_extra_info("peername")[0])
+        peer = client_w.get_extra_info("peername")
+        if peer is None:  # the client went away before it was served
+            client_w.close()
+            return
+        src = region_of(peer[0])
         delay = (delays[src][dst_region] if src is not None else 0.0) / 1000.0
         _nodelay(client_w)
         try:

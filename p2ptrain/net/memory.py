@@ -74,6 +74,12 @@ class MemorySwarm:
         return sorted(p for p, i in self.infos.items()
                       if i.expires > now and p not in self.dead and self.side.get(p, 0) == side)
 
+    def known(self) -> list[str]:
+        """Every live peer on any side: a partition does not make a peer forgotten (a round's quorum is
+        counted of them, as a swarm peer's quorum_memory does for a cut that lasts less than it)."""
+        now = time.monotonic()
+        return sorted(p for p, i in self.infos.items() if i.expires > now and p not in self.dead)
+
 
 class MemoryTransport(Transport):
     def __init__(self, swarm: MemorySwarm, peer_id: str) -> None:
@@ -146,7 +152,7 @@ class MemoryTransport(Transport):
                 return set(sw.live(side)) | {self.peer_id}
 
             # A dead peer's request is void: the group closes without it, led by the smallest member left.
-            group = await f.until_closed(live, drop=sw.dead)
+            group = await f.until_closed(live, drop=sw.dead, known=sw.known)
             membership_check(group, request)
             alone_check(group, self.peer_id, sw.live(side))
             return group

@@ -5,6 +5,11 @@ The flat vector of every member's tensors is cut into one contiguous part per me
 that fit (:func:`select_contributions`); every member then assembles the averaged parts it received
 (:class:`Assembly`), after checking each (:func:`result_problem`). A part nobody could average is zero
 on every survivor alike, and the result says it is partial.
+
+A part averaged from no more than half of the group's members is left out too (zero, partial), on every
+member that holds it alike (it depends only on the part's own result): a group cut in two mid-round would
+otherwise apply two different averages, one on each side (each side's parts hold only its own side's
+contributions), and fork θ. A side with no part of more than half the group applies nothing.
 """
 
 from __future__ import annotations
@@ -122,17 +127,23 @@ class Assembly:
         self.covered = 0  # values of the parts used
         self.partial, self.divergent = False, False
         self.total_weight, self.received = 0.0, 0
+        self.minority = 0  # parts left out: averaged from no more than half of the group
 
     def skip(self) -> None:
         """A part is missing or unusable: it stays zero and the result is partial."""
         self.partial = True
 
     def add(self, part: int, lo: int, hi: int, values: torch.Tensor, res: Mapping[str, Any]) -> None:
-        """Use the decoded, checked result ``res`` of ``part`` (``values`` at ``[lo, hi)``)."""
-        self.out[lo:hi] = values
+        """Use the decoded, checked result ``res`` of ``part`` (``values`` at ``[lo, hi)``), unless no more than
+        half of the group contributed to it (see the module docstring: then it is skipped)."""
         if part != self.me:
             self.received += payload_len(res)
         who = {str(p) for p in res["contributors"]} & set(self.members)
+        if 2 * len(who) <= len(self.members):
+            self.minority += 1
+            self.skip()
+            return
+        self.out[lo:hi] = values
         size = max(1, hi - lo)  # an empty part (more members than values) still counts once
         self.covered += size
         for p in who:
@@ -152,7 +163,8 @@ class Assembly:
         itself), and one part must not empty the round's record of who took part."""
         contributors = {p for p, n in self.coverage.items() if 2 * n > self.covered}
         if not contributors:
-            raise RoundFailed(f"round {group.key} phase {phase}: no part could be averaged")
+            why = f" ({self.minority} averaged from half the group or less)" if self.minority else ""
+            raise RoundFailed(f"round {group.key} phase {phase}: no part could be averaged{why}")
         return ReduceResult(unflatten(self.out, like), self.total_weight, group.members,
                             tuple(sorted(contributors)), partial=self.partial, bytes_sent=sent,
                             bytes_received=self.received, seconds=seconds, divergent=self.divergent)

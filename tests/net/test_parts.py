@@ -78,3 +78,30 @@ def test_one_part_that_names_only_its_owner_does_not_empty_the_round() -> None:
     asm.add(2, 4, 6, torch.full((2,), 3.0), {"contributors": ["c", "stranger"], "agree": [], "total": 1.0})
     res = asm.result(group, 0, [torch.zeros(6)], sent=0, seconds=0.0)
     assert res.contributors == ("a", "b") and res.partial
+    assert res.tensors[0].tolist() == [1, 1, 2, 2, 0, 0]  # the part of one member of three is left out
+
+
+def test_a_group_cut_in_two_mid_round_applies_nothing_on_either_side() -> None:
+    """Four members cut 2 + 2 after the group formed: each side's parts hold only its own side's shares. A part
+    of half the group or less is left out, so neither side has anything to apply (no fork of θ); cut 3 + 1,
+    the three keep their three parts (the same on each of them) and the one has nothing."""
+    members = ("a", "b", "c", "d")
+    group = Group("k", members, "a", 0)
+
+    def side(me: int, parts: list[int], who: list[str]) -> Assembly:
+        asm = Assembly(8, members, me, check_agree=False)
+        for j in range(4):
+            if j in parts:
+                asm.add(j, 2 * j, 2 * j + 2, torch.full((2,), float(j + 1)),
+                        {"contributors": who, "agree": [], "total": float(len(who))})
+            else:
+                asm.skip()
+        return asm
+
+    for me, parts, who in ((0, [0, 1], ["a", "b"]), (2, [2, 3], ["c", "d"]), (3, [3], ["d"])):
+        asm = side(me, parts, who)
+        with pytest.raises(RoundFailed, match="half the group or less"):
+            asm.result(group, 0, [torch.zeros(8)], sent=0, seconds=0.0)
+    res = side(0, [0, 1, 2], ["a", "b", "c"]).result(group, 0, [torch.zeros(8)], sent=0, seconds=0.0)
+    assert res.partial and res.contributors == ("a", "b", "c")
+    assert res.tensors[0].tolist() == [1, 1, 2, 2, 3, 3, 0, 0]

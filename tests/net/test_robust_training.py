@@ -42,7 +42,7 @@ def test_centered_clip_holds_one_scaled_peer_of_five_where_the_mean_does_not(cor
 
 @pytest.mark.parametrize("kind", ["memory", pytest.param("libp2p", marks=[pytest.mark.net, pytest.mark.timeout(180)])])
 def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(corpus: Corpus, kind: str) -> None:
-    """Rounds are judged by when every peer sent them, not by their logical step: a peer that fell
+    """A 2 + 2 split waits (no quorum on either side) and the four agree again after healing. Rounds are judged by when every peer sent them, not by their logical step: a peer that fell
     behind the pacing (a loaded machine) sends the rounds of the steps it missed in a burst, later."""
     method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=3)
     step = 0.03 if kind == "memory" else 0.05
@@ -116,12 +116,14 @@ def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(cor
     t.join(30)
     assert not errors and not run.errors, (errors, run.errors)
     logs = [p.applied_log for p in run.peers]
-    # While split (from half a second in: views of who is live take that long to update), each side
-    # averages on its own: its two peers agree and the sides' θ drift apart.
-    during = sent_by_all(times["split"] + 0.5, times["heal"])
-    assert during, (times, [sorted(s.values())[-3:] for s in sent])
-    assert any(logs[0][k][0] == logs[1][k][0] != logs[2][k][0] == logs[3][k][0] for k in during), [
-        [lg[k][0][:6] for lg in logs] for k in during]
+    # While split, rounds were sent but neither side holds more than half the swarm (net/groups.py's quorum): no
+    # side applied one of its own, θ did not fork (a round whose group formed before the split may still end,
+    # on all four alike).
+    tried = {k for s in sent for k, t in s.items() if times["split"] + 0.5 < t < times["heal"]}
+    assert tried, (times, [sorted(s.values())[-3:] for s in sent])
+    forked = sorted(k for k in tried if any(k in lg for lg in logs)
+                    and not (all(k in lg for lg in logs) and len({lg[k][0] for lg in logs}) == 1))
+    assert not forked, (forked, [[lg[k][0][:6] for lg in logs if k in lg] for k in forked])
     # After healing: per fragment, the first two rounds sent by all may still repair; from the third
     # on, every peer holds the same θ of that fragment.
     after = sent_by_all(times["heal"])
