@@ -63,7 +63,8 @@ class SwarmConfig:
         quorum_memory: seconds a peer seen live still counts toward a round's quorum after its announcement
             expired (net/groups.py): a region cut off for less than this waits instead of training a θ of
             its own once its view no longer shows the others. A peer that announced its departure stops
-            counting at once. 0: the quorum is of the current view only.
+            counting at once, and so does one whose region is still in view (it most likely died: a
+            restarted peer with a new id must not count twice). 0: the quorum is of the current view only.
         connect_attempts, connect_backoff: retries when initial peers are unreachable.
         recontact_every: seconds between re-pings of known peers (heals splits).
         max_message: the largest frame accepted from the network, bytes.

@@ -81,7 +81,8 @@ class HivemindTransport(Transport):
         self.offers = Offers()
         self._forming: dict[str, Forming] = {}
         self._live: list[PeerInfo] = []
-        self._seen_at: dict[str, float] = {}  # peer -> when (monotonic) a view last showed it live
+        self._region = ""  # the region this peer announces
+        self._seen_at: dict[str, tuple[float, str]] = {}  # peer -> (when a view last showed it live, its region)
         self._live_at = 0.0
         self._maddrs: dict[str, list[str]] = {}
         self._states = StateServer(cfg.state_chunk, offers=self.offers)
@@ -152,6 +153,7 @@ class HivemindTransport(Transport):
     async def announce(self, info: PeerInfo) -> None:
         from hivemind.utils import get_dht_time
 
+        self._region = info.region
         if not info.maddrs:
             info.maddrs = await self.visible_maddrs()
         ok = await self._store("peers", info.to_wire(), get_dht_time() + self.cfg.ttl)
@@ -229,16 +231,21 @@ class HivemindTransport(Transport):
             self._maddrs[info.peer_id] = info.maddrs
         self._live, self._live_at = infos, time.monotonic()
         for i in infos:
-            self._seen_at[i.peer_id] = self._live_at
+            self._seen_at[i.peer_id] = (self._live_at, i.region)
         return sorted(infos, key=lambda i: i.peer_id)
 
     def _known(self) -> set[str]:
-        """Peers seen live within the last ``quorum_memory`` seconds that did not announce their departure
-        and are not banned: whom a round's quorum is counted of, beside the current view."""
+        """Whom a round's quorum is counted of, beside the current view: the peers seen live within the last
+        ``quorum_memory`` seconds (not departed, not banned) of every region none of whose peers the view shows
+        now. A whole region gone dark is a cut (its peers still count: the side without a majority waits); a
+        peer gone from a region that is still in view most likely died (a killed peer restarted under a new
+        id must not count twice). A peer that announced no region counts for the whole ``quorum_memory``."""
         now, memory = time.monotonic(), self.cfg.quorum_memory
-        for p in [p for p, t in self._seen_at.items() if now - t > memory or p in self._left]:
+        for p in [p for p, (t, _) in self._seen_at.items() if now - t > memory or p in self._left]:
             del self._seen_at[p]
-        return {p for p in self._seen_at if not self.guard.is_banned(p)}
+        seen = {i.region for i in self._live} | {self._region}
+        return {p for p, (_, region) in self._seen_at.items()
+                if (not region or region not in seen) and not self.guard.is_banned(p)}
 
     async def _live_ids(self, max_age: float = 1.0) -> list[str]:
         if time.monotonic() - self._live_at > max_age:

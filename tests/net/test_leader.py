@@ -144,3 +144,24 @@ def test_a_joiner_whose_view_lacks_the_leader_is_sent_to_it() -> None:
             await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
 
     asyncio.run(go())
+
+
+def test_the_quorum_remembers_a_region_gone_dark_not_a_peer_gone_from_a_region_in_view() -> None:
+    """Whom the quorum counts beside the view (HivemindTransport._known): peers of a region none of whose peers
+    is in view (cut off: the side without a majority waits), not a peer missing from a region still in view
+    (it died; a restart under a new id must not count twice), nor one that left, nor one seen too long ago."""
+    import time
+
+    t = HivemindTransport(SwarmConfig(quorum_memory=60.0), types.SimpleNamespace(peer_id="me"), None)
+    t._region = "us"
+    now = time.monotonic()
+    t._live = [PeerInfo(peer_id="me", region="us"), PeerInfo(peer_id="us1", region="us"),
+               PeerInfo(peer_id="ap1", region="ap")]
+    t._seen_at = {"me": (now, "us"), "us1": (now, "us"), "ap1": (now, "ap"),
+                  "us2": (now - 10, "us"),  # gone from a region in view: died
+                  "eu1": (now - 10, "eu"), "eu2": (now - 20, "eu"),  # eu is dark: cut off
+                  "eu3": (now - 100, "eu"),  # seen too long ago
+                  "eu4": (now - 5, "eu"),  # left
+                  "x": (now - 10, "")}  # no region: counts for the whole memory
+    t._left.add("eu4")
+    assert t._known() == {"eu1", "eu2", "x"}
