@@ -33,16 +33,21 @@ def steps_to_advance(last: int, now: Callable[[], int], max_behind: int) -> Iter
     """The logical steps an outer loop at ``last`` advances through, up to the clock's ``now()`` (``now()``
     itself again when the clock did not move). A step more than ``max_behind`` behind the clock as it comes up
     is skipped (its sends could meet no group: the others sent theirs long ago), so that a peer whose rounds
-    kept it waiting catches up with the swarm's clock instead of sending ever older round keys; the rounds it
-    has in flight are applied at the next step it does take (a round is due at or after its step)."""
+    kept it waiting catches up with the swarm's clock instead of sending ever older round keys. It resumes at
+    the last multiple of ``max_behind`` (the same grid on every peer of the run): peers that fell behind
+    together resume on the same step and send the same round keys from there. The rounds it has in flight are
+    applied at the next step it does take (a round is due at or after its step)."""
     target = now()
     if target <= last:
         yield target
         return
     step = last + 1
     while step <= target:
-        if step == target or step >= now() - max_behind:
-            yield step
+        clock = now()
+        if step < clock - max_behind:
+            step = clock - clock % max(1, max_behind)  # > clock - max_behind, on the common grid
+            target = max(target, step)
+        yield step
         step += 1
 
 
