@@ -10,6 +10,8 @@ A part averaged from no more than half of the group's members is left out too (z
 member that holds it alike (it depends only on the part's own result): a group cut in two mid-round would
 otherwise apply two different averages, one on each side (each side's parts hold only its own side's
 contributions), and fork θ. A side with no part of more than half the group applies nothing.
+For the same reason a member that holds no more than half of the parts applies nothing (RoundFailed): cut
+after the owners averaged, each side holds its own owners' parts. (A member that died leaves k − 1 of k.)
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class Assembly:
         self.partial, self.divergent = False, False
         self.total_weight, self.received = 0.0, 0
         self.minority = 0  # parts left out: averaged from no more than half of the group
+        self.used = 0  # parts used
 
     def skip(self) -> None:
         """A part is missing or unusable: it stays zero and the result is partial."""
@@ -144,6 +147,7 @@ class Assembly:
             self.skip()
             return
         self.out[lo:hi] = values
+        self.used += 1
         size = max(1, hi - lo)  # an empty part (more members than values) still counts once
         self.covered += size
         for p in who:
@@ -161,6 +165,9 @@ class Assembly:
         Its contributors are the members whose share is in more than half of the values averaged: parts may
         differ in who they hold (an owner that gave up on a late member, or a hostile owner that claims only
         itself), and one part must not empty the round's record of who took part."""
+        if 2 * self.used <= len(self.members) and len(self.members) > 1:
+            raise RoundFailed(f"round {group.key} phase {phase}: only {self.used} of {len(self.members)} parts "
+                              f"(half or less: the other side of a cut may hold the others)")
         contributors = {p for p, n in self.coverage.items() if 2 * n > self.covered}
         if not contributors:
             why = f" ({self.minority} averaged from half the group or less)" if self.minority else ""

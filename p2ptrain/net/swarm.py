@@ -46,6 +46,7 @@ from .allreduce import ButterflyRun
 from .audit import Audit
 from .auth import MAC_FIELD
 from .bandwidth import LinkMeter
+from .contacts import Contacts
 from .daemon import SwarmConfig, SwarmError, dial, start_p2p
 from .groups import Forming, alone_check, leader_of, membership_check
 from .guard import Guard
@@ -90,6 +91,7 @@ class HivemindTransport(Transport):
         self.blocked: set[str] = set()  # fault injection: peers this one cannot reach (a partition)
         self.links = LinkMeter()
         self._left: set[str] = set()  # peers whose last announcement is a departure
+        self._contacts = Contacts(cfg.ttl)  # peers heard from directly (after a split, the DHT lags: net/contacts.py)
         self.outsider_said = False  # told the user once that the run's records are keyed otherwise
         self.mailboxes = Mailboxes(self.guard, cfg.max_message, run_id=cfg.run_id, verify=cfg.verify)
         self.streams = Streams(cfg, p2p, self.guard, lambda peer: peer in self.blocked, self._addresses)
@@ -107,7 +109,7 @@ class HivemindTransport(Transport):
         for kind, handler in (("join", self._on_join), ("part", self._on_part), ("result", self._on_result),
                               ("getpart", self._on_getpart), ("state", self._on_state),
                               ("check", self.mailboxes.accept_check), ("evidence", self.mailboxes.show_evidence),
-                              ("verdict", self.mailboxes.accept_verdict)):
+                              ("verdict", self.mailboxes.accept_verdict), ("hello", self._on_hello)):
             await self.streams.serve(kind, handler)
         started = asyncio.Event()
         self._runner = asyncio.create_task(self._background(started))
@@ -254,7 +256,9 @@ class HivemindTransport(Transport):
             except TimeoutError:
                 pass
         # A banned peer neither leads nor is waited for: its messages are dropped unread.
-        return sorted({i.peer_id for i in self._live if not self.guard.is_banned(i.peer_id)} | {self.peer_id})
+        heard = self._contacts.live() - self._left - self.blocked
+        return sorted({p for p in {i.peer_id for i in self._live} | heard if not self.guard.is_banned(p)}
+                      | {self.peer_id})
 
     async def publish_meta(self, meta: dict[str, Any]) -> None:
         from hivemind.utils import get_dht_time
@@ -356,12 +360,29 @@ class HivemindTransport(Transport):
         async def live(fresh: bool) -> list[str]:
             return await self._live_ids(max_age=0.2) if fresh else await self._live_ids()
 
-        return await f.until_closed(live, leader=self.peer_id, deadline=deadline, poll=0.1, known=self._known)
+        try:
+            return await f.until_closed(live, leader=self.peer_id, deadline=deadline, poll=0.1, known=self._known)
+        finally:
+            if f.group is not None and self._tasks is not None:  # tell live peers that did not join who leads
+                absent = {i.peer_id for i in self._live} - set(f.requests) - {self.peer_id} - self.blocked
+                for p in self._contacts.to_greet(absent):
+                    self._tasks.create_task(self._hello(p))
+
+    async def _hello(self, peer: str) -> None:
+        try:
+            await self._call(peer, "hello", {"key": "hello"}, timeout=min(5.0, self.cfg.ttl))
+        except RoundFailed as e:
+            log.debug("event=hello_failed peer=%s reason=%s", peer[-8:], e)
+
+    async def _on_hello(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        self._contacts.heard(sender)
+        return {"ok": True}
 
     async def _on_join(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         req = JoinRequest.from_wire(msg)
         if req.peer_id != sender:
             return {"error": "peer id does not match the stream's peer"}
+        self._contacts.heard(sender)
         if req.key not in self._forming and (smaller := leader_of(await self._live_ids())) != self.peer_id:
             # The joiner's view lacks a smaller live peer ours shows: we would lead a second group for this
             # round key. Name the leader instead (our own form_group found it unreachable if we lead already).

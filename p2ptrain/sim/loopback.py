@@ -41,7 +41,7 @@ class LoopbackRound:
     """One loopback all-reduce: per member (group order) its result, the payload bytes its messages
     carried (counted at delivery), and how many messages it sent."""
 
-    results: list[ReduceResult]
+    results: list[ReduceResult]  # (RoundFailed in place of a member whose run failed, when calls were cut)
     payload_sent: list[int]
     messages_sent: list[int]
 
@@ -114,7 +114,11 @@ async def loopback_round(k: int, numel: int, *, codec: str = "fp32", chunk: int 
                            chunk=chunk, faults=FaultPlan())
         return await run.run()
 
-    results = list(await asyncio.gather(*(one(i, m) for i, m in enumerate(members))))
+    # (with calls cut, a member's run may fail: RoundFailed stands in its place)
+    results = list(await asyncio.gather(*(one(i, m) for i, m in enumerate(members)), return_exceptions=cut is not None))
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, RoundFailed):
+            raise r
     if codec == "fp32" and cut is None:
         mean = torch.stack(flats).mean(0)
         for r in results:

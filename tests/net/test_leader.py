@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import types
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
-from p2ptrain.net.transport import Decision, JoinRequest, PeerInfo
+from p2ptrain.net.transport import Decision, JoinRequest, PeerInfo, RoundFailed
 
 
 def test_a_group_is_closed_once_when_joins_interleave_with_the_live_view() -> None:
@@ -165,3 +166,53 @@ def test_the_quorum_remembers_a_region_gone_dark_not_a_peer_gone_from_a_region_i
                   "x": (now - 10, "")}  # no region: counts for the whole memory
     t._left.add("eu4")
     assert t._known() == {"eu1", "eu2", "x"}
+
+
+@pytest.mark.net
+@pytest.mark.timeout(120)
+def test_a_leader_greets_live_peers_that_did_not_join_and_they_join_it_next() -> None:
+    """After a split heals, the DHT can go on showing a side only its own peers. Real libp2p peers a < c; c's
+    DHT view lacks a, a's shows c. Round r0: a waits for c, which leads a group of its own: a's group of 1 of 2
+    has no quorum. a then says hello to c (net/contacts.py), so in round r1 c sees a live and joins it."""
+
+    async def go() -> None:
+        ts: list[HivemindTransport] = []
+        try:
+            for _ in range(2):
+                initial = await ts[0].visible_maddrs() if ts else []
+                ts.append(await HivemindTransport.create(SwarmConfig(run_id="hello", initial_peers=initial,
+                                                                     join_window=1.5, ttl=30)))
+            for t in ts:
+                await t.announce(PeerInfo(peer_id=t.peer_id))
+            for t in ts:
+                for _ in range(100):
+                    if len(await t.peers()) == 2:
+                        break
+                    await asyncio.sleep(0.1)
+            a, c = sorted(ts, key=lambda t: t.peer_id)
+            dht_view = c.peers
+
+            async def without_a() -> list[PeerInfo]:
+                infos = [i for i in await dht_view() if i.peer_id != a.peer_id]
+                c._live = infos
+                return infos
+
+            c.peers = without_a  # type: ignore[method-assign]
+            await c.peers()
+
+            def join(t: HivemindTransport, key: str) -> Any:
+                return t.form_group(JoinRequest(key=key, peer_id=t.peer_id, weight=1.0, fragment=0), None, timeout=20)
+
+            first = await asyncio.gather(join(a, "r0"), join(c, "r0"), return_exceptions=True)
+            assert isinstance(first[0], RoundFailed) and "no quorum" in str(first[0]), first
+            for _ in range(50):  # the hello is a background task of a's
+                if a.peer_id in c._contacts.live():
+                    break
+                await asyncio.sleep(0.1)
+            second = await asyncio.gather(join(a, "r1"), join(c, "r1"))
+            assert second[0] == second[1] and second[0].leader == a.peer_id
+            assert set(second[0].members) == {a.peer_id, c.peer_id}
+        finally:
+            await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
+
+    asyncio.run(go())
