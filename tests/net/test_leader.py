@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import types
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -108,6 +109,27 @@ def test_forming_closes_once_when_everyone_joined_or_the_window_expired() -> Non
     asyncio.run(go())
 
 
+@asynccontextmanager
+async def real_swarm(n: int, run: str, join_window: float) -> AsyncIterator[list[HivemindTransport]]:
+    """``n`` libp2p peers on 127.0.0.1 that all see each other live, sorted by peer id; closed afterwards."""
+    ts: list[HivemindTransport] = []
+    try:
+        for _ in range(n):
+            initial = await ts[0].visible_maddrs() if ts else []
+            ts.append(await HivemindTransport.create(SwarmConfig(run_id=run, initial_peers=initial,
+                                                                 join_window=join_window, ttl=30)))
+        for t in ts:
+            await t.announce(PeerInfo(peer_id=t.peer_id))
+        for t in ts:
+            for _ in range(100):
+                if len(await t.peers()) == n:
+                    break
+                await asyncio.sleep(0.1)
+        yield sorted(ts, key=lambda t: t.peer_id)
+    finally:
+        await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
+
+
 @pytest.mark.net
 @pytest.mark.timeout(120)
 def test_a_joiner_whose_view_lacks_the_leader_is_sent_to_it() -> None:
@@ -116,20 +138,7 @@ def test_a_joiner_whose_view_lacks_the_leader_is_sent_to_it() -> None:
     (the churn benchmark's "two groups for one round key"): all three end in a's one group."""
 
     async def go() -> None:
-        ts: list[HivemindTransport] = []
-        try:
-            for _ in range(3):
-                initial = await ts[0].visible_maddrs() if ts else []
-                ts.append(await HivemindTransport.create(SwarmConfig(run_id="redirect", initial_peers=initial,
-                                                                     join_window=3.0, ttl=30)))
-            for t in ts:
-                await t.announce(PeerInfo(peer_id=t.peer_id))
-            for t in ts:
-                for _ in range(100):
-                    if len(await t.peers()) == 3:
-                        break
-                    await asyncio.sleep(0.1)
-            a, b, c = sorted(ts, key=lambda t: t.peer_id)
+        async with real_swarm(3, "redirect", 3.0) as (a, b, c):
             seen_by_c = c._live_ids
 
             async def without_a(max_age: float = 1.0) -> list[str]:
@@ -141,8 +150,6 @@ def test_a_joiner_whose_view_lacks_the_leader_is_sent_to_it() -> None:
                 for t in (c, b, a)))
             assert all(g == groups[0] for g in groups), groups
             assert groups[0].leader == a.peer_id and set(groups[0].members) == {a.peer_id, b.peer_id, c.peer_id}
-        finally:
-            await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
 
     asyncio.run(go())
 
@@ -176,20 +183,7 @@ def test_a_leader_greets_live_peers_that_did_not_join_and_they_join_it_next() ->
     has no quorum. a then says hello to c (net/contacts.py), so in round r1 c sees a live and joins it."""
 
     async def go() -> None:
-        ts: list[HivemindTransport] = []
-        try:
-            for _ in range(2):
-                initial = await ts[0].visible_maddrs() if ts else []
-                ts.append(await HivemindTransport.create(SwarmConfig(run_id="hello", initial_peers=initial,
-                                                                     join_window=1.5, ttl=30)))
-            for t in ts:
-                await t.announce(PeerInfo(peer_id=t.peer_id))
-            for t in ts:
-                for _ in range(100):
-                    if len(await t.peers()) == 2:
-                        break
-                    await asyncio.sleep(0.1)
-            a, c = sorted(ts, key=lambda t: t.peer_id)
+        async with real_swarm(2, "hello", 1.5) as (a, c):
             dht_view = c.peers
 
             async def without_a() -> list[PeerInfo]:
@@ -212,7 +206,5 @@ def test_a_leader_greets_live_peers_that_did_not_join_and_they_join_it_next() ->
             second = await asyncio.gather(join(a, "r1"), join(c, "r1"))
             assert second[0] == second[1] and second[0].leader == a.peer_id
             assert set(second[0].members) == {a.peer_id, c.peer_id}
-        finally:
-            await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
 
     asyncio.run(go())
