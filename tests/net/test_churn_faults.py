@@ -165,9 +165,9 @@ def test_a_graceful_leave_keeps_the_swarm_going(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("rounds", ["flat", pytest.param("hierarchical", marks=pytest.mark.xfail(
-    strict=False, reason="known bug, not always: a cut that falls in the middle of a hierarchical round fails its "
-                        "step across regions, and each region applies its own region's mean: θ differs between the "
-                        "regions for that round (they agree again after the next rounds' repair)"))])
+    strict=False, reason="known bug, not always: after the cut heals the two regions do not always meet in one "
+                        "group again within the test's window (each side's view of who is live stays its own for a "
+                        "while; on a loaded machine the first joint round can also take longer than 45 s)"))])
 def test_a_region_cut_off_for_a_while_rejoins_the_swarm(tmp_path: Path, rounds: str) -> None:
     """Two regions of two peers on the testbed; one is cut off (blackhole routes, both ways) for 15 s. Neither
     half holds more than half of the swarm it saw (net/groups.py's quorum, SwarmConfig.quorum_memory): both
