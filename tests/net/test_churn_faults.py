@@ -114,7 +114,7 @@ def test_a_frozen_peer_is_left_out_and_rejoins_after_sigcont(tmp_path: Path) -> 
     rounds with the same θ as theirs again."""
     names = ["a", "b", "c"]
     with _swarm(tmp_path, names) as procs:
-        _wait(lambda: _agreeing_after(tmp_path, names, 0.0), 40, "a round all three applied")
+        _wait(lambda: _agreeing_after(tmp_path, names, 0.0), 75, "a round all three applied")
         os.killpg(procs["c"].pid, signal.SIGSTOP)
         frozen = time.time()
         try:  # past the rounds c was a member of when it froze
@@ -145,6 +145,7 @@ def test_a_sigkilled_peer_restarts_with_resume_and_rejoins(tmp_path: Path) -> No
         assert procs["a"].poll() is None and procs["b"].poll() is None
 
 
+@pytest.mark.timeout(180)
 def test_a_graceful_leave_keeps_the_swarm_going(tmp_path: Path) -> None:
     """SIGTERM to one of three: it leaves with exit code 0 and its summary; the two others go on applying rounds
     with the same θ, without stuck rounds."""
@@ -152,7 +153,7 @@ def test_a_graceful_leave_keeps_the_swarm_going(tmp_path: Path) -> None:
 
     names = ["a", "b", "c"]
     with _swarm(tmp_path, names) as procs:
-        _wait(lambda: _agreeing_after(tmp_path, names, 0.0), 40, "a round all three applied")
+        _wait(lambda: _agreeing_after(tmp_path, names, 0.0), 75, "a round all three applied")
         procs["c"].send_signal(signal.SIGTERM)
         assert procs["c"].wait(45) == 0, (tmp_path / "c.log").read_text(errors="replace")[-2000:]
         left = time.time()
@@ -160,7 +161,7 @@ def test_a_graceful_leave_keeps_the_swarm_going(tmp_path: Path) -> None:
         assert summary["stuck_rounds"] == 0
         _wait(lambda: len(_agreeing_after(tmp_path, ["a", "b"], left + 2.0)) >= 3, 25, "a and b go on after the leave")
         for n in ("a", "b"):
-            assert "event=round_timeout" not in (tmp_path / f"{n}.log").read_text(errors="replace")
+            assert "event=round_timeout " not in (tmp_path / f"{n}.log").read_text(errors="replace")  # (not _stretched)
     _no_divergence(tmp_path, names)
 
 
