@@ -363,7 +363,9 @@ class HivemindTransport(Transport):
         try:
             return await f.until_closed(live, leader=self.peer_id, deadline=deadline, poll=0.1, known=self._known)
         finally:
-            if f.group is not None and self._tasks is not None:  # tell live peers that did not join who leads
+            # Tell live peers that did not join who leads: once a round (from the leader's own join; every
+            # joiner's request passes here too, and k of them each scanning the view would be O(k²) a round).
+            if f.group is not None and self._tasks is not None and request.peer_id == self.peer_id:
                 absent = {i.peer_id for i in self._live} - set(f.requests) - {self.peer_id} - self.blocked
                 for p in self._contacts.to_greet(absent):
                     self._tasks.create_task(self._hello(p))
