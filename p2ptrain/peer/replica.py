@@ -92,13 +92,14 @@ class ReplicaState:
     def record_send(self, rnd: Round) -> None:
         self.sent_at.setdefault(rnd.key, time.time())
         self.before[rnd.key] = (rnd.fragment, rnd.theta, self.outer.momentum(rnd.fragment))
-        self._prune(self.before)
+        self._prune_before(rnd.key)
 
     def record_apply(self, rnd: Round) -> None:
         f = rnd.fragment
         theta = self.outer.theta(f)
         self.after[rnd.key] = (f, theta, self.outer.momentum(f), self.outer.round_state(f))
         self._prune(self.after)
+        self._prune_before()
         digest = self._digests.submit(theta_digest, theta)
         # Not the round itself in the callback: a concurrent Future keeps its callbacks after running them and
         # applied_log keeps the Future for the whole run, so a Round held here (its snapshot, Δ, payload, average
@@ -116,6 +117,15 @@ class ReplicaState:
             seen[f] = seen.get(f, 0) + 1
             if seen[f] > self.keep:
                 del versions[key]
+
+    def _prune_before(self, sending: str = "") -> None:
+        """Keep θ before a round while the round is in flight or among the ``keep`` newest applied of its
+        fragment: a divergent member asks for it when it applies, which can be long after the others did. Failed
+        rounds must not push it out (a swarm without a quorum fails a round every step; a member 27 s late then
+        found no ``before:KEY`` left and applied a θ it knew was divergent)."""
+        live = {r.key for r in self._in_flight() if r.live} | {sending}
+        for key in [k for k in self.before if k not in live and k not in self.after]:
+            del self.before[key]
 
     def digests(self) -> dict[str, tuple[str, list[torch.Tensor]]]:
         """θ's digest after every applied round (waits for the ones still being computed)."""

@@ -1,0 +1,59 @@
+"""θ before a round stays available to a divergent member for as long as the round is in flight or among the
+newest applied of its fragment, however many rounds of that fragment fail meanwhile (a swarm without a quorum
+fails one every step: a member that applied late once found the others' ``before:KEY`` pruned and applied a θ it
+knew was divergent)."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import torch
+
+from p2ptrain.algo.compress import Identity
+from p2ptrain.algo.rounds import Round, RoundState
+from p2ptrain.checkpoint import state_from_bytes
+from p2ptrain.peer.replica import ReplicaState
+
+
+def _round(i: int, theta: list[torch.Tensor]) -> Round:
+    return Round(0, i, i, i + 1, [torch.zeros(3)], [torch.zeros(3)], 1.0, Identity(), name=f"f0.L{i}",
+                 state=RoundState.AVERAGING, theta=theta)
+
+
+def test_before_of_an_applied_round_outlives_failed_rounds() -> None:
+    theta = [torch.zeros(3)]
+    outer = types.SimpleNamespace(theta=lambda f: theta, momentum=lambda f: [torch.zeros(3)],
+                                  round_state=lambda f: {})
+    flying: list[Round] = []
+    rep = ReplicaState(outer, None, [], threading.Lock(), lambda: flying, keep=2)  # type: ignore[arg-type]
+    try:
+        first = _round(0, [torch.full((3,), 7.0)])
+        flying.append(first)
+        rep.record_send(first)
+        first.state = RoundState.APPLIED
+        flying.remove(first)
+        rep.record_apply(first)
+        for i in range(1, 12):  # eleven rounds of the same fragment sent and failed
+            rnd = _round(i, [torch.full((3,), float(i))])
+            flying.append(rnd)
+            rep.record_send(rnd)
+            assert rep.provide(f"before:f0.L{i}") is not None  # in flight: served
+            rnd.abort()
+            flying.remove(rnd)
+        raw = rep.provide("before:f0.L0")
+        assert raw is not None, "θ before the applied round was pruned by failed rounds"
+        assert torch.equal(state_from_bytes(raw, "before")["theta"][0], torch.full((3,), 7.0))
+        assert rep.provide("before:f0.L5") is None  # a failed round's θ is dropped
+        for i in (20, 21):  # two newer applied rounds of the fragment: the first is now out of the keep window
+            rnd = _round(i, [torch.zeros(3)])
+            flying.append(rnd)
+            rep.record_send(rnd)
+            rnd.state = RoundState.APPLIED
+            flying.remove(rnd)
+            rep.record_apply(rnd)
+        assert rep.provide("before:f0.L0") is None
+        assert rep.provide("before:f0.L20") is not None and rep.provide("before:f0.L21") is not None
+        assert len(rep.before) == 2
+    finally:
+        rep.close()
