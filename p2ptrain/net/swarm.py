@@ -33,6 +33,7 @@ into the modules above.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +57,7 @@ from .offers import Offers
 from .state_transfer import StateServer, fetch_chunked
 from .streams import ChunkSource, Streams, Trailer
 from .transport import (
+    MAX_SKIPPED,
     Decide,
     Group,
     JoinRequest,
@@ -324,7 +326,11 @@ class HivemindTransport(Transport):
                 group = await self._lead(request, decide, deadline)
             else:
                 try:
-                    reply, _ = await self._call(leader, "join", request.to_wire(),
+                    # Name the leaders we found unreachable: a peer whose view still shows one of them as the
+                    # smallest would otherwise send us back to it (when the smallest peer dies, the next one's
+                    # own join may not have found that out yet).
+                    wire = dataclasses.replace(request, skipped=tuple(sorted(skipped))[:MAX_SKIPPED]).to_wire()
+                    reply, _ = await self._call(leader, "join", wire,
                                                 timeout=min(deadline - time.monotonic(), self.cfg.join_window + 10))
                 except RoundFailed as e:
                     log.info("event=leader_unreachable leader=%s reason=%s", leader[-8:], e)
@@ -385,9 +391,11 @@ class HivemindTransport(Transport):
         if req.peer_id != sender:
             return {"error": "peer id does not match the stream's peer"}
         self._contacts.heard(sender)
-        if req.key not in self._forming and (smaller := leader_of(await self._live_ids())) != self.peer_id:
+        live = [p for p in await self._live_ids() if p not in req.skipped] or [self.peer_id]
+        if req.key not in self._forming and (smaller := leader_of(live)) != self.peer_id:
             # The joiner's view lacks a smaller live peer ours shows: we would lead a second group for this
-            # round key. Name the leader instead (our own form_group found it unreachable if we lead already).
+            # round key. Name the leader instead (our own form_group found it unreachable if we lead already;
+            # one the joiner found unreachable is not named: we lead if we are the next, as the quorum allows).
             return {"error": f"not the leader of round {req.key}", "leader": smaller}
         try:
             group = await self._lead(req, None, time.monotonic() + self.cfg.join_window + 5)

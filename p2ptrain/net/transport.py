@@ -50,6 +50,10 @@ class StateMismatch(RoundFailed):
     """This peer's round state (e.g. its low-rank ranks) differs from the group's: it must resync."""
 
 
+#: At most this many unreachable leaders named in one join request (a longer list is cut, not trusted further).
+MAX_SKIPPED = 16
+
+
 @dataclass
 class JoinRequest:
     """What a peer brings to a round's leader.
@@ -72,11 +76,13 @@ class JoinRequest:
     signature: str = ""  # the shape of what this peer will send (e.g. low-rank ranks): must match the group's
     sends: int | None = None
     region: str = ""  # the region the peer announces (hierarchical rounds group members by it)
+    skipped: tuple[str, ...] = ()  # leaders this peer found unreachable for this round (not to be named again)
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "peer": self.peer_id, "weight": self.weight, "fragment": self.fragment,
                 "scores": self.scores, "busy": self.busy, "last_sent": self.last_sent, "step": self.step,
-                "abstain": self.abstain, "sig": self.signature, "sends": self.sends, "region": self.region}
+                "abstain": self.abstain, "sig": self.signature, "sends": self.sends, "region": self.region,
+                "skipped": list(self.skipped)}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> JoinRequest:
@@ -85,7 +91,8 @@ class JoinRequest:
                    scores=None if m.get("scores") is None else [float(x) for x in m["scores"]],
                    busy=[int(x) for x in m.get("busy", [])], last_sent=[int(x) for x in m.get("last_sent", [])],
                    step=int(m.get("step", 0)), abstain=bool(m.get("abstain", False)), signature=str(m.get("sig", "")),
-                   sends=None if m.get("sends") is None else int(m["sends"]), region=str(m.get("region", "")))
+                   sends=None if m.get("sends") is None else int(m["sends"]), region=str(m.get("region", "")),
+                   skipped=tuple(str(p) for p in m.get("skipped", ())[:MAX_SKIPPED]))
 
 
 @dataclass(frozen=True)

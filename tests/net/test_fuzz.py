@@ -19,7 +19,7 @@ from p2ptrain.net.claims import Entry, Evidence, payload_sha, sign_contribution
 from p2ptrain.net.identity import Identity
 from p2ptrain.net.state_transfer import StateServer, fetch_chunked
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
-from p2ptrain.net.transport import Group, JoinRequest, PeerInfo, RoundFailed
+from p2ptrain.net.transport import MAX_SKIPPED, Group, JoinRequest, PeerInfo, RoundFailed
 from p2ptrain.net.wire import SCHEMA_ERRORS, FrameError, decode_message, encode_message, read_frame
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -121,12 +121,14 @@ def test_state_download_refuses_whatever_a_source_sends(replies: list[dict[str, 
 
 
 @FUZZ
-@given(_msg(["key", "peer", "weight", "fragment", "scores", "busy", "last_sent", "step", "abstain", "sig", "sends"]))
+@given(_msg(["key", "peer", "weight", "fragment", "scores", "busy", "last_sent", "step", "abstain", "sig", "sends",
+             "region", "skipped"]))
 def test_join_requests_parse_or_refuse(msg: dict[str, Any]) -> None:
     try:
-        JoinRequest.from_wire(msg)
+        req = JoinRequest.from_wire(msg)
     except SCHEMA_ERRORS:
-        pass
+        return
+    assert len(req.skipped) <= MAX_SKIPPED and all(isinstance(p, str) for p in req.skipped)
 
 
 @FUZZ

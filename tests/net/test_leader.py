@@ -154,6 +154,40 @@ def test_a_joiner_whose_view_lacks_the_leader_is_sent_to_it() -> None:
     asyncio.run(go())
 
 
+@pytest.mark.net
+@pytest.mark.timeout(120)
+def test_when_the_smallest_peer_is_unreachable_the_next_leads_before_its_own_join() -> None:
+    """Real libp2p peers a < b < c < d; a is unreachable (its joins fail: it crashed, its DHT record lives on).
+    c and d skip a and ask b, which has not joined the round yet and still sees a live. b used to name a again
+    and c and d, having found a unreachable, failed the round (the churn benchmark's "not the leader" failures,
+    each time the smallest peer died). The join now names the leaders its sender skipped: b leads, and its own
+    join, once it has skipped a too, ends in the same group."""
+
+    async def go() -> None:
+        async with real_swarm(4, "skipped", 3.0) as (a, b, c, d):
+            for t in (b, c, d):
+                call = t._call
+
+                async def unreachable_a(peer: str, kind: str, msg: dict[str, Any], *, _call: Any = call,
+                                        **kw: Any) -> Any:
+                    if peer == a.peer_id and kind == "join":
+                        raise RoundFailed(f"join to {peer[-8:]}: stream closed mid-frame")
+                    return await _call(peer, kind, msg, **kw)
+
+                t._call = unreachable_a  # type: ignore[method-assign]
+
+            async def join(t: HivemindTransport, delay: float) -> Any:
+                await asyncio.sleep(delay)
+                return await t.form_group(JoinRequest(key="r0", peer_id=t.peer_id, weight=1.0, fragment=0), None,
+                                          timeout=20)
+
+            groups = await asyncio.gather(join(c, 0.0), join(d, 0.0), join(b, 1.0))
+            assert all(g == groups[0] for g in groups), groups
+            assert groups[0].leader == b.peer_id and set(groups[0].members) == {b.peer_id, c.peer_id, d.peer_id}
+
+    asyncio.run(go())
+
+
 def test_the_quorum_remembers_a_region_gone_dark_not_a_peer_gone_from_a_region_in_view() -> None:
     """Whom the quorum counts beside the view (HivemindTransport._known): peers of a region none of whose peers
     is in view (cut off: the side without a majority waits), not a peer missing from a region still in view
