@@ -57,6 +57,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -546,12 +547,23 @@ async def _forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d
             held -= len(data)
             room.set()
 
-    inbound = asyncio.ensure_future(pump_in())
+    await _both(pump_in(), pump_out())
+
+
+async def _both(first: Coroutine[Any, Any, None], second: Coroutine[Any, Any, None]) -> None:
+    """Run two coroutines until both end; when one raises, cancel the other and raise. (With a bare gather a
+    failed side left the other waiting on an event nobody would set: its task was then garbage-collected
+    pending, printing "Task was destroyed but it is pending" and "coroutine ignored GeneratorExit".)"""
+    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
     try:
-        await pump_out()
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if not t.cancelled() and (e := t.exception()) is not None:
+                raise e
     finally:
-        inbound.cancel()
-        await asyncio.gather(inbound, return_exceptions=True)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _relay_main(cfg: dict[str, Any]) -> None:
@@ -582,8 +594,7 @@ async def _relay_main(cfg: dict[str, Any]) -> None:
             return
         _nodelay(target_w)
         try:
-            await asyncio.gather(_forward(client_r, target_w, delay, window),
-                                 _forward(target_r, client_w, delay, window))
+            await _both(_forward(client_r, target_w, delay, window), _forward(target_r, client_w, delay, window))
         except (OSError, ConnectionError, RuntimeError):  # RuntimeError: uvloop's write to a closed transport
             pass
         finally:

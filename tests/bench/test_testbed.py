@@ -75,3 +75,40 @@ def test_region_strings() -> None:
     assert (r.host_rate, r.uplink_rate, r.delay_ms) == (None, None, 0.0)
     with pytest.raises(ValueError, match="tc unit"):
         parse_region("us:1:fast")
+
+
+def test_the_relay_ends_both_directions_when_one_fails() -> None:
+    """The delay relay's two pumps (and its two directions) end together: a side that fails cancels the other
+    instead of leaving it waiting, forever, on an event nobody sets (its task was garbage-collected pending)."""
+    import asyncio
+
+    from bench.testbed import _both
+
+    async def go() -> None:
+        cancelled: list[bool] = []
+
+        async def fails() -> None:
+            await asyncio.sleep(0.01)
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+        async def waits() -> None:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(_both(waits(), fails()), 5)
+        assert cancelled == [True]
+        ended: list[int] = []
+
+        async def ends(i: int) -> None:
+            await asyncio.sleep(0.01 * i)
+            ended.append(i)
+
+        await asyncio.wait_for(_both(ends(2), ends(1)), 5)
+        assert ended == [1, 2]
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(go())
