@@ -212,10 +212,20 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
     bounds = part_bounds(mean.numel(), plan.shards)
     timeline = {"local": time.monotonic() - t0}
 
+    cells = len(plan.carriers[0])  # every shard has one carrier a cell
+
+    def lost(res: ReduceResult) -> bool:
+        # Outvoted only by a strict majority of all cells, each voting its cell's θ: at most one θ can win that
+        # on any shard, so no cell is outvoted on one shard and the winner on another (ties: nobody repairs).
+        return res.divergent and not local.divergent and 2 * len(res.contributors) > cells
+
     async def carry(s: int) -> tuple[int, ReduceResult, bytes]:
         lo, hi = bounds[s]
+        # Our θ lost our cell's vote (step 1): we must not vote it on behalf of our cell's mean. No print: the
+        # shard's average leaves our cell out (partial), and our cell learns no outvote from this shard.
         res = await transport.allreduce(plan.shard_group(group, s), phase, [mean[lo:hi]], local.total_weight, codec,
-                                        timeout=deadline - time.monotonic(), fingerprint=fingerprint)
+                                        timeout=deadline - time.monotonic(),
+                                        fingerprint=None if local.divergent else fingerprint)
         payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
         offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
         name = _offer_name(group, phase, s)
@@ -223,7 +233,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         transport.offers.put(name + "#sha", digest.encode(), ttl=OFFER_TTL)
         # The other regions' carriers outvoted this region's θ (this carrier was excluded as divergent): the
         # region's members learn it with the shard, and whom to take θ from (not the region's own members).
-        transport.offers.put(name + "#div", ",".join(res.contributors if res.divergent else ()).encode(),
+        transport.offers.put(name + "#div", ",".join(res.contributors if lost(res) else ()).encode(),
                              ttl=OFFER_TTL)
         return s, res, offer
 
@@ -239,7 +249,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
     timeline["across"] = time.monotonic() - t0
     fetched = 0
 
-    outvoted: list[str] = [m for c in carried if not isinstance(c, BaseException) and c[1].divergent
+    outvoted: list[str] = [m for c in carried if not isinstance(c, BaseException) and lost(c[1])
                            for m in c[1].contributors]
 
     async def fetch(s: int) -> None:
@@ -259,7 +269,6 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
     out = torch.empty_like(mean)
     totals: set[float] = set()
     partial = local.partial or any(isinstance(c, BaseException) for c in carried)
-    cells = len(plan.carriers[0])  # every shard has one carrier a cell
     for s, (lo, hi) in enumerate(bounds):
         offer = offers[s]
         if len(offer) < _HEADER.size:
@@ -275,14 +284,15 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         offset += n
     served = sum(len(o) * (len(plan.local.members) - 1) for s, o in offers.items() if s in plan.carried)
     contributors = tuple(sorted(set(local.contributors) | {m for r in crossed for m in r.contributors}))
-    if outvoted:  # this region's θ is not the swarm's: repair (which tries contributors in order) from the majority
-        contributors = tuple(dict.fromkeys([*sorted(set(outvoted)), *contributors]))
+    # Repair tries contributors in order: an outvoted cell's members from the cells that beat it; a member outvoted
+    # in its cell from its cell's majority (not a crossed carrier of another cell, whose θ may be another one).
+    contributors = tuple(dict.fromkeys([*sorted(set(outvoted)), *sorted(local.contributors), *contributors]))
     return ReduceResult(pieces, max(totals) if totals else local.total_weight, group.members, contributors,
                         partial=partial or len(totals) > 1,
                         bytes_sent=local.bytes_sent + sum(r.bytes_sent for r in crossed) + served,
                         bytes_received=local.bytes_received + sum(r.bytes_received for r in crossed) + fetched,
                         seconds=time.monotonic() - t0,
-                        divergent=local.divergent or any(r.divergent for r in crossed) or bool(outvoted),
+                        divergent=local.divergent or bool(outvoted),
                         verify_bytes=local.verify_bytes + sum(r.verify_bytes for r in crossed),
                         liars=tuple(sorted(set(local.liars) | {m for r in crossed for m in r.liars})),
                         timeline={**timeline, "assembled": time.monotonic() - t0})

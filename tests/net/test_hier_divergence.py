@@ -1,0 +1,83 @@
+"""A hierarchical round with replicas whose θ differ must not end with members on both sides (churn benchmark,
+rounds f2.L897782340, f2.L897782420, f0.L897782440: whole cells "repaired" onto the other side's θ).
+
+The cross-cell vote (step 2) is taken per shard with each *carrier's own* fingerprint, and a shard's carriers
+differ from shard to shard. A carrier in its cell's minority (outvoted in step 1) still votes its own θ on behalf
+of a cell mean it is not part of, and ties between cells are broken by the smallest carrier id: so a cell is
+outvoted on some shards and wins others, and an outvoted cell repairs from the carriers that beat it on *that*
+shard, which may hold the swarm's minority θ. Repair is emulated as ReplicaState.repair does it: θ before the
+round from the first other peer of ``contributors`` (every peer here has it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from p2ptrain.collective.codecs import get_codec
+from p2ptrain.net.hierarchy import hierarchical_allreduce, plan_for
+from p2ptrain.net.memory import MemorySwarm
+from p2ptrain.net.transport import Group, PeerInfo, ReduceResult
+
+X, Y = [1.0, 2.0], [5.0, 7.0]  # two versions of θ (their fingerprints)
+
+
+def _group(members: list[str], regions: list[str]) -> Group:
+    order = sorted(range(len(members)), key=lambda i: members[i])
+    return Group("h", tuple(members[i] for i in order), min(members), 0, "", None, tuple(regions[i] for i in order))
+
+
+async def _round(holds: dict[str, list[float]], regions: dict[str, str]) -> dict[str, ReduceResult]:
+    swarm = MemorySwarm(join_window=0.1, ttl=60)
+    ts = {p: swarm.transport(p) for p in holds}
+    for t in ts.values():
+        await t.announce(PeerInfo(peer_id=t.peer_id))
+    g = _group(list(holds), [regions[p] for p in holds])
+
+    async def one(p: str) -> ReduceResult:
+        plan = plan_for(g, p)
+        assert plan is not None
+        x = [torch.full((12,), float(sorted(holds).index(p)))]
+        return await hierarchical_allreduce(ts[p], g, plan, 0, x, 1.0, get_codec("fp32"), timeout=20.0,
+                                            fingerprint=holds[p])
+
+    res = await asyncio.gather(*(one(p) for p in holds))
+    return dict(zip(holds, res, strict=True))
+
+
+def _after_repair(holds: dict[str, list[float]], res: dict[str, ReduceResult]) -> dict[str, list[float]]:
+    """θ before the round as each member holds it once it applies the round (ReplicaState.repair's choice)."""
+    out = {}
+    for p, r in res.items():
+        src = next((q for q in r.contributors if q != p), None) if r.divergent else None
+        out[p] = holds[src] if src is not None else holds[p]
+    return out
+
+
+def test_a_cells_minority_carrier_does_not_flip_cells() -> None:
+    """us: u0 holds Y, u1 u2 hold X (u0 is its cell's minority, like s03g1.1 after its restart); eu all Y; ap
+    all X. Five of nine hold X. Shard 0's carriers (a0 X, e0 Y, u0 Y) outvote ap; shards 1, 2 outvote eu. Before
+    the fix ap repaired from e0 (Y), eu from a1 (X), u0 from e0 (Y, a crossed contributor sorted before its cell's u1):
+    members ended on both sides. Every member must end with the same θ."""
+    holds = {"a0": X, "a1": X, "a2": X, "e0": Y, "e1": Y, "e2": Y, "u0": Y, "u1": X, "u2": X}
+    regions = {p: {"a": "ap", "e": "eu", "u": "us"}[p[0]] for p in holds}
+    res = asyncio.run(_round(holds, regions))
+    # every member applies the same average bytes: only θ before the round can differ
+    assert len({tuple(r.tensors[0].tolist()) for r in res.values()}) == 1
+    final = _after_repair(holds, res)
+    sides = {p: "X" if v == X else "Y" for p, v in final.items()}
+    assert len(set(sides.values())) == 1, f"members end on both sides: {sides}"
+
+
+def test_a_tie_between_two_cells_never_swaps_them() -> None:
+    """Two cells of three, X against Y, ids interleaved across the cells (us p1 p4 p5, eu p2 p3 p6): shard 0's
+    tie goes to p1 (us), shard 1's to p3 (eu). Both cells used to be flagged and each repaired from the other:
+    they swapped θ, and stayed two sides. A round must never move members across in both directions."""
+    holds = {"p1": X, "p4": X, "p5": X, "p2": Y, "p3": Y, "p6": Y}
+    regions = {p: "us" if holds[p] is X else "eu" for p in holds}
+    res = asyncio.run(_round(holds, regions))
+    final = _after_repair(holds, res)
+    x_to_y = [p for p in holds if holds[p] == X and final[p] == Y]
+    y_to_x = [p for p in holds if holds[p] == Y and final[p] == X]
+    assert not (x_to_y and y_to_x), f"swapped: {x_to_y} took Y while {y_to_x} took X"
