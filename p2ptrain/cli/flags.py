@@ -100,7 +100,7 @@ class JoinFlags:
 
     initial_peers: InitialPeers = None
     run_id: Annotated[str | None, typer.Option("--run-id", show_default="p2ptrain", help="The run to join (peers of one run find each other by it).")] = None
-    region: Annotated[str | None, typer.Option("--region", help="This peer's location: peers of a region average among themselves, then one fragment a region crosses between regions.")] = None
+    region: Annotated[str | None, typer.Option("--region", help="This peer's location: peers of a region average among themselves, then one fragment a region crosses between regions. 'auto': measured from round-trip times to the live peers.")] = None
     flat_rounds: Annotated[bool, typer.Option("--flat-rounds", help="One all-reduce over every member, even across regions.")] = False
     max_group: Annotated[int | None, typer.Option("--max-group", show_default="32", help="The most peers one step of a round involves: larger regions average in cells of this many, then across cells.")] = None
     clock: Annotated[Clock | None, typer.Option("--clock", show_default="wall", help="Pace rounds by the swarm's shared wall clock, or by each peer's own inner steps (every peer waits for the slowest; every peer of a run must use the same).")] = None

@@ -382,6 +382,18 @@ class HivemindTransport(Transport):
         except RoundFailed as e:
             log.debug("event=hello_failed peer=%s reason=%s", peer[-8:], e)
 
+    async def rtt(self, peer: str, *, tries: int = 3, timeout: float = 5.0) -> float | None:
+        best: float | None = None
+        deadline = time.monotonic() + timeout
+        for _ in range(tries):
+            try:
+                _, seconds = await self._call(peer, "hello", {"key": "hello"},
+                                              timeout=max(0.1, deadline - time.monotonic()))
+            except RoundFailed:
+                break
+            best = seconds if best is None else min(best, seconds)
+        return best
+
     async def _on_hello(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         self._contacts.heard(sender)
         return {"ok": True}

@@ -229,6 +229,11 @@ class Transport(abc.ABC):
         """Stop everything the transport runs (background tasks, connections); then it is CLOSED."""
         self.state = TransportState.CLOSED
 
+    async def rtt(self, peer: str, *, tries: int = 3, timeout: float = 5.0) -> float | None:
+        """Round-trip time to ``peer`` in seconds (the fastest of ``tries`` small requests), or None when this
+        transport cannot tell (in-memory) or the peer does not answer within ``timeout``."""
+        return None
+
     @abc.abstractmethod
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
         """Join round ``request.key``; returns the group once the leader closes it. RoundFailed if this

@@ -33,6 +33,7 @@ import torch
 from ..algo.configs import MethodConfig
 from ..collective.codecs import get_codec
 from ..metrics import PeerMetrics
+from ..net.region import AUTO
 from ..net.transport import PeerInfo, Transport
 from ..peer_checkpoint import PeerCheckpoints, resumable_digest
 from ..sync import NetLoop, RoundRunner
@@ -60,6 +61,7 @@ class PeerBase:
                  on_status: Callable[[dict[str, Any]], None] | None = None, seed: int = 0,
                  metrics: PeerMetrics | None = None) -> None:
         self.cfg, self.method, self.trainer = cfg, method, trainer
+        self.region = "" if cfg.region == AUTO else cfg.region  # the region announced (``auto``: measured at connect)
         self._own_net = net is None
         self.net = net or NetLoop()
         self.on_status, self.metrics, self.seed = on_status, metrics, seed
@@ -207,10 +209,13 @@ class PeerBase:
             return
         self.link.connect(provide=self._provide, on_round=self._on_round, info=self._info, on_live=self._live_view)
         assert self.runner is not None and self.transport is not None
+        if self.cfg.region == AUTO:
+            self.region = self.link.measure_region(self.cfg.region_near)
+            self.link.announce_now(self._info())  # peers measuring next take our name from the announcement
         self.collective = SwarmCollective(
             self.net, self.runner, peer_id=self.transport.peer_id, codec=self.codec,
             join_timeout=self.cfg.join_timeout, wait_limit=self._wait_limit(), step_seconds=lambda: self.step_seconds,
-            region=self.cfg.region)
+            region=self.region)
         self.state = PeerState.CONNECTED
         self._connected()
 
@@ -287,7 +292,7 @@ class PeerBase:
     def _info(self) -> PeerInfo:
         st = self.runner.stats if self.runner else None
         tps = self.trainer.tokens_seen / self.compute if self.compute > 0 else 0.0
-        return PeerInfo(peer_id=self.peer_id, region=self.cfg.region, step=self.trainer.step_count,
+        return PeerInfo(peer_id=self.peer_id, region=self.region, step=self.trainer.step_count,
                         logical_step=self.last_lstep, tokens_per_second=tps, bandwidth=st.bandwidth if st else 0.0,
                         loss=self.last_loss, method=self.method.name,
                         extra={"rounds": st.complete + st.partial if st else 0, "in_flight": st.in_flight if st else 0,

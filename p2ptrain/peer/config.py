@@ -27,7 +27,9 @@ class PeerConfig:
 
     Attributes:
         run_id: the run's name; peers of one run find each other under it.
-        region: a free-form label (announced, shown by ``status``).
+        region: a free-form label (announced, shown by ``status``); hierarchical rounds group members by it.
+            ``auto``: measured once joined, from round-trip times to the live peers (:mod:`p2ptrain.net.region`).
+        region_near: with ``region = "auto"``, seconds of round-trip time under which a peer is of one's region.
         steps: leave cleanly after this many inner steps.
         step_seconds: the swarm's logical step duration (round pacing). None: take the run's
             published value, or (first peer) measure the first inner steps and publish that.
@@ -61,6 +63,7 @@ class PeerConfig:
 
     run_id: str = "p2ptrain"
     region: str = ""
+    region_near: float = 0.010
     steps: int = 300
     step_seconds: float | None = None
     join_window: float = 2.0
@@ -93,6 +96,8 @@ class PeerConfig:
             raise ValueError("steps must be at least 1")
         if self.step_seconds is not None and self.step_seconds <= 0:
             raise ValueError("step_seconds must be positive")
+        if not self.region_near > 0:
+            raise ValueError(f"region_near must be positive (seconds of round-trip time), got {self.region_near}")
         if self.quorum_memory < 0:
             raise ValueError(f"quorum_memory must be at least 0, got {self.quorum_memory}")
         for name in ("join_window", "join_timeout", "heartbeat", "ttl", "drain_timeout"):

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..checkpoint import state_from_bytes
 from ..collective.codecs import Codec
+from ..net.region import DEFAULT_NEAR, pick_region
 from ..net.transport import PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 from ..sync import NetLoop, RoundRunner
 from .config import PeerConfig
@@ -158,6 +159,27 @@ class SwarmLink:
         assert self.transport is not None
         me = self.transport.peer_id
         return [p for p in self.net.call(self.transport.peers(), self.cfg.join_timeout) if p.peer_id != me]
+
+    def measure_region(self, near: float = DEFAULT_NEAR, *, most: int = 32) -> str:
+        """The region this peer announces when it names none (see :mod:`p2ptrain.net.region`): RTTs to up to
+        ``most`` live peers, measured together, each bounded."""
+        assert self.transport is not None
+        transport = self.transport
+        others = self.others()[:most]
+
+        async def measure() -> list[float | None]:
+            return list(await asyncio.gather(*(transport.rtt(i.peer_id, timeout=5.0) for i in others)))
+
+        rtts = self.net.call(measure(), 15.0) if others else []
+        measured = {i.peer_id: r for i, r in zip(others, rtts, strict=True) if r is not None}
+        if others and not measured:
+            log.warning("event=region_unmeasured reason=no live peer answered (or the transport cannot tell): "
+                        "no region, flat rounds")
+            return ""
+        region = pick_region(transport.peer_id, measured, {i.peer_id: i.region for i in others}, near)
+        log.info("event=region_measured region=%s rtts_ms=%s", region,
+                 ",".join(f"{p[-8:]}:{r * 1000:.1f}" for p, r in sorted(measured.items(), key=lambda x: x[1])))
+        return region
 
     def sources(self) -> list[str]:
         """The other live peers, most advanced first (they hold the newest θ), then by id so joiners agree."""
