@@ -569,7 +569,8 @@ class Phase:
             "round_failures": sum(len(r["failed_on"]) for r in rows.values()),
             "stuck_rounds": len([s for s in stuck if "leaving" not in s]),
             "stuck_rounds_when_leaving": len([s for s in stuck if "leaving" in s]),
-            # each fragment's round carries the tokens since that fragment's last send: a token reaches all of θ
+            # each fragment's round carries the tokens since that fragment's last round that was not aborted (an
+            # aborted round's progress rides on the next one's Δ, p2ptrain/driver.py): a token reaches all of θ
             # once every fragment's round that holds it is applied, so the sum over rounds counts it P times
             "tokens_in_theta": sum(r["tokens"] for r in win) / self.fragments,
             "tokens_trained": steps * seq,
@@ -822,7 +823,7 @@ def _markdown(payload: dict[str, Any]) -> str:
     lines += ["", "Members: contributors a peer's applied round names (hierarchical rounds: its region's and the "
                   "carriers it met across regions, not the whole group). Tokens in θ: the total weight of every round "
                   "applied by the majority in the window, over the P fragments (each fragment's round carries the "
-                  "tokens since that fragment's last send)."]
+                  "tokens since that fragment's last round that was not aborted, whose progress its Δ holds)."]
     return "\n".join(lines) + "\n"
 
 

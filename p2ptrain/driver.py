@@ -143,7 +143,7 @@ class OuterDriver:
         slot_lag: logical steps after a slot by which every member holds its decision (a change of N starts
             no earlier); see :class:`~p2ptrain.algo.slots.SlotLeader`.
         tokens: tokens trained so far (default ``params.tokens_seen``): a round's weight is those since the
-            fragment's last send.
+            fragment's last round that was not aborted (an aborted round's progress goes into the next one's Δ).
     """
 
     def __init__(self, outer: OuterLoop, params: LocalParams, collective: Collective, *,
@@ -159,6 +159,9 @@ class OuterDriver:
         self.leader = SlotLeader(outer.cfg.H, slot_lag, outer.rules.choice or "drift") if outer.negotiated else None
         self._tokens = tokens or (lambda: int(params.tokens_seen))  # type: ignore[attr-defined]
         self.tokens_at_send = [0] * len(outer.fragments)
+        # round key -> (fragment, tokens mark before its send, mark it set): an aborted round gives its tokens
+        # back to the fragment's next send (its progress stays in θ − θ_i and goes into that round's Δ)
+        self._marks: dict[str, tuple[int, int, int]] = {}
         self.in_flight: list[Round] = []
         self.pending: list[tuple[int, Pending]] = []  # CoCoDC negotiations: (slot, decision to come)
         self.last_slot = -1
@@ -182,7 +185,7 @@ class OuterDriver:
 
     def _plan(self, step: int) -> bool:
         for _ in range(1000):
-            self.in_flight = [r for r in self.in_flight if r.live]
+            self._drop_finished()
             plan = self.outer.plan(step, self.in_flight, is_arrived=self.collective.arrived)
             if plan.wait:
                 if not self.collective.wait(plan.wait):
@@ -200,10 +203,23 @@ class OuterDriver:
                     self._apply(x, step)
         raise RuntimeError(f"outer loop made no progress at step {step}")
 
+    def _drop_finished(self) -> None:
+        """Forget rounds that are no longer live; an aborted one's tokens count toward its fragment's next send
+        (unless a later send of the fragment already moved the mark on)."""
+        for r in self.in_flight:
+            if r.state is RoundState.ABORTED and (mark := self._marks.pop(r.key, None)) is not None:
+                fragment, before, after = mark
+                if self.tokens_at_send[fragment] == after:
+                    self.tokens_at_send[fragment] = before
+        self.in_flight = [r for r in self.in_flight if r.live]
+
     def _send(self, fragment: int, step: int, request: RoundRequest) -> Round:
         tokens = self._tokens()
-        weight = max(1, tokens - self.tokens_at_send[fragment])
+        before = self.tokens_at_send[fragment]
+        # The tokens since this fragment's last round that was not aborted: Δ holds their progress too.
+        weight = max(1, tokens - before)
         self.tokens_at_send[fragment] = tokens
+        self._marks[request.key] = (fragment, before, tokens)
         request.check_theta = self.outer.shared_theta
         with self.lock:  # a state provider on another thread sees the round in flight with the state it left
             rnd = self.outer.start(fragment, step, self.params, weight=weight, name=request.key,
@@ -221,6 +237,7 @@ class OuterDriver:
         with self.lock:
             rep = self.outer.finish(rnd, step, self.params)
             self.in_flight.remove(rnd)
+            self._marks.pop(rnd.key, None)
             self.hooks.after_apply(rnd, rep)
         self.applied += 1
         self.stats.history.append((step, "apply", rnd.fragment))
@@ -285,7 +302,7 @@ class OuterDriver:
                 return False
             if rnd.arrived:
                 self._apply(rnd, step)
-        self.in_flight = [r for r in self.in_flight if r.live]
+        self._drop_finished()
         self.pending = []
         return True
 
