@@ -57,6 +57,13 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<dI")  # a shard offer: the shard's total weight (float64), its number of contributors
 OFFER_TTL = 300.0  # seconds a carrier serves its shard (members that were slow still find it)
+#: The step budgets, as shares of the round's timeout from its start: the cell's all-reduce ends by LOCAL_SHARE,
+#: the shards' across cells by CROSS_SHARE, and the rest is for members to fetch the shards. Each step ends partial
+#: without a member that does not answer in its budget, so a frozen or departed carrier costs one step's budget
+#: and the round still ends for everyone else (with the whole remaining time for the cross step, a carrier frozen
+#: mid-round made the others offer their shards only at the deadline: no member fetched them in time).
+LOCAL_SHARE = 0.35
+CROSS_SHARE = 0.85
 
 
 @dataclass(frozen=True)
@@ -136,10 +143,11 @@ async def _poll(transport: Transport, peer: str, name: str, deadline: float) -> 
 
 
 async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: int, s: int, me: str,
-                       deadline: float) -> tuple[bytes, int]:
+                       deadline: float, crossed_by: float = 0.0) -> tuple[bytes, int]:
     """Shard ``s``'s offer as this member's region's carrier serves it, checked against a carrier of another
     region (the digest of its offer); from another region's carrier when ours does not deliver by 3/4 of the time
-    left. Returns (offer, bytes fetched). RoundFailed if carriers disagree or none delivers."""
+    left, or halfway from ``crossed_by`` (when the cross step ends at the latest) to the deadline if that is later.
+    Returns (offer, bytes fetched). RoundFailed if carriers disagree or none delivers."""
     name = _offer_name(group, phase, s)
     holder = plan.holder[s]
     others = [c for c in plan.carriers[s] if c != holder]
@@ -147,7 +155,7 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
         start = zlib.crc32(me.encode()) % len(others)  # spread the digest requests over the carriers
         witnesses = others[start:] + others[:start]
         t0 = time.monotonic()
-        ours = t0 + 0.75 * (deadline - t0)
+        ours = max(t0 + 0.75 * (deadline - t0), crossed_by + 0.5 * (deadline - crossed_by))
 
         async def answer(peer: str, what: str) -> bytes | BaseException:  # never raises: silence is an answer
             try:
@@ -206,7 +214,8 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
     shapes = [t.shape for t in tensors]
     device = tensors[0].device if tensors else torch.device("cpu")
     flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
-    local = await transport.allreduce(plan.local, phase, [flat], weight, codec, timeout=deadline - time.monotonic(),
+    local = await transport.allreduce(plan.local, phase, [flat], weight, codec,
+                                      timeout=max(0.1, t0 + LOCAL_SHARE * timeout - time.monotonic()),
                                       fingerprint=fingerprint)
     mean = local.tensors[0].reshape(-1).float().cpu()
     bounds = part_bounds(mean.numel(), plan.shards)
@@ -224,7 +233,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         # Our θ lost our cell's vote (step 1): we must not vote it on behalf of our cell's mean. No print: the
         # shard's average leaves our cell out (partial), and our cell learns no outvote from this shard.
         res = await transport.allreduce(plan.shard_group(group, s), phase, [mean[lo:hi]], local.total_weight, codec,
-                                        timeout=deadline - time.monotonic(),
+                                        timeout=max(0.1, t0 + CROSS_SHARE * timeout - time.monotonic()),
                                         fingerprint=None if local.divergent else fingerprint)
         payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
         offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
@@ -254,7 +263,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
 
     async def fetch(s: int) -> None:
         nonlocal fetched
-        offers[s], n = await _shard_bytes(transport, plan, group, phase, s, me, deadline)
+        offers[s], n = await _shard_bytes(transport, plan, group, phase, s, me, deadline, t0 + CROSS_SHARE * timeout)
         fetched += n
         if plan.holder[s] != me:
             try:  # whether our region's carrier of s was outvoted (absent: it was not, or it is gone)
