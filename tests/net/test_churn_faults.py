@@ -165,10 +165,11 @@ def test_a_graceful_leave_keeps_the_swarm_going(tmp_path: Path) -> None:
     _no_divergence(tmp_path, names)
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("rounds", ["flat", pytest.param("hierarchical", marks=pytest.mark.xfail(
     strict=False, reason="known bug, not always: after the cut heals the two regions do not always meet in one "
                         "group again within the test's window (each side's view of who is live stays its own for a "
-                        "while; on a loaded machine the first joint round can also take longer than 45 s)"))])
+                        "while)"))])
 def test_a_region_cut_off_for_a_while_rejoins_the_swarm(tmp_path: Path, rounds: str) -> None:
     """Two regions of two peers on the testbed; one is cut off (blackhole routes, both ways) for 15 s. Neither
     half holds more than half of the swarm it saw (net/groups.py's quorum, SwarmConfig.quorum_memory): both
@@ -196,7 +197,8 @@ def test_a_region_cut_off_for_a_while_rejoins_the_swarm(tmp_path: Path, rounds: 
                 if not first:
                     first = [m for m in wait_file(tmp_path / "a.maddrs", 60, procs[0]) if "/ip4/10.200." in m]
             peers = list(names.values())
-            _wait(lambda: _agreeing_after(tmp_path, peers, 0.0), 45, "a round all four applied")
+            # (75 s: four peers start, sync and meet; beside a 16-peer benchmark at load 10, 45 s was too short)
+            _wait(lambda: _agreeing_after(tmp_path, peers, 0.0), 75, "a round all four applied")
             tb.partition("eu", True)
             cut = time.time()
             time.sleep(15)
@@ -206,7 +208,7 @@ def test_a_region_cut_off_for_a_while_rejoins_the_swarm(tmp_path: Path, rounds: 
             during = {n: [k for k, (t, _) in _applied(tmp_path / f"{n}.log").items() if cut + 10.0 < t < healed]
                       for n in peers}
             assert not any(during.values()), f"rounds applied without a quorum while cut off: {during}"
-            _wait(lambda: _agreeing_after(tmp_path, peers, healed + 2.0), 40, "all four agree again after healing")
+            _wait(lambda: _agreeing_after(tmp_path, peers, healed + 2.0), 60, "all four agree again after healing")
             _no_divergence(tmp_path, peers)
             assert all(p.poll() is None for p in procs)
         finally:
