@@ -249,10 +249,11 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
     carried = await asyncio.gather(*(carry(s) for s in plan.carried), return_exceptions=True)
     offers: dict[int, bytes] = {}
     crossed: list[ReduceResult] = []
-    for c in carried:
+    for s, c in zip(plan.carried, carried, strict=True):
         if isinstance(c, BaseException):  # our carry failed: the others fetch the shard from other regions
+            log.info("event=carry_failed name=%s reason=%s: %s", _offer_name(group, phase, s), type(c).__name__, c)
             continue
-        s, res, offer = c
+        _, res, offer = c
         offers[s] = offer
         crossed.append(res)
     timeline["across"] = time.monotonic() - t0
