@@ -266,7 +266,7 @@ class ButterflyRun:
         except ValueError:
             return
         own = {"key": self.group.key, "phase": self.phase, "part": self.me, "contributors": use, "total": total,
-               "agree": sorted(sel.agree), "numel": hi - lo, "codec": self.codec.name}
+               "agree": sorted(sel.agree), "heard": sorted(sel.heard), "numel": hi - lo, "codec": self.codec.name}
         if tau > 0:
             own["tau"] = tau  # CenteredClip's radius: members check the result with it
         self.own = own
@@ -332,7 +332,8 @@ class ButterflyRun:
                           sel.use[p][1]) for p in use]
         stream = PipelinedMean(self.codec, hi - lo, self.chunk, sources, box, box.contribs, self._until(GATHER))
         own = {"key": self.group.key, "phase": self.phase, "part": self.me, "contributors": sorted(use),
-               "total": float(sum(s.weight for s in stream.sources)), "agree": sorted(sel.agree), "numel": hi - lo,
+               "total": float(sum(s.weight for s in stream.sources)), "agree": sorted(sel.agree),
+               "heard": sorted(sel.heard), "numel": hi - lo,
                "codec": self.codec.name, "chunk": self.chunk, "chunks": len(stream.bounds)}
         self.own, self.stream = own, stream
         producer = tg.create_task(_settled(stream.produce()))

@@ -159,14 +159,18 @@ def fingerprints_match(a: Sequence[float], b: Sequence[float], rtol: float = 1e-
 
 
 def majority_fingerprint(prints: Mapping[str, Sequence[float]]) -> set[str]:
-    """The peers whose fingerprint agrees with the largest agreeing set (ties: the set holding the
-    smallest peer id). Peers outside it hold a divergent θ and must not contribute."""
+    """The peers whose fingerprint agrees with the largest agreeing set (ties: the set whose θ's fingerprint sorts
+    first, so that every vote between the same versions of θ picks the same one, whoever casts it: the shards of a
+    hierarchical round are voted by different carriers). Peers outside it hold a divergent θ and must not
+    contribute."""
     peers = sorted(prints)
     best: set[str] = set()
+    best_print: tuple[float, ...] = ()
     for p in peers:
         same = {q for q in peers if fingerprints_match(prints[p], prints[q])}
-        if len(same) > len(best):
-            best = same
+        mine = tuple(float(v) for v in prints[min(same)])
+        if len(same) > len(best) or (len(same) == len(best) and same != best and mine < best_print):
+            best, best_print = same, mine
     return best
 
 

@@ -225,8 +225,12 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
 
     def lost(res: ReduceResult) -> bool:
         # Outvoted only by a strict majority of all cells, each voting its cell's θ: at most one θ can win that
-        # on any shard, so no cell is outvoted on one shard and the winner on another (ties: nobody repairs).
-        return res.divergent and not local.divergent and 2 * len(res.contributors) > cells
+        # on any shard, so no cell is outvoted on one shard and the winner on another. Or, of two cells, by the
+        # other's in a tie: a shard's step then needs both carriers (a part heard from one of two is left out),
+        # and a tie between the same two versions of θ goes the same way on every shard (groups.majority_
+        # fingerprint). Ties among more cells: nobody repairs.
+        winners = len(res.contributors)
+        return res.divergent and not local.divergent and (2 * winners > cells or (cells == 2 and winners == 1))
 
     async def carry(s: int) -> tuple[int, ReduceResult, bytes]:
         lo, hi = bounds[s]

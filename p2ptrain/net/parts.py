@@ -59,6 +59,7 @@ class Selection:
     use: dict[str, tuple[torch.Tensor, float]]
     agree: set[str]
     dropped: dict[str, int] = field(default_factory=dict)
+    heard: set[str] = field(default_factory=set)  # every member whose contribution fits, voted out or not
 
 
 def select_contributions(contribs: Mapping[str, tuple[int, torch.Tensor, float, Sequence[float] | None]],
@@ -73,7 +74,7 @@ def select_contributions(contribs: Mapping[str, tuple[int, torch.Tensor, float, 
     prints = {p: c[3] for p, c in fits.items() if c[3] is not None}
     agree = majority_fingerprint(prints) if prints else set(fits)
     use = {p: (fits[p][1], fits[p][2]) for p in sorted(fits) if p in agree}
-    return Selection(use, agree, dropped)
+    return Selection(use, agree, dropped, set(fits))
 
 
 def payload_len(res: Mapping[str, Any]) -> int:
@@ -142,7 +143,11 @@ class Assembly:
         if part != self.me:
             self.received += payload_len(res)
         who = {str(p) for p in res["contributors"]} & set(self.members)
-        if 2 * len(who) <= len(self.members):
+        # Who the owner heard from: a member voted out (its θ diverged) was reached, so it is not on the other side
+        # of a cut; a tie between two versions of θ is then settled by the vote, not by failing every round.
+        said = res.get("heard")
+        heard = who | ({str(p) for p in said} & set(self.members) if isinstance(said, list) else set())
+        if 2 * len(heard) <= len(self.members):
             self.minority += 1
             self.skip()
             return

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.hierarchy import hierarchical_allreduce, plan_for
 from p2ptrain.net.memory import MemorySwarm
-from p2ptrain.net.transport import Group, PeerInfo, ReduceResult
+from p2ptrain.net.transport import Group, JoinRequest, PeerInfo, ReduceResult
 
 X, Y = [1.0, 2.0], [5.0, 7.0]  # two versions of θ (their fingerprints)
 
@@ -81,3 +82,48 @@ def test_a_tie_between_two_cells_never_swaps_them() -> None:
     x_to_y = [p for p in holds if holds[p] == X and final[p] == Y]
     y_to_x = [p for p in holds if holds[p] == Y and final[p] == X]
     assert not (x_to_y and y_to_x), f"swapped: {x_to_y} took Y while {y_to_x} took X"
+
+
+def test_a_tie_is_settled_by_the_fingerprints_not_by_who_votes() -> None:
+    """majority_fingerprint's tie-break: the version of θ whose fingerprint sorts first, whoever holds it (each
+    shard of a hierarchical round is voted by other carriers: a tie settled by the smallest voter's id went one
+    way on some shards and the other way on others)."""
+    from p2ptrain.net.groups import majority_fingerprint
+
+    assert majority_fingerprint({"a": Y, "b": X}) == {"b"}
+    assert majority_fingerprint({"z": Y, "c": X}) == {"c"}
+    assert majority_fingerprint({"a": Y, "b": Y, "c": X}) == {"a", "b"}  # a majority still wins
+    assert majority_fingerprint({"a": X, "b": Y, "c": X, "d": Y}) == {"a", "c"}
+
+
+@pytest.mark.net
+@pytest.mark.timeout(150)
+def test_two_regions_on_two_versions_of_theta_settle_on_one_over_libp2p() -> None:
+    """Two cells of two on real peers, the cells on two versions of θ. The cross step's vote is a tie in every
+    shard: a part heard from both carriers but averaged from one used to be left out (half the group or less),
+    so every round failed for good ('no carrier delivered it'). Now the tie goes to the version whose
+    fingerprint sorts first on every shard: its cell is not divergent, the other cell is (it repairs), and
+    every member ends with the same bytes, averaged from the winning cell."""
+    from .test_transport_contract import libp2p_swarm
+
+    async def go() -> None:
+        async with libp2p_swarm(4) as ts:
+            regions = ["eu", "eu", "us", "us"]
+            groups = list(await asyncio.gather(*(
+                t.form_group(JoinRequest(key="tie", peer_id=t.peer_id, weight=1.0, fragment=0, region=r), None,
+                             timeout=20) for t, r in zip(ts, regions, strict=True))))
+            prints = [X, X, Y, Y]
+
+            async def one(i: int) -> ReduceResult:
+                plan = plan_for(groups[i], ts[i].peer_id)
+                assert plan is not None
+                return await hierarchical_allreduce(ts[i], groups[i], plan, 0, [torch.full((20,), float(i))], 1.0,
+                                                    get_codec("fp32"), timeout=20.0, fingerprint=prints[i])
+
+            out = await asyncio.gather(*(one(i) for i in range(4)))
+            assert [r.divergent for r in out] == [False, False, True, True]
+            assert all(torch.equal(r.tensors[0], torch.full((20,), 0.5)) for r in out)  # eu's mean
+            assert all(r.partial for r in out)
+            assert all(set(r.contributors[:2]) <= {ts[0].peer_id, ts[1].peer_id} for r in out[2:])  # repair from eu
+
+    asyncio.run(go())

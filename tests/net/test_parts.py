@@ -105,3 +105,25 @@ def test_a_group_cut_in_two_mid_round_applies_nothing_on_either_side() -> None:
     res = side(0, [0, 1, 2], ["a", "b", "c"]).result(group, 0, [torch.zeros(8)], sent=0, seconds=0.0)
     assert res.partial and res.contributors == ("a", "b", "c")
     assert res.tensors[0].tolist() == [1, 1, 2, 2, 3, 3, 0, 0]
+
+
+def test_a_part_voted_down_to_half_but_heard_from_more_is_used() -> None:
+    """A part averaged from two of four (the other two voted out: their θ diverged, but they were reached) is not
+    the side of a cut: heard from more than half, it is used, and the voted-out member learns it diverged. Heard
+    from half (the others never reached the owner), it is left out as before; a malformed 'heard' counts for
+    nothing beyond the contributors."""
+    members = ("a", "b", "c", "d")
+    group = Group("k", members, "a", 0)
+
+    def assemble(heard: object) -> Assembly:
+        asm = Assembly(8, members, 2, check_agree=True)
+        for j in range(4):
+            asm.add(j, 2 * j, 2 * j + 2, torch.full((2,), float(j + 1)),
+                    {"contributors": ["a", "b"], "agree": ["a", "b"], "heard": heard, "total": 2.0})
+        return asm
+
+    res = assemble(["a", "b", "c", "d"]).result(group, 0, [torch.zeros(8)], sent=0, seconds=0.0)
+    assert res.divergent and res.tensors[0].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
+    for heard in (["a", "b"], ["a", "b", "x", "y"], "abcd", None):
+        with pytest.raises(RoundFailed, match="half or less"):
+            assemble(heard).result(group, 0, [torch.zeros(8)], sent=0, seconds=0.0)
