@@ -14,6 +14,7 @@ compressor's phases through the transport, hand the average to the round
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -153,6 +154,12 @@ class RoundRunner:
     SLACK = 3.0
     #: ... and at most this many times the method's timeout (a frozen member must not hold rounds forever).
     MAX_STRETCH = 8.0
+    #: Once rounds have completed, a phase's timeout is at most this many times the slowest of the recent
+    #: complete ones (never under :data:`QUICK_FLOOR` seconds, never over the method's): a member that froze or
+    #: died holds a round for about half its timeout, and 60 s for rounds that take 2 stalled every peer in it
+    #: for half a minute at each fault.
+    QUICK = 5.0
+    QUICK_FLOOR = 10.0
 
     def __init__(self, transport: Transport, codec: Codec, *, join_timeout: float, round_timeout: float,
                  ema: float = 0.3, on_result: Callable[[Round, ReduceResult | None], None] | None = None,
@@ -167,6 +174,7 @@ class RoundRunner:
         self.needs_resync = threading.Event()  # a group said our round state differs from the swarm's
         self._meter = ThroughputEMA(alpha=ema, min_bytes=0)
         self._stretch = 1.0  # doubled after a phase that ran into its deadline, halved after one well inside it
+        self._quick: collections.deque[float] = collections.deque(maxlen=16)  # seconds of recent complete phases
         self.timeout_scale = 1.0  # the last phase's timeout over the method's (the peer's waits scale with it)
         self.on_result = on_result
         self._group: asyncio.TaskGroup | None = None
@@ -301,16 +309,19 @@ class RoundRunner:
         """Seconds one phase of ``members`` may take to all-reduce ``payload``: the method's timeout, or
         :data:`SLACK` times the expected transfer (each member sends and receives 2/k of the payload over each
         link, at the slowest link's measured rate) if that is longer, stretched after phases that ran into
-        their deadline; at most :data:`MAX_STRETCH` times the method's."""
+        their deadline; at most :data:`MAX_STRETCH` times the method's. Once phases have completed, the method's
+        timeout is cut to :data:`QUICK` times the slowest recent one (at least :data:`QUICK_FLOOR`)."""
         base = self.round_timeout
+        if len(self._quick) >= 3:
+            base = min(base, max(self.QUICK_FLOOR, self.QUICK * max(self._quick)))
         need = 0.0
         links = getattr(self.transport, "links", None)
         rate = links.slowest() if links is not None and links.slowest() > 0 else self.stats.bandwidth
         if rate > 0 and members > 1:  # (the per-link meters count sends cut off by a timeout too)
             nbytes = self.codec.encoded_size(sum(t.numel() for t in payload))
             need = self.SLACK * 2.0 * nbytes / members / rate
-        timeout = min(max(base, need) * self._stretch, self.MAX_STRETCH * base)
-        self.timeout_scale = timeout / base
+        timeout = min(max(base, need) * self._stretch, self.MAX_STRETCH * self.round_timeout)
+        self.timeout_scale = max(1.0, timeout / self.round_timeout)
         return timeout
 
     def _took(self, seconds: float, timeout: float, *, late: bool) -> None:
@@ -321,6 +332,8 @@ class RoundRunner:
                      self._stretch)
         elif not late and seconds < 0.25 * timeout:
             self._stretch = max(1.0, self._stretch / 2.0)
+        if not late:
+            self._quick.append(seconds)
 
     def _account(self, res: ReduceResult, seconds: float) -> None:
         self.stats.bytes_sent += res.bytes_sent

@@ -66,3 +66,28 @@ def test_the_transports_link_meters_count_even_when_no_round_completed() -> None
     assert r.stats.bandwidth == 0.0
     assert r.timeout_for([torch.zeros(25_000_000)], 4) == pytest.approx(150.0)
     assert r.timeout_scale == pytest.approx(2.5)
+
+
+def test_once_rounds_complete_quickly_the_timeout_follows_them_down() -> None:
+    """A member that froze or died holds a round for about half its timeout: 60 s for rounds that take 2 s
+    stalled every peer in it for half a minute at each fault (the churn benchmark)."""
+    r = _runner()
+    payload = [torch.zeros(1000)]
+    r._took(2.0, 60.0, late=False)
+    r._took(1.5, 60.0, late=False)
+    assert r.timeout_for(payload, 4) == 60.0  # two rounds are not yet a record
+    r._took(4.0, 60.0, late=False)
+    assert r.timeout_for(payload, 4) == pytest.approx(RoundRunner.QUICK * 4.0)  # 5 × the slowest recent one
+    assert r.timeout_scale == 1.0  # the peer's own wait is never cut
+    for _ in range(16):
+        r._took(0.5, 20.0, late=False)
+    assert r.timeout_for(payload, 4) == RoundRunner.QUICK_FLOOR  # never under the floor
+    r._took(9.0, 10.0, late=True)  # then a member froze: stretched from the quick timeout
+    assert r.timeout_for(payload, 4) == 2 * RoundRunner.QUICK_FLOOR
+    r.stats.bandwidth = 1e6  # 1 MB/s: 4 MB need 2 × 4 / 4 / 1 × 3 = 6 s (under the quick base: 10 s, stretched)
+    assert r.timeout_for([torch.zeros(1_000_000)], 4) == 2 * RoundRunner.QUICK_FLOOR
+    assert r.timeout_for([torch.zeros(10_000_000)], 4) == pytest.approx(2 * 60.0)  # 40 MB: 60 s, stretched
+    slow = _runner(base=6.0)  # a method timeout under the floor stays as it is
+    for _ in range(4):
+        slow._took(0.1, 6.0, late=False)
+    assert slow.timeout_for(payload, 4) == 6.0
