@@ -191,6 +191,13 @@ class MemoryTransport(Transport):
         avg, total, contributors, agree = ph.result
         if not contributors:
             raise RoundFailed(f"round {group.key} phase {phase}: nothing averaged")
+        heard = {p for p in ph.contribs if p in group.members and p not in sw.dead}
+        if 2 * len(heard) <= len(group.members) and len(group.members) > 1:
+            # As a butterfly's member does (net/parts.py): a phase heard from half of its group or less may be one
+            # side of a cut, whose other side may apply an average of its own. (A hierarchical round's cross step
+            # between two regions, cut mid-round, ended on each side with that side's shard: a fork.)
+            raise RoundFailed(f"round {group.key} phase {phase}: heard from {len(heard)} of {len(group.members)} "
+                              f"(half or less: the other side of a cut may hold the others)")
         n = sum(t.numel() for t in tensors)
         nbytes = int(ring_factor(len(contributors)) * codec.encoded_size(n))
         device = tensors[0].device if tensors else torch.device("cpu")

@@ -176,7 +176,7 @@ def test_a_carrier_that_never_offers_its_shard_is_replaced_by_another_regions_ca
 
 def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_round() -> None:
     """3 regions × 2; a carrier of region c stops answering once its cell's step is done (a SIGSTOP, a peer that
-    left mid-round). Its shard's other carriers end their cross step partial within its budget and offer the
+    left mid-round, after its cell's step). Its shard's other carriers end their cross step partial within its budget and offer the
     shard early enough for every member of a and b (and c's other member, from another region's carrier) to fetch
     it before the round's deadline: all five end with the same bytes. (The cross step used to take the round's
     whole remaining time: the others' carriers offered the shard at the deadline, and every member failed.)"""
@@ -194,9 +194,9 @@ def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_
 
             frozen.allreduce = freeze_across  # type: ignore[method-assign]
             xs = [[torch.full((12,), float(i))] for i in range(6)]
-            out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=6.0)
-                                         for t, g, x in zip(ts[:5], groups[:5], xs[:5], strict=True)),
-                                       return_exceptions=True)
+            calls = [_hier(t, g, x, 1.0, timeout=6.0) for t, g, x in zip(ts, groups, xs, strict=True)]
+            calls[5] = asyncio.wait_for(calls[5], 9.0)  # (its own round never ends: it is frozen)
+            out = (await asyncio.gather(*calls, return_exceptions=True))[:5]
             assert not any(isinstance(r, BaseException) for r in out), out
             assert all(torch.equal(r.tensors[0], out[0].tensors[0]) for r in out)  # type: ignore[union-attr]
             assert all(r.partial for r in out)  # type: ignore[union-attr]
