@@ -129,7 +129,9 @@ class ReplicaState:
 
     def digests(self) -> dict[str, tuple[str, list[torch.Tensor]]]:
         """θ's digest after every applied round (waits for the ones still being computed)."""
-        return {k: (fut.result(), thetas) for k, (fut, thetas) in self.applied_log.items()}
+        # A copy first (one C-level call: atomic for other Python threads): the compute thread adds rounds while a
+        # monitor reads (a test saw "dictionary changed size during iteration").
+        return {k: (fut.result(), thetas) for k, (fut, thetas) in dict(self.applied_log).items()}
 
     def theta_digests(self) -> list[str]:
         """Digest of θ^(p) per fragment now."""
