@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 from .transport import Decide, Decision, Group, JoinRequest, RoundFailed, StateMismatch
 
-__all__ = ["Forming", "LiveView", "agreed_fragment", "alone_check", "close_group", "fingerprints_match", "leader_of",
-           "majority_fingerprint", "members_by_signature", "membership_check", "quorum_problem"]
+__all__ = ["Forming", "LiveView", "agreed_fragment", "alone_check", "close_group", "fingerprints_match", "half_or_less",
+           "leader_of", "majority_fingerprint", "members_by_signature", "membership_check", "quorum_problem"]
 
 #: Who is live now (this peer included); ``fresh=True`` asks for a view read just now, not a cached one.
 LiveView = Callable[[bool], Awaitable[Collection[str]]]
@@ -109,11 +109,17 @@ class Forming:
         return self.group
 
 
+def half_or_less(count: int, of: int) -> bool:
+    """Whether ``count`` of ``of`` is no majority (``of`` > 1): a group, or a part, that could be one side of a
+    cut whose other side holds as much (the quorum, and the parts rules of net/parts.py and net/memory.py)."""
+    return of > 1 and 2 * count <= of
+
+
 def quorum_problem(key: str, joined: Collection[str], live: Collection[str]) -> str | None:
     """Why a group of the peers that ``joined`` a round must not average, or None: it holds no more than
     half of everyone the leader knows to be live (``live`` ∪ ``joined``). See the module docstring."""
     everyone = set(live) | set(joined)
-    if len(everyone) > 1 and 2 * len(set(joined)) <= len(everyone):
+    if half_or_less(len(set(joined)), len(everyone)):
         return (f"round {key}: no quorum: {len(set(joined))} of {len(everyone)} live peers joined (a group must "
                 f"hold more than half, or two groups could apply one round)")
     return None

@@ -20,7 +20,7 @@ import torch
 from ..collective.butterfly import butterfly_mean, ring_factor
 from ..collective.codecs import Codec
 from ..faults import corrupt_update
-from .groups import Forming, alone_check, majority_fingerprint, membership_check
+from .groups import Forming, alone_check, half_or_less, majority_fingerprint, membership_check
 from .guard import Guard, GuardConfig
 from .offers import Offers
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
@@ -192,7 +192,7 @@ class MemoryTransport(Transport):
         if not contributors:
             raise RoundFailed(f"round {group.key} phase {phase}: nothing averaged")
         heard = {p for p in ph.contribs if p in group.members and p not in sw.dead}
-        if 2 * len(heard) <= len(group.members) and len(group.members) > 1:
+        if half_or_less(len(heard), len(group.members)):
             # As a butterfly's member does (net/parts.py): a phase heard from half of its group or less may be one
             # side of a cut, whose other side may apply an average of its own. (A hierarchical round's cross step
             # between two regions, cut mid-round, ended on each side with that side's shard: a fork.)

@@ -24,7 +24,7 @@ import torch
 
 from ..collective.codecs import Codec
 from .chunks import Refused, chunked_size
-from .groups import majority_fingerprint
+from .groups import half_or_less, majority_fingerprint
 from .guard import Guard
 from .transport import Group, ReduceResult, RoundFailed
 
@@ -147,7 +147,7 @@ class Assembly:
         # of a cut; a tie between two versions of θ is then settled by the vote, not by failing every round.
         said = res.get("heard")
         heard = who | ({str(p) for p in said} & set(self.members) if isinstance(said, list) else set())
-        if 2 * len(heard) <= len(self.members):
+        if half_or_less(len(heard), len(self.members)):
             self.minority += 1
             self.skip()
             return
@@ -170,7 +170,7 @@ class Assembly:
         Its contributors are the members whose share is in more than half of the values averaged: parts may
         differ in who they hold (an owner that gave up on a late member, or a hostile owner that claims only
         itself), and one part must not empty the round's record of who took part."""
-        if 2 * self.used <= len(self.members) and len(self.members) > 1:
+        if half_or_less(self.used, len(self.members)):
             raise RoundFailed(f"round {group.key} phase {phase}: only {self.used} of {len(self.members)} parts "
                               f"(half or less: the other side of a cut may hold the others)")
         contributors = {p for p, n in self.coverage.items() if 2 * n > self.covered}

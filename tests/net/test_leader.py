@@ -13,6 +13,8 @@ import pytest
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 from p2ptrain.net.transport import Decision, JoinRequest, PeerInfo, RoundFailed
 
+from .test_transport_contract import libp2p_swarm
+
 
 def test_a_group_is_closed_once_when_joins_interleave_with_the_live_view() -> None:
     """Each join waits for the DHT's view of who is live; two joins that both find everyone joined
@@ -112,22 +114,8 @@ def test_forming_closes_once_when_everyone_joined_or_the_window_expired() -> Non
 @asynccontextmanager
 async def real_swarm(n: int, run: str, join_window: float) -> AsyncIterator[list[HivemindTransport]]:
     """``n`` libp2p peers on 127.0.0.1 that all see each other live, sorted by peer id; closed afterwards."""
-    ts: list[HivemindTransport] = []
-    try:
-        for _ in range(n):
-            initial = await ts[0].visible_maddrs() if ts else []
-            ts.append(await HivemindTransport.create(SwarmConfig(run_id=run, initial_peers=initial,
-                                                                 join_window=join_window, ttl=30)))
-        for t in ts:
-            await t.announce(PeerInfo(peer_id=t.peer_id))
-        for t in ts:
-            for _ in range(100):
-                if len(await t.peers()) == n:
-                    break
-                await asyncio.sleep(0.1)
-        yield sorted(ts, key=lambda t: t.peer_id)
-    finally:
-        await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
+    async with libp2p_swarm(n, run, join_window) as ts:
+        yield sorted(ts, key=lambda t: t.peer_id)  # type: ignore[misc]
 
 
 @pytest.mark.net

@@ -27,21 +27,22 @@ async def memory_swarm(n: int) -> AsyncIterator[list[Transport]]:
 
 
 @asynccontextmanager
-async def libp2p_swarm(n: int) -> AsyncIterator[list[Transport]]:
+async def libp2p_swarm(n: int, run: str = "contract", join_window: float = WINDOW) -> AsyncIterator[list[Transport]]:
+    """``n`` libp2p peers on 127.0.0.1 that all see each other live; closed afterwards."""
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 
     ts: list[Any] = []
     try:
-        first = await HivemindTransport.create(SwarmConfig(run_id="contract", join_window=WINDOW, ttl=30))
+        first = await HivemindTransport.create(SwarmConfig(run_id=run, join_window=join_window, ttl=30))
         ts.append(first)
         maddrs = await first.visible_maddrs()
         for _ in range(n - 1):
-            ts.append(await HivemindTransport.create(SwarmConfig(run_id="contract", initial_peers=maddrs,
-                                                                 join_window=WINDOW, ttl=30)))
+            ts.append(await HivemindTransport.create(SwarmConfig(run_id=run, initial_peers=maddrs,
+                                                                 join_window=join_window, ttl=30)))
         for t in ts:
             await t.announce(PeerInfo(peer_id=t.peer_id))
         for t in ts:  # wait until every peer sees every announcement
-            for _ in range(50):
+            for _ in range(100):
                 if len(await t.peers()) == n:
                     break
                 await asyncio.sleep(0.1)
