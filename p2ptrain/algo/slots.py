@@ -24,6 +24,8 @@ __all__ = ["MAX_SEND_CHANGES", "SlotGrid", "SlotLeader", "SlotView"]
 
 #: Agreed changes of N kept ahead of time (the earliest; more would be a leader's abuse).
 MAX_SEND_CHANGES = 8
+#: Changes of N that took effect, kept for inspection (the newest).
+MAX_SEND_HISTORY = 64
 
 
 class SlotView(Protocol):
@@ -44,6 +46,9 @@ class SlotGrid:
         self.sends_per_window = None if sends_per_window is None else self.clamp(sends_per_window)
         # N agreed for later windows, as (first step it applies at, N), oldest first
         self.changes: list[tuple[int, int]] = []
+        # (first step, N) of each N that took effect here, oldest first (not part of the state: a joiner's
+        # history starts where it joined)
+        self.history: list[tuple[int, int]] = []
 
     def clamp(self, n: int) -> int:
         return int(min(self.H, max(self.P, n)))
@@ -65,11 +70,22 @@ class SlotGrid:
         """N in effect at ``step`` (P until anything else is set or agreed); changes that took effect are
         folded into ``sends_per_window`` as steps go by."""
         while self.changes and self.changes[0][0] <= step:
-            self.sends_per_window = self.changes.pop(0)[1]
+            at, self.sends_per_window = self.changes.pop(0)
+            if not self.history or self.history[-1][1] != self.sends_per_window:
+                self.history = [*self.history, (at, self.sends_per_window)][-MAX_SEND_HISTORY:]
         return self.sends_per_window or self.P
 
     def is_slot(self, step: int) -> bool:
         return is_send_slot(step, self.H, self.sends_at(step))
+
+    def took_effect(self, step: int) -> int | None:
+        """N that was in effect at a past ``step`` by :attr:`history` (None: before the history starts)."""
+        n = None
+        for at, m in self.history:
+            if at > step:
+                break
+            n = m
+        return n
 
     def state_dict(self) -> dict[str, Any]:
         return {"sends_per_window": self.sends_per_window, "sends_changes": [list(c) for c in self.changes]}

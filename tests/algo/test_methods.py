@@ -201,6 +201,10 @@ def test_an_agreed_change_of_n_applies_from_its_window_start_and_travels_with_th
     for w in range(100):  # a leader that schedules far ahead, window after window: the earliest few are kept
         joiner.schedule_sends(3, 8 * (1000 + w))
     assert len(joiner.sends_changes) == 8 and joiner.sends_changes[0] == (8000, 3)
+    # the N each step was on, as it took effect: the joiner's history starts where it joined
+    assert o.grid is not None and joiner.grid is not None
+    assert o.grid.history == [(24, 4)] and joiner.grid.history == [(40, 8)]
+    assert [o.grid.took_effect(t) for t in (23, 24, 39)] == [None, 4, 4] and joiner.grid.took_effect(48) == 8
 
 
 def test_streaming_schedule_in_a_run() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from p2ptrain.algo.methods import method_config
+from p2ptrain.algo.priority import is_send_slot
 from p2ptrain.data import Corpus
 
 from .peers import Spec, applied_agree, libp2p_transports, run_peers
@@ -56,9 +57,18 @@ def test_cocodc_with_n_from_each_link_syncs_on_one_grid(corpus: Corpus) -> None:
     common = applied_agree(res, min_common=20)  # bitwise equal θ after every round all three applied
     agreed = [p.outer.sends_per_window for p in run.peers if p.outer is not None]
     assert len(agreed) == 3 and None not in agreed, agreed  # every peer took an N its members proposed
-    if min(agreed) > 2:  # N > P (how far above P depends on the links measured under this machine's load)
-        offsets = {int(k.rsplit(".L", 1)[1]) % 8 for k in common}
-        assert offsets & {2, 6}, sorted(common)  # rounds on the grid of the agreed N (h = 2)
+    grids = [p.outer.grid for p in run.peers if p.outer is not None and p.outer.grid is not None]
+    assert len(grids) == 3 and len({tuple(g.history) for g in grids}) == 1, [g.history for g in grids]  # one grid
+    steps = sorted(int(k.rsplit(".L", 1)[1]) for k in common)
+
+    def n_at(step: int) -> int:
+        return grids[0].took_effect(step) or 2  # P until the first agreed change
+
+    off = [s for s in steps if not is_send_slot(s, 8, n_at(s))]
+    assert not off, (off, grids[0].history)  # every round on the grid of the N in effect at its step
+    wide = {s // 8 for s in steps if n_at(s) > 2}  # windows at N > P (how many depends on this machine's load)
+    if len(wide) >= 2:  # h = 2 there: slots at offsets 2 (and 6 for N = 4) besides 0 and 4
+        assert any(s % 8 in (2, 6) for s in steps if n_at(s) > 2), (steps, grids[0].history)
 
 
 def test_late_joiner_syncs_and_takes_part(corpus: Corpus) -> None:
