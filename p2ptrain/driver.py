@@ -112,8 +112,11 @@ class DriverHooks:
     def after_send(self, rnd: Round) -> None:
         """``rnd`` was just started (under the driver's lock)."""
 
-    def repair(self, rnd: Round) -> None:
-        """``rnd`` says this peer's state left the majority's: take theirs before applying it."""
+    def repair(self, rnd: Round) -> bool:
+        """``rnd`` says this peer's state left the majority's: take theirs before applying it. False when it could
+        not be taken: the round is then not applied here (applied to a θ known to be another one, it would make a
+        replica that differs from the majority's, and one a joiner could be served)."""
+        return True
 
     def before_apply(self, rnd: Round) -> None:
         """``rnd`` arrived and is about to be applied (after any repair): an instrument's moment to look."""
@@ -231,8 +234,11 @@ class OuterDriver:
         return rnd
 
     def _apply(self, rnd: Round, step: int) -> None:
-        if rnd.divergent:
-            self.hooks.repair(rnd)
+        if rnd.divergent and not self.hooks.repair(rnd):
+            log.warning("event=apply_refused key=%s fragment=%d reason=divergent θ, no repair", rnd.key, rnd.fragment)
+            rnd.abort()  # our progress stays in θ − θ_i; the next round of the fragment flags us again
+            self._drop_finished()
+            return
         self.hooks.before_apply(rnd)
         with self.lock:
             rep = self.outer.finish(rnd, step, self.params)

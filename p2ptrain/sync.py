@@ -266,6 +266,8 @@ class RoundRunner:
                 self._account(res, time.monotonic() - n0)
                 partial |= res.partial
                 rnd.divergent = rnd.divergent or res.divergent
+                if res.agreed is not None:
+                    rnd.agreed = res.agreed
                 rnd.contributors = res.contributors
                 payload = await asyncio.to_thread(rnd.receive, res.tensors, total_weight=res.total_weight,
                                                   members=len(res.contributors))

@@ -62,3 +62,45 @@ def test_an_aborted_rounds_tokens_go_into_the_next_round_of_its_fragment() -> No
     steps(7, 8)  # round 4: steps 7-8
     assert net.weights == [20, 20, 40, 20]
     assert driver._marks == {}  # nothing kept of rounds that ended
+
+
+def test_a_divergent_round_without_repair_is_not_applied() -> None:
+    """A round that says our θ left the majority's, and whose repair found nobody holding the majority's θ, is not
+    applied (applied, it would make a replica known to differ): it ends aborted, our θ stays, and its progress
+    and tokens go into the fragment's next round, as an aborted round's do."""
+    from p2ptrain.driver import DriverHooks
+
+    class NoRepair(DriverHooks):
+        asked = 0
+
+        def repair(self, rnd: Round) -> bool:
+            self.asked += 1
+            return False
+
+    class Divergent(Scripted):
+        divergent = False
+
+        def launch(self, rnd: Round, request: Any) -> None:
+            super().launch(rnd, request)
+            rnd.divergent = self.divergent
+
+    peer = FakePeer(0)
+    outer = OuterLoop(DiLoCoConfig(H=2, codec="fp32"), make_fragments(UNITS, 1))
+    outer.init(peer)
+    net, hooks = Divergent(), NoRepair()
+    driver = OuterDriver(outer, peer, net, hooks=hooks)  # type: ignore[arg-type]
+    for s in (1, 2):
+        peer.step()
+        assert driver.advance(s)
+    theta = [t.clone() for t in outer.theta(0)]
+    net.divergent = True
+    for s in (3, 4):
+        peer.step()
+        assert driver.advance(s)
+    assert hooks.asked == 1 and driver.applied == 1
+    assert all(a.equal(b) for a, b in zip(outer.theta(0), theta, strict=True))  # θ untouched
+    net.divergent = False
+    for s in (5, 6):
+        peer.step()
+        assert driver.advance(s)
+    assert net.weights == [20, 20, 40] and driver.applied == 2 and driver.in_flight == []

@@ -57,3 +57,37 @@ def test_before_of_an_applied_round_outlives_failed_rounds() -> None:
         assert len(rep.before) == 2
     finally:
         rep.close()
+
+
+def test_a_repair_takes_only_the_theta_the_majority_holds() -> None:
+    """A divergent member asks the round's contributors for θ before the round; a contributor may itself be on
+    another θ (its cell lost the vote across regions) or lie. Only a θ whose fingerprint is the round's
+    ``agreed`` is taken; none: no repair (the driver then does not apply the round)."""
+    from p2ptrain.checkpoint import state_to_bytes
+    from p2ptrain.sync import fingerprint
+
+    good, bad, mine = [torch.arange(6.0)], [torch.arange(6.0) + 1], [torch.zeros(6)]
+    taken: list[list[torch.Tensor]] = []
+    outer = types.SimpleNamespace(theta=lambda f: mine, momentum=lambda f: [torch.zeros(6)], round_state=lambda f: {},
+                                  overwrite=lambda f, th, mo: taken.append(list(th)))
+    params = types.SimpleNamespace(apply_outer=lambda names, theta: None)
+    frags = [types.SimpleNamespace(names=["w"], index=0)]
+    rep = ReplicaState(outer, params, frags, threading.Lock(), list)  # type: ignore[arg-type]
+    served = {"lier": bad, "honest": good}
+    asked: list[str] = []
+
+    def fetch(peer: str, name: str) -> bytes:
+        asked.append(peer)
+        return state_to_bytes({"theta": served[peer], "momentum": [torch.zeros(6)]})
+
+    try:
+        rnd = _round(3, mine)
+        rnd.contributors, rnd.divergent, rnd.agreed = ("lier", "me", "honest"), True, tuple(fingerprint(good))
+        assert rep.repair(rnd, "me", fetch)
+        assert asked == ["lier", "honest"] and len(taken) == 1 and torch.equal(taken[0][0], good[0])
+        rnd.contributors = ("lier", "me")
+        assert not rep.repair(rnd, "me", fetch) and len(taken) == 1  # nobody holds the majority's θ: none taken
+        rnd.agreed = None  # a round without fingerprints (none was sent): the first that answers, as before
+        assert rep.repair(rnd, "me", fetch) and torch.equal(taken[-1][0], bad[0])
+    finally:
+        rep.close()

@@ -59,6 +59,7 @@ class Round:
     phases: int = 0
     name: str = ""  # the swarm's name for the round (default: fragment and sequence number)
     divergent: bool = False  # this peer's θ^(p) disagreed with the round's majority (repair before apply)
+    agreed: tuple[float, ...] | None = None  # the fingerprint of the majority's θ^(p) (what a repair must take)
     contributors: tuple[str, ...] = ()
     theta: list[torch.Tensor] = field(default_factory=list)  # θ^(p) at send time (never written in place)
 

@@ -267,6 +267,8 @@ class ButterflyRun:
             return
         own = {"key": self.group.key, "phase": self.phase, "part": self.me, "contributors": use, "total": total,
                "agree": sorted(sel.agree), "heard": sorted(sel.heard), "numel": hi - lo, "codec": self.codec.name}
+        if sel.agreed is not None:
+            own["print"] = list(sel.agreed)
         if tau > 0:
             own["tau"] = tau  # CenteredClip's radius: members check the result with it
         self.own = own
@@ -335,6 +337,8 @@ class ButterflyRun:
                "total": float(sum(s.weight for s in stream.sources)), "agree": sorted(sel.agree),
                "heard": sorted(sel.heard), "numel": hi - lo,
                "codec": self.codec.name, "chunk": self.chunk, "chunks": len(stream.bounds)}
+        if sel.agreed is not None:
+            own["print"] = list(sel.agreed)
         self.own, self.stream = own, stream
         producer = tg.create_task(_settled(stream.produce()))
         outs = [tg.create_task(_settled(self._send_result(j))) for j in self._others()]

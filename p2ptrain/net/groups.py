@@ -23,8 +23,9 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 from .transport import Decide, Decision, Group, JoinRequest, RoundFailed, StateMismatch
 
-__all__ = ["Forming", "LiveView", "agreed_fragment", "alone_check", "close_group", "fingerprints_match", "half_or_less",
-           "leader_of", "majority_fingerprint", "members_by_signature", "membership_check", "quorum_problem"]
+__all__ = ["Forming", "LiveView", "agreed_fragment", "agreed_print", "alone_check", "close_group", "fingerprints_match",
+           "half_or_less", "leader_of", "majority_fingerprint", "members_by_signature", "membership_check",
+           "quorum_problem"]
 
 #: Who is live now (this peer included); ``fresh=True`` asks for a view read just now, not a cached one.
 LiveView = Callable[[bool], Awaitable[Collection[str]]]
@@ -178,6 +179,12 @@ def majority_fingerprint(prints: Mapping[str, Sequence[float]]) -> set[str]:
         if len(same) > len(best) or (len(same) == len(best) and same != best and mine < best_print):
             best, best_print = same, mine
     return best
+
+
+def agreed_print(prints: Mapping[str, Sequence[float]], agree: set[str]) -> tuple[float, ...] | None:
+    """The fingerprint of the majority's θ (:func:`majority_fingerprint`'s ``agree``), None without prints."""
+    voters = sorted(agree & set(prints))
+    return tuple(float(v) for v in prints[voters[0]]) if voters else None
 
 
 def alone_check(group: Group, me: str, live: Sequence[str]) -> None:

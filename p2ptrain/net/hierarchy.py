@@ -49,7 +49,9 @@ import torch
 from ..algo.grouping import split_groups
 from ..collective.butterfly import part_bounds
 from ..collective.codecs import Codec
+from .parts import print_problem
 from .transport import Group, ReduceResult, RoundFailed, Transport
+from .wire import FrameError, decode_message, encode_message
 
 __all__ = ["Plan", "allreduce", "cells_of", "hierarchical_allreduce", "plan_for"]
 
@@ -245,9 +247,11 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         digest = transport.offers.put(name, offer, ttl=OFFER_TTL)
         transport.offers.put(name + "#sha", digest.encode(), ttl=OFFER_TTL)
         # The other regions' carriers outvoted this region's θ (this carrier was excluded as divergent): the
-        # region's members learn it with the shard, and whom to take θ from (not the region's own members).
-        transport.offers.put(name + "#div", ",".join(res.contributors if lost(res) else ()).encode(),
-                             ttl=OFFER_TTL)
+        # region's members learn it with the shard, whom to take θ from (not the region's own members), and the
+        # fingerprint of the θ that won (what a repair must take).
+        div = {"by": list(res.contributors), "print": None if res.agreed is None else list(res.agreed)} \
+            if lost(res) else {"by": [], "print": None}
+        transport.offers.put(name + "#div", encode_message(div), ttl=OFFER_TTL)
         return s, res, offer
 
     carried = await asyncio.gather(*(carry(s) for s in plan.carried), return_exceptions=True)
@@ -265,6 +269,8 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
 
     outvoted: list[str] = [m for c in carried if not isinstance(c, BaseException) and lost(c[1])
                            for m in c[1].contributors]
+    won: list[tuple[float, ...]] = [c[1].agreed for c in carried
+                                    if not isinstance(c, BaseException) and lost(c[1]) and c[1].agreed is not None]
 
     async def fetch(s: int) -> None:
         nonlocal fetched
@@ -276,7 +282,15 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
                                    min(deadline, time.monotonic() + 2.0))
             except RoundFailed:
                 return
-            outvoted.extend(m for m in said.decode(errors="replace").split(",") if m and m in group.members)
+            try:
+                div = decode_message(said, max_size=64 * 1024)
+            except FrameError:  # a malformed note from our own carrier: as if it said nothing
+                return
+            by, print_ = div.get("by"), div.get("print")
+            if isinstance(by, list):
+                outvoted.extend(m for m in by if isinstance(m, str) and m in group.members)
+            if by and print_ is not None and not print_problem(print_):
+                won.append(tuple(float(v) for v in print_))
 
     await asyncio.gather(*(fetch(s) for s in range(plan.shards) if s not in offers))
     timeline["gathered"] = time.monotonic() - t0
@@ -307,6 +321,8 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
                         bytes_received=local.bytes_received + sum(r.bytes_received for r in crossed) + fetched,
                         seconds=time.monotonic() - t0,
                         divergent=local.divergent or bool(outvoted),
+                        agreed=(min(set(won), key=lambda p: (-won.count(p), p)) if won else None)
+                        if outvoted else local.agreed,
                         verify_bytes=local.verify_bytes + sum(r.verify_bytes for r in crossed),
                         liars=tuple(sorted(set(local.liars) | {m for r in crossed for m in r.liars})),
                         timeline={**timeline, "assembled": time.monotonic() - t0})

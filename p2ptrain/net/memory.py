@@ -20,7 +20,7 @@ import torch
 from ..collective.butterfly import butterfly_mean, ring_factor
 from ..collective.codecs import Codec
 from ..faults import corrupt_update
-from .groups import Forming, alone_check, half_or_less, majority_fingerprint, membership_check
+from .groups import Forming, agreed_print, alone_check, half_or_less, majority_fingerprint, membership_check
 from .guard import Guard, GuardConfig
 from .offers import Offers
 from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
@@ -33,6 +33,7 @@ class _Phase:
     contribs: dict[str, tuple[list[torch.Tensor], float, Sequence[float] | None]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: tuple[list[torch.Tensor], float, tuple[str, ...], set[str]] | None = None
+    agreed: tuple[float, ...] | None = None  # the majority's fingerprint
 
 
 class MemorySwarm:
@@ -203,12 +204,13 @@ class MemoryTransport(Transport):
         device = tensors[0].device if tensors else torch.device("cpu")
         return ReduceResult([a.to(device) for a in avg], total, group.members, contributors,
                             partial=len(contributors) < len(group.members), bytes_sent=nbytes, bytes_received=nbytes,
-                            seconds=time.monotonic() - t0, divergent=self.peer_id not in agree)
+                            seconds=time.monotonic() - t0, divergent=self.peer_id not in agree, agreed=ph.agreed)
 
     def _reduce(self, ph: _Phase, group: Group, codec: Codec) -> None:
         present = {p: c for p, c in ph.contribs.items() if p not in self.swarm.dead and p in group.members}
         prints = {p: c[2] for p, c in present.items() if c[2] is not None}
         agree = majority_fingerprint(prints) if prints else set(present)
+        ph.agreed = agreed_print(prints, agree)
         use = sorted(p for p in present if p in agree)
         result: tuple[list[torch.Tensor], float, tuple[str, ...], set[str]] = ([], 0.0, (), agree)
         if use:

@@ -16,6 +16,8 @@ after the owners averaged, each side holds its own owners' parts. (A member that
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +26,7 @@ import torch
 
 from ..collective.codecs import Codec
 from .chunks import Refused, chunked_size
-from .groups import half_or_less, majority_fingerprint
+from .groups import agreed_print, half_or_less, majority_fingerprint
 from .guard import Guard
 from .transport import Group, ReduceResult, RoundFailed
 
@@ -60,6 +62,7 @@ class Selection:
     agree: set[str]
     dropped: dict[str, int] = field(default_factory=dict)
     heard: set[str] = field(default_factory=set)  # every member whose contribution fits, voted out or not
+    agreed: tuple[float, ...] | None = None  # the majority's fingerprint (None: nobody sent one)
 
 
 def select_contributions(contribs: Mapping[str, tuple[int, torch.Tensor, float, Sequence[float] | None]],
@@ -74,7 +77,7 @@ def select_contributions(contribs: Mapping[str, tuple[int, torch.Tensor, float, 
     prints = {p: c[3] for p, c in fits.items() if c[3] is not None}
     agree = majority_fingerprint(prints) if prints else set(fits)
     use = {p: (fits[p][1], fits[p][2]) for p in sorted(fits) if p in agree}
-    return Selection(use, agree, dropped, set(fits))
+    return Selection(use, agree, dropped, set(fits), agreed_print(prints, agree))
 
 
 def payload_len(res: Mapping[str, Any]) -> int:
@@ -111,9 +114,21 @@ def result_problem(res: Mapping[str, Any], part: int, numel: int, codec: Codec, 
     if ((decoded is None and (not isinstance(data, bytes) or len(data) != size))
             or (decoded is not None and decoded.numel() != numel)
             or not isinstance(res.get("contributors"), list) or not isinstance(res.get("agree"), list)
-            or Guard.bad_weight(res.get("total")) is not None):
+            or Guard.bad_weight(res.get("total")) is not None or print_problem(res.get("print"))):
         return f"averaged part {part} is malformed", True
     return None
+
+
+#: Most values a fingerprint may have on the wire (``sync.fingerprint`` sends 16).
+MAX_PRINT = 256
+
+
+def print_problem(value: Any) -> bool:
+    """Whether a result's ``print`` (the majority's fingerprint, optional) is malformed."""
+    if value is None:
+        return False
+    return (not isinstance(value, list) or len(value) > MAX_PRINT
+            or not all(isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v) for v in value))
 
 
 class Assembly:
@@ -132,6 +147,7 @@ class Assembly:
         self.total_weight, self.received = 0.0, 0
         self.minority = 0  # parts left out: averaged from no more than half of the group
         self.used = 0  # parts used
+        self.prints: Counter[tuple[float, ...]] = Counter()  # the majority's fingerprint, as each part's owner saw it
 
     def skip(self) -> None:
         """A part is missing or unusable: it stays zero and the result is partial."""
@@ -162,6 +178,8 @@ class Assembly:
             self.divergent = True
         if part == self.me or self.total_weight == 0.0:
             self.total_weight = float(res["total"])
+        if res.get("print") is not None:
+            self.prints[tuple(float(v) for v in res["print"])] += 1
 
     def result(self, group: Group, phase: int, like: Sequence[torch.Tensor], *, sent: int,
                seconds: float) -> ReduceResult:
@@ -179,4 +197,5 @@ class Assembly:
             raise RoundFailed(f"round {group.key} phase {phase}: no part could be averaged{why}")
         return ReduceResult(unflatten(self.out, like), self.total_weight, group.members,
                             tuple(sorted(contributors)), partial=self.partial, bytes_sent=sent,
-                            bytes_received=self.received, seconds=seconds, divergent=self.divergent)
+                            bytes_received=self.received, seconds=seconds, divergent=self.divergent,
+                            agreed=min(self.prints, key=lambda p: (-self.prints[p], p)) if self.prints else None)

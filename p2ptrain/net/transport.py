@@ -164,6 +164,9 @@ class ReduceResult:
     bytes_received: int = 0
     seconds: float = 0.0
     divergent: bool = False  # this peer's outer parameters disagreed with the majority's
+    # the fingerprint of the majority's θ (None: nobody sent one): a divergent peer's repair takes θ only from a
+    # source whose θ has it, never from another divergent one
+    agreed: tuple[float, ...] | None = None
     verify_bytes: int = 0  # of it, what verified aggregation cost: claims sent and evidence received
     verify_seconds: float = 0.0  # from the results being in to every part judged
     liars: tuple[str, ...] = ()  # members proven to have lied in this phase (banned)

@@ -70,7 +70,7 @@ class DDPPeer(PeerBase, DriverHooks):
             self.trainer.step_count = int(state["step"])
 
     # ------------------------------------------------------------------ driver hooks
-    def repair(self, rnd: Round) -> None:
+    def repair(self, rnd: Round) -> bool:
         for peer in rnd.contributors:
             if peer == self.peer_id:
                 continue
@@ -78,9 +78,10 @@ class DDPPeer(PeerBase, DriverHooks):
                 self._take_state(state_from_bytes(self.fetch(peer, "outer"), f"state from {peer}"), peer, False)
                 self._repairs += 1
                 log.warning("event=repaired what=ddp_state from=%s", peer)
-                return
+                return True
             except (RoundFailed, TimeoutError, ValueError, KeyError) as e:
                 log.info("event=repair_failed peer=%s reason=%s", peer, e)
+        return False
 
     def after_apply(self, rnd: Round, report: ApplyReport | None) -> None:
         if self.checkpoints is not None:

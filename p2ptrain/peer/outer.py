@@ -58,8 +58,8 @@ class _Hooks(DriverHooks):
     def after_send(self, rnd: Round) -> None:
         self.peer.replica.record_send(rnd)
 
-    def repair(self, rnd: Round) -> None:
-        self.peer.replica.repair(rnd, self.peer.peer_id, self.peer.fetch)
+    def repair(self, rnd: Round) -> bool:
+        return self.peer.replica.repair(rnd, self.peer.peer_id, self.peer.fetch)
 
     def after_apply(self, rnd: Round, report: ApplyReport | None) -> None:
         p = self.peer

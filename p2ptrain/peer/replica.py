@@ -28,8 +28,9 @@ from ..algo.fragments import Fragment
 from ..algo.outer_loop import LocalParams, OuterLoop
 from ..algo.rounds import Round
 from ..checkpoint import state_from_bytes, state_to_bytes
+from ..net.groups import fingerprints_match
 from ..net.transport import RoundFailed
-from ..sync import theta_digest
+from ..sync import fingerprint, theta_digest
 
 __all__ = ["ReplicaState", "rebase"]
 
@@ -223,12 +224,17 @@ class ReplicaState:
 
     def repair(self, rnd: Round, me: str, fetch: Fetch) -> bool:
         """Our θ^(p) disagreed with the round's majority: take theirs as it was before the round, from the
-        first contributor that has it. True if repaired."""
+        first contributor that has it, and only a θ whose fingerprint is the majority's (``rnd.agreed``, when the
+        round said it): a contributor may itself have been outvoted (a hierarchical round's cell that lost the
+        vote across regions) or may lie. True if repaired."""
         for peer in rnd.contributors:
             if peer == me:
                 continue
             try:
                 st = state_from_bytes(fetch(peer, f"before:{rnd.key}"), f"θ from {peer}")
+                if rnd.agreed is not None and not fingerprints_match(fingerprint(list(st["theta"])), rnd.agreed):
+                    log.info("event=repair_refused peer=%s key=%s reason=not the majority's θ", peer, rnd.key)
+                    continue
                 with self.lock:
                     self.outer.overwrite(rnd.fragment, st["theta"], st["momentum"])
                     self.params.apply_outer(self.frags[rnd.fragment].names, self.outer.theta(rnd.fragment))

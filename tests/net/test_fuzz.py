@@ -276,3 +276,39 @@ def test_a_well_formed_part_is_accepted() -> None:
     assert asyncio.run(t.mailboxes.accept_check(ident.peer_id, decode_message(encode_message(check)))) == {"ok": True}
     got = t._mail[("k", 0)].checks[ident.peer_id][0]
     assert got.s is not None and got.s.equal(entry.s) and got.commit == entry.commit
+
+
+@FUZZ
+@given(values)
+def test_a_result_with_a_hostile_print_is_refused_and_never_raises(value: Any) -> None:
+    """An averaged part's ``print`` (the majority's fingerprint, which a divergent member's repair will trust)
+    must be a short list of finite numbers; anything else makes the result malformed (its owner's strike)."""
+    from p2ptrain.net.parts import MAX_PRINT, Assembly, result_problem
+
+    codec = get_codec("fp32")
+    res = {"key": "k", "phase": 0, "part": 0, "numel": 4, "codec": "fp32", "data": codec.encode(torch.ones(4)),
+           "contributors": ["a", "b"], "agree": ["a", "b"], "total": 2.0, "_from": "a", "print": value}
+    problem = result_problem(res, 0, 4, codec, ["a", "b"], "b")
+    fine = value is None or (isinstance(value, list) and len(value) <= MAX_PRINT and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and abs(v) != float("inf") and v == v for v in value))
+    assert (problem is None) == fine, (problem, value)
+    if problem is not None:
+        assert problem[1]  # the owner's fault
+    else:
+        out = Assembly(8, ["a", "b"], 1, check_agree=True)
+        out.add(0, 0, 4, torch.ones(4), res)
+        assert out.prints == ({} if value is None else {tuple(float(v) for v in value): 1})
+
+
+def test_the_print_a_result_carries_is_the_majoritys() -> None:
+    """A member assembles the majority's fingerprint from its parts' results (the most common, ties to the
+    smallest), which its round keeps for a repair."""
+    from p2ptrain.net.parts import Assembly
+
+    out = Assembly(9, ["a", "b", "c"], 2, check_agree=True)
+    group = Group("k", ("a", "b", "c"), "a", 0, "")
+    for part, fp in enumerate(([1.0, 2.0], [1.0, 2.0], [3.0, 4.0])):
+        out.add(part, 3 * part, 3 * part + 3, torch.ones(3), {"contributors": ["a", "b", "c"], "agree": ["a", "b"],
+                                                               "total": 3.0, "print": fp})
+    res = out.result(group, 0, [torch.zeros(9)], sent=0, seconds=0.0)
+    assert res.agreed == (1.0, 2.0) and res.divergent  # c was not among those who agreed

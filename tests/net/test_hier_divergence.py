@@ -47,11 +47,18 @@ async def _round(holds: dict[str, list[float]], regions: dict[str, str]) -> dict
     return dict(zip(holds, res, strict=True))
 
 
+def _repair_source(p: str, holds: dict[str, list[float]], r: ReduceResult, reach: set[str] | None = None) -> str | None:
+    """Where ReplicaState.repair takes θ from: the first other contributor it reaches whose θ has the majority's
+    fingerprint (``r.agreed``, when the round said it)."""
+    return next((q for q in r.contributors if q != p and (reach is None or q in reach)
+                 and (r.agreed is None or tuple(holds[q]) == r.agreed)), None)
+
+
 def _after_repair(holds: dict[str, list[float]], res: dict[str, ReduceResult]) -> dict[str, list[float]]:
     """θ before the round as each member holds it once it applies the round (ReplicaState.repair's choice)."""
     out = {}
     for p, r in res.items():
-        src = next((q for q in r.contributors if q != p), None) if r.divergent else None
+        src = _repair_source(p, holds, r) if r.divergent else None
         out[p] = holds[src] if src is not None else holds[p]
     return out
 
@@ -96,6 +103,24 @@ def test_a_tie_is_settled_by_the_fingerprints_not_by_who_votes() -> None:
     assert majority_fingerprint({"a": X, "b": Y, "c": X, "d": Y}) == {"a", "c"}
 
 
+def test_an_outvoted_cell_repairs_only_onto_the_theta_that_won() -> None:
+    """Churn benchmark, round f2.L897787900: a cell on X lost the vote across cells to Y; its members could not
+    reach the winners, so one took θ from a member of its own cell (X, a contributor too) and applied it flagged
+    divergent, as did the member whose repair found nobody. The round now says which θ won (``agreed``, the
+    winners' fingerprint): a repair refuses any other, and a member that cannot get it applies nothing."""
+    holds = {"a0": Y, "a1": Y, "a2": Y, "e0": Y, "e1": Y, "e2": Y, "u0": X, "u1": X, "u2": X}
+    regions = {p: {"a": "ap", "e": "eu", "u": "us"}[p[0]] for p in holds}
+    res = asyncio.run(_round(holds, regions))
+    assert [p for p, r in res.items() if r.divergent] == ["u0", "u1", "u2"]
+    assert all(res[p].agreed == tuple(Y) for p in ("u0", "u1", "u2"))  # what won, as each loser learnt it
+    assert all(res[p].agreed == tuple(Y) for p in holds if p[0] != "u")
+    cut_off = {"u0", "u1", "u2"}  # the winners time out, as in the benchmark's logs
+    for p in ("u0", "u1", "u2"):
+        assert any(q in cut_off and q != p for q in res[p].contributors)  # an X source was on offer
+        assert _repair_source(p, holds, res[p], reach=cut_off) is None  # and is refused: nothing is applied
+        assert holds[_repair_source(p, holds, res[p])] == Y  # reaching the winners, it takes Y
+
+
 @pytest.mark.net
 @pytest.mark.timeout(150)
 def test_two_regions_on_two_versions_of_theta_settle_on_one_over_libp2p() -> None:
@@ -122,6 +147,7 @@ def test_two_regions_on_two_versions_of_theta_settle_on_one_over_libp2p() -> Non
 
             out = await asyncio.gather(*(one(i) for i in range(4)))
             assert [r.divergent for r in out] == [False, False, True, True]
+            assert all(r.agreed == tuple(X) for r in out)  # the θ that won, which a repair must take
             assert all(torch.equal(r.tensors[0], torch.full((20,), 0.5)) for r in out)  # eu's mean
             assert all(r.partial for r in out)
             assert all(set(r.contributors[:2]) <= {ts[0].peer_id, ts[1].peer_id} for r in out[2:])  # repair from eu
