@@ -46,7 +46,7 @@ from .bandwidth import LinkMeter
 from .chunks import EncodedStream, chunked_size, decode_chunked, encode_ahead
 from .guard import Guard
 from .mailbox import Mailbox
-from .parts import Assembly, flatten, result_problem, select_contributions
+from .parts import Assembly, flatten, group_tag, result_problem, select_contributions
 from .pipelined import PipelinedMean, Source, whole
 from .streams import ChunkSource, Trailer
 from .transport import Group, ReduceResult, RoundFailed
@@ -266,7 +266,8 @@ class ButterflyRun:
         except ValueError:
             return
         own = {"key": self.group.key, "phase": self.phase, "part": self.me, "contributors": use, "total": total,
-               "agree": sorted(sel.agree), "heard": sorted(sel.heard), "numel": hi - lo, "codec": self.codec.name}
+               "agree": sorted(sel.agree), "group": group_tag(self.members), "heard": sorted(sel.heard),
+               "numel": hi - lo, "codec": self.codec.name}
         if sel.agreed is not None:
             own["print"] = list(sel.agreed)
         if tau > 0:
@@ -335,6 +336,7 @@ class ButterflyRun:
         stream = PipelinedMean(self.codec, hi - lo, self.chunk, sources, box, box.contribs, self._until(GATHER))
         own = {"key": self.group.key, "phase": self.phase, "part": self.me, "contributors": sorted(use),
                "total": float(sum(s.weight for s in stream.sources)), "agree": sorted(sel.agree),
+               "group": group_tag(self.members),
                "heard": sorted(sel.heard), "numel": hi - lo,
                "codec": self.codec.name, "chunk": self.chunk, "chunks": len(stream.bounds)}
         if sel.agreed is not None:

@@ -290,14 +290,14 @@ class Audit:
             return await fetch_evidence(self.call, owner, self.key, self.phase, j, who,
                                         max(0.1, until - time.monotonic()))
 
+        problem = result_problem(res, j, b - a, self.codec, self.members, self.me_id)
+        if problem is not None and not problem[1]:
+            return Verdict("use")  # honest views of the round that differ: the assembly leaves it out
         contributors = res.get("contributors")
         if not isinstance(contributors, list) or not set(map(str, contributors)) <= set(self.members) \
                 or len(set(map(str, contributors))) != len(contributors):
             return Verdict("skip", "the result names contributors outside the group, or twice",
                            liars=(owner,) if direct else ())
-        problem = result_problem(res, j, b - a, self.codec, self.members, self.me_id)
-        if problem is not None and not problem[1]:
-            return Verdict("use")  # honest views of the round that differ: the assembly leaves it out
         held = self._result(j)
         digest = self._digest(j)
         if held is None:

@@ -16,6 +16,7 @@ after the owners averaged, each side holds its own owners' parts. (A member that
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -30,7 +31,7 @@ from .groups import agreed_print, half_or_less, majority_fingerprint
 from .guard import Guard
 from .transport import Group, ReduceResult, RoundFailed
 
-__all__ = ["Assembly", "Selection", "flatten", "payload_len", "result_problem", "select_contributions", "unflatten",
+__all__ = ["Assembly", "Selection", "flatten", "group_tag", "payload_len", "result_problem", "select_contributions", "unflatten",
            "wire_result"]
 
 
@@ -98,12 +99,24 @@ def wire_result(res: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def group_tag(members: Sequence[str]) -> str:
+    """A short digest of a group's members, sent with each part's result: a member whose group under the same round
+    key is another one (its view went stale, e.g. a peer frozen mid-round and thawed) tells an owner's honest result
+    for the other group from a lie about who contributed."""
+    return hashlib.sha256("\n".join(sorted(members)).encode()).hexdigest()[:16]
+
+
 def result_problem(res: Mapping[str, Any], part: int, numel: int, codec: Codec, members: Sequence[str],
                    me: str) -> tuple[str, bool] | None:
     """Why the stored result of ``part`` (``numel`` values) cannot be used, and whether that is its owner's
     fault (a strike); None if it can be decoded and used."""
     if res.get("_from", me) not in members:
         return "a result from outside the group is never used", False
+    tag = res.get("group")
+    if tag is not None and not isinstance(tag, str):
+        return f"averaged part {part} is malformed", True
+    if tag is not None and tag != group_tag(members):
+        return "an owner whose group differs from ours", False  # honest: another group formed under the key
     if res.get("numel") != numel or res.get("codec") != codec.name:
         return "an owner whose view of the round differs", False  # honest (see select_contributions)
     data, decoded = res.get("data"), res.get("_tensor")

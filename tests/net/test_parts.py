@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from p2ptrain.collective.codecs import get_codec
-from p2ptrain.net.parts import Assembly, flatten, result_problem, select_contributions, unflatten, wire_result
+from p2ptrain.net.parts import (
+    Assembly,
+    flatten,
+    group_tag,
+    result_problem,
+    select_contributions,
+    unflatten,
+    wire_result,
+)
 from p2ptrain.net.transport import Group, RoundFailed
 
 MEMBERS = ("a", "b", "c")
@@ -50,6 +58,13 @@ def test_results_are_used_skipped_or_held_against_their_owner() -> None:
     assert result_problem({**good, "numel": 5}, 1, 4, codec, MEMBERS, "a")[1] is False  # type: ignore[index]
     assert result_problem({**good, "data": b"xx"}, 1, 4, codec, MEMBERS, "a")[1] is True  # type: ignore[index]
     assert result_problem({**good, "total": -1.0}, 1, 4, codec, MEMBERS, "a")[1] is True  # type: ignore[index]
+    # An owner's group under the same round key may be another one than ours (a member frozen mid-round and thawed
+    # still holds the old group): its result names contributors of its own group. That is a view that differs, not a
+    # lie (a frozen peer used to ban an honest owner for it, and never heard from it again): left out, no strike.
+    other = {**good, "contributors": ["b", "z"], "group": group_tag(["b", "z"])}
+    assert result_problem(other, 1, 4, codec, MEMBERS, "a") == ("an owner whose group differs from ours", False)
+    assert result_problem({**good, "group": group_tag(list(reversed(MEMBERS)))}, 1, 4, codec, MEMBERS, "a") is None
+    assert result_problem({**good, "group": 7}, 1, 4, codec, MEMBERS, "a")[1] is True  # type: ignore[index]
     relay = wire_result({**good, "chunks": 1, "_pieces": [b"ab", b"cd"]})
     assert relay["data"] == b"abcd" and "chunks" not in relay and "_from" not in relay
 
