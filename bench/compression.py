@@ -2,6 +2,8 @@
 
     nice -n 10 python bench/compression.py                      # micro, 4 peers, H 20, P 4, 2000 steps, seeds 0,1
     python bench/compression.py --report                        # only rewrite the report from the JSON
+    python bench/compression.py --variant codec=topk2:0.03,alpha=1,outer_momentum=0.9 --only variants
+                                                                # a recipe of one's own (repeatable)
 
 Every run is the simulator (the same drivers as a swarm), ≥ 100 rounds per fragment; each (run, seed) is written
 to the JSON as soon as it ends, and a run already there is not run again. The report gives per run the final
@@ -20,6 +22,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from p2ptrain.algo.methods import DiLoCoConfig, MethodConfig, StreamingConfig
+from p2ptrain.algo.methods import CoCoDCConfig, DiLoCoConfig, MethodConfig, StreamingConfig
 from p2ptrain.collective.butterfly import ring_factor
 from p2ptrain.data import DataConfig, load_corpus
 from p2ptrain.model import preset
@@ -61,16 +64,37 @@ NOTES = [
 ]
 
 
-def runs(H: int, P: int) -> list[tuple[str, MethodConfig]]:
+def variant(H: int, P: int, spec: str) -> tuple[str, MethodConfig]:
+    """A run of ``--variant``: ``key=value`` pairs of a streaming (or ``method=cocodc``) config, the
+    error-feedback knobs by default; the label names the codec and what differs from those knobs."""
+    kv = dict(item.split("=", 1) for item in spec.split(",") if item)
+    method = kv.pop("method", "streaming")
+    if "codec" not in kv:
+        raise SystemExit(f"--variant {spec!r}: give codec=...")
+    cls = {"streaming": StreamingConfig, "cocodc": CoCoDCConfig}[method]
+    types = {f.name: f.type for f in fields(cls)}
+    knobs: dict[str, Any] = dict(EF_KNOBS)
+    for k, v in kv.items():
+        if k not in types:
+            raise SystemExit(f"--variant {spec!r}: {method} has no field {k!r}")
+        knobs[k] = v if k in ("codec", "mode", "choice", "late") else (int(v) if k in ("tau", "sends_per_window")
+                                                                        else float(v))
+    extra = {k: v for k, v in knobs.items() if k != "codec" and EF_KNOBS.get(k) != v}
+    label = f"{method} {knobs['codec']} + EF" + (" (" + ", ".join(f"{k} {v}" for k, v in extra.items()) + ")"
+                                                if extra else "")
+    return label, cls(H=H, P=P, **knobs)
+
+
+def runs(H: int, P: int, variants: list[str] | None = None) -> list[tuple[str, MethodConfig]]:
     """(label, method) of every run: diloco with an fp32 wire (the baseline), then streaming with each codec
-    (the sparse ones first: they are what the target is about)."""
+    (the sparse ones first: they are what the target is about), then the ``--variant`` recipes."""
     out_: list[tuple[str, MethodConfig]] = [(BASELINE, DiLoCoConfig(H=H, codec="fp32"))]
     for codec in ("topk2", "topk2:0.03"):
         out_.append((f"streaming {codec} + EF", StreamingConfig(H=H, P=P, codec=codec, **EF_KNOBS)))
     out_.append(("streaming e3m0", StreamingConfig(H=H, P=P, codec="e3m0")))
     out_.append(("streaming 2bit + EF", StreamingConfig(H=H, P=P, codec="2bit", **EF_KNOBS)))
     out_.append(("streaming fp32", StreamingConfig(H=H, P=P, codec="fp32")))
-    return out_
+    return out_ + [variant(H, P, v) for v in variants or []]
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,7 +104,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     model = preset(args.preset)
     record.update({"command": "python bench/compression.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        if k not in ("out", "md", "report", "only", "threads") and v is not None),
+        if k not in ("out", "md", "report", "only", "threads", "variant") and v is not None),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "H": args.H, "P": args.P, "peers": args.peers, "steps": args.steps,
         "params": sum(p.numel() for p in _model_params(args.preset)), "ef_knobs": EF_KNOBS})
@@ -91,9 +115,11 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         record["corpus"] = corpus.describe()
         trainer = TrainerConfig(batch_size=args.batch_size, total_steps=args.steps, seed=seed)
         simulator = Simulator(sim, model, trainer, data, corpus)
-        for label, method in runs(args.H, args.P):
+        chosen = [variant(args.H, args.P, v)[0] for v in args.variant]
+        for label, method in runs(args.H, args.P, args.variant):
             key = f"{label} | seed {seed}"
-            if key in record["runs"] or (args.only and label not in args.only.split(";")):
+            only = args.only.split(";") if args.only else None
+            if key in record["runs"] or (only and label not in only and not ("variants" in only and label in chosen)):
                 continue
             t0 = time.perf_counter()
             res = simulator.run(RunSpec(label, method, None))
@@ -222,7 +248,11 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=400)
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", default=None, help="Only these runs (labels separated by ';').")
+    ap.add_argument("--only", default=None,
+                    help="Only these runs (labels separated by ';'; 'variants': the --variant runs).")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="Also run this recipe: key=value pairs of a streaming config, e.g. "
+                         "'codec=topk2:0.03,alpha=1,outer_momentum=0.9' (method=cocodc for cocodc's).")
     ap.add_argument("--data", default=None, help="A corpus (default: the built-in one).")
     ap.add_argument("--out", type=Path, default=RESULTS / "compression.json")
     ap.add_argument("--md", type=Path, default=None, help="The report (default: the JSON's name with .md).")

@@ -76,6 +76,23 @@ class ErrorFeedback(Compressor):
             offset += t.numel()
         return out
 
+    def hand_over(self, share: float) -> list[torch.Tensor] | None:
+        """Take ``share`` of the buffer out of it and return it shaped as the round's tensors (None before the
+        first round or for share 0): the caller keeps that part of the unsent progress in the local model
+        instead, where it re-enters the next ``Δ_i`` by itself (counted once: the buffer no longer holds it)."""
+        if self._error is None or share == 0.0:
+            return None
+        if not 0 < share <= 1:
+            raise ValueError(f"a share of the buffer must be in [0, 1], got {share}")
+        taken = self._error * share  # (n,) f32
+        self._error = self._error * (1.0 - share)  # a new tensor: _before (an abort's) stays as it was
+        out, offset = [], 0
+        for shape, device in zip(self._shapes, self._devices, strict=True):
+            n = shape.numel()
+            out.append(taken[offset : offset + n].view(shape).to(device))
+            offset += n
+        return out
+
     def receive(self, averaged: list[torch.Tensor]) -> list[torch.Tensor] | None:
         if self._open == 0:
             raise RuntimeError("receive() called without a round in progress")

@@ -21,6 +21,7 @@ import torch
 
 from .compress import Compressor
 from .configs import MethodConfig
+from .feedback import ErrorFeedback
 from .fragments import Fragment
 from .outer import eager_estimate, nesterov_step, pseudo_gradient
 from .priority import drift_score
@@ -276,6 +277,10 @@ class OuterLoop:
         frag, st = self.fragments[rnd.fragment], self._state[rnd.fragment]
         st.theta, st.momentum = self._stepped(rnd)
         new, correction = self.rules.merge(st.theta, rnd.snapshot, params.snapshot(frag.names))
+        keep = self.rules.keeps_unsent
+        kept = rnd.compressor.hand_over(keep) if keep and isinstance(rnd.compressor, ErrorFeedback) else None
+        if kept is not None:  # the buffer's e is in Δ's sign (θ − local): the local model stands at −e from θ
+            new = [n - k for n, k in zip(new, kept, strict=True)]
         params.apply_outer(frag.names, new)
         rnd.state = RoundState.APPLIED
         return ApplyReport(rnd.fragment, rnd.seq, step - rnd.send_step, correction, rnd.members)

@@ -7,7 +7,8 @@ momentum, rounds, the outer Nesterov step, state); a :class:`Rules` says the res
 rules      τ          sends          merge on apply              other
 =========  =========  =============  ==========================  ===================================
 diloco     0          every H        θ_i ← θ
-streaming  τ          o_p = p·⌊H/P⌋  α-merge
+streaming  τ          o_p = p·⌊H/P⌋  α-merge; behind error       error feedback: the buffer, not
+                                     feedback: the delta rule    θ_i, keeps what was not sent
 eager      k·H        every H        θ_i ← θ                     restarts; eager: Δ̃_i (per-peer θ)
 cocodc     τ          slots (N)      Taylor compensation         negotiated; applies first; late ok
 dilocox    H          every H        naive/eager: θ_i ← θ;       low-rank compressor; delta applies
@@ -56,6 +57,8 @@ class Rules:
         negotiated: the swarm agrees on which fragment a slot sends (CoCoDC's adaptive choice).
         choice: how a negotiated slot picks among free fragments (``drift`` or ``round-robin``); None otherwise.
         links_set_n: a negotiated method whose sends per window N follow the members' links (not fixed).
+        keeps_unsent: the share of the error-feedback buffer that an apply moves into the local fragment (the
+            peer trains on with it; it re-enters the next Δ_i from there, so the buffer gives it up).
     """
 
     apply_first = False
@@ -65,6 +68,7 @@ class Rules:
     eager = False
     late_ok = False
     negotiated = False
+    keeps_unsent = 0.0
 
     def __init__(self, cfg: MethodConfig) -> None:
         self.cfg = cfg
@@ -105,7 +109,23 @@ class StreamingRules(Rules):
 
     def merge(self, theta: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor],
               local: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """α-merge; behind error feedback, the delta rule (and :attr:`keeps_unsent` of the buffer goes back
+        to the local fragment, OuterLoop.finish).
+
+        Why: the α-merge keeps α of the local fragment's distance to θ, and that distance holds the part of
+        Δ_i the wire did not carry, which the error-feedback buffer also keeps and sends later: counted twice,
+        a coordinate's unsent progress grows by 1/(1−α) (2× at α = 0.5) before it is sent. The delta rule keeps
+        the overlap's progress (made after the snapshot, in no Δ yet) and leaves the unsent rest to the buffer,
+        as SparseLoCo's restart from θ does for τ = 0; α of what the buffer holds then moves from the buffer to
+        the local fragment, so a peer keeps training with α of its unsent progress, counted once
+        (tests/algo/test_feedback_merge.py)."""
+        if get_codec(self.cfg.codec).error_feedback:
+            return taylor_compensate(theta, snapshot, local, 0.0)[0], 0.0
         return alpha_merge(local, theta, self.cfg.alpha), 0.0
+
+    @property
+    def keeps_unsent(self) -> float:  # type: ignore[override]
+        return self.cfg.alpha if get_codec(self.cfg.codec).error_feedback else 0.0
 
 
 class CoCoDCRules(StreamingRules):
@@ -114,6 +134,7 @@ class CoCoDCRules(StreamingRules):
     cfg: CoCoDCConfig
     apply_first = True
     negotiated = True
+    keeps_unsent = 0.0  # the delta rule, with or without error feedback (no α)
 
     @property
     def late_ok(self) -> bool:  # type: ignore[override]
