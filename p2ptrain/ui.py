@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -50,7 +51,7 @@ class StatusLine:
         self.total, self.quiet, self.every = total, quiet, every
         self.live = console.is_terminal if live is None else live
         self._progress: Progress | None = None
-        self._last = 0.0
+        self._last = -math.inf  # the first update is said: monotonic() starts near 0 after a boot
 
     def __enter__(self) -> StatusLine:
         if self.live and not self.quiet:

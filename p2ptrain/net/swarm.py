@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,7 +87,7 @@ class HivemindTransport(Transport):
         self._live: list[PeerInfo] = []
         self._region = ""  # the region this peer announces
         self._seen_at: dict[str, tuple[float, str]] = {}  # peer -> (when a view last showed it live, its region)
-        self._live_at = 0.0
+        self._live_at = -math.inf  # never read yet (monotonic() starts near 0 after a boot)
         self._maddrs: dict[str, list[str]] = {}
         self._states = StateServer(cfg.state_chunk, offers=self.offers)
         self.guard = Guard(cfg.guard)
