@@ -196,7 +196,7 @@ class OuterDriver:
                 continue
             if not plan.actions:
                 return True
-            for action, x in plan.actions:
+            for action, x in self._in_order(plan.actions, step):
                 if action is Action.SEND:
                     assert isinstance(x, int)
                     self._send(x, step, RoundRequest(key=f"f{x}.L{step}", fragment=x, step=step,
@@ -205,6 +205,19 @@ class OuterDriver:
                     assert isinstance(x, Round)
                     self._apply(x, step)
         raise RuntimeError(f"outer loop made no progress at step {step}")
+
+    def _in_order(self, actions: list[tuple[Action, int | Round]], step: int) -> list[tuple[Action, int | Round]]:
+        """The plan's actions, a round overdue (due before ``step``: the steps between were skipped, the peer had
+        fallen behind the swarm's clock) applied before this step's sends, where its due step would have put it.
+        Sent first, a round of its fragment would snapshot and fingerprint θ from before that apply and then be
+        stepped from θ after it: peers that did not skip sent the θ after it, and whichever side the vote took,
+        a repaired member stepped from another θ than the majority did. Not for the rules that restart from θ
+        each round: their round is due at the fragment's next send, which must snapshot first (their plan's
+        order)."""
+        if self.outer.restarts_each_round:
+            return actions
+        return sorted(actions, key=lambda a: not (a[0] is Action.APPLY and isinstance(a[1], Round)
+                                                  and a[1].due < step))
 
     def _drop_finished(self) -> None:
         """Forget rounds that are no longer live; an aborted one's tokens count toward its fragment's next send
@@ -235,9 +248,10 @@ class OuterDriver:
 
     def _apply(self, rnd: Round, step: int) -> None:
         if rnd.divergent and not self.hooks.repair(rnd):
-            log.warning("event=apply_refused key=%s fragment=%d reason=divergent θ, no repair", rnd.key, rnd.fragment)
-            rnd.abort()  # our progress stays in θ − θ_i; the next round of the fragment flags us again
-            self._drop_finished()
+            self._refuse(rnd, "divergent θ, no repair")
+            return
+        if not rnd.divergent and self._replaced(rnd):
+            self._refuse(rnd, "θ replaced since the round was sent")
             return
         self.hooks.before_apply(rnd)
         with self.lock:
@@ -250,6 +264,22 @@ class OuterDriver:
         self.stats.max_delay = max(self.stats.max_delay, rep.delay)
         if rep.correction_norm:
             self.stats.corrections.append(rep.correction_norm)
+
+    def _refuse(self, rnd: Round, reason: str) -> None:
+        log.warning("event=apply_refused key=%s fragment=%d reason=%s", rnd.key, rnd.fragment, reason)
+        rnd.abort()  # our progress stays in θ − θ_i; the next round of the fragment flags us if we differ
+        self._drop_finished()
+
+    def _replaced(self, rnd: Round) -> bool:
+        """Whether the fragment's θ is no longer the one ``rnd`` was sent from (θ is copy-on-write: only a new
+        version is another object), for rules whose θ stays put between a round's send and its apply. The round's
+        vote was about θ at send, and a repaired member steps from that θ (``before:KEY``): stepped from another
+        one (a resync or a catch-up took the swarm's, which may already hold this round), it would make a replica
+        nobody voted for."""
+        o = self.outer
+        if not o.shared_theta or o.restarts_each_round or not rnd.theta:
+            return False
+        return any(a is not b for a, b in zip(o.theta(rnd.fragment), rnd.theta, strict=True))
 
     # ------------------------------------------------------------------ CoCoDC's slots
     def _negotiate(self, slot: int) -> None:
