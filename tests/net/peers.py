@@ -27,6 +27,7 @@ class Spec:
     steps: int = 40
     delay: float = 0.0  # seconds to sleep after every inner step (a slower machine)
     start_after: float = 0.0  # seconds after the first peer started
+    start_when: Callable[[SwarmRun], bool] | None = None  # and once this holds of the run (polled; within its timeout)
     run: bool = True
     region: str = ""  # the region the peer announces
 
@@ -101,6 +102,8 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
             delay = spec.start_after - (time.monotonic() - t0)
             if delay > 0:
                 time.sleep(delay)
+            while spec.start_when is not None and not spec.start_when(out) and time.monotonic() < t0 + timeout:
+                time.sleep(0.05)
             if peer.transport is None:
                 peer.start()
             out.results[i] = peer.run()
