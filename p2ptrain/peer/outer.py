@@ -36,7 +36,8 @@ def steps_to_advance(last: int, now: Callable[[], int], max_behind: int) -> Iter
     kept it waiting catches up with the swarm's clock instead of sending ever older round keys. It resumes at
     the last multiple of ``max_behind`` (the same grid on every peer of the run): peers that fell behind
     together resume on the same step and send the same round keys from there. The rounds it has in flight are
-    applied at the next step it does take (a round is due at or after its step)."""
+    applied at the next step it does take (a round is due at or after its step), before that step's sends
+    (:class:`~p2ptrain.driver.OuterDriver`: sent first, a round would carry θ from before them)."""
     target = now()
     if target <= last:
         yield target
