@@ -83,6 +83,13 @@ class SwarmConfig:
             waits for whole contributions (for comparisons; peers of one run may differ in it).
         muxer: the daemon's stream multiplexer on every connection: ``yamux`` (libp2p's default: per-stream
             flow-control windows) or ``mplex`` (no windows). Every peer of a run must support the other's.
+        direct: exchanges that carry a fragment's bytes go over a TCP connection of their own per exchange, keyed
+            over libp2p and sealed (AES-GCM, net/direct.py), instead of the libp2p connection both directions
+            share; a peer without it, or one that cannot be dialed, is reached over libp2p.
+        direct_port: the TCP port the direct path listens on (0: any free port; behind a firewall, fix one and open
+            it, or peers fall back to libp2p after a failed dial).
+        direct_announce: ``host:port`` others should dial for the direct path (a public address or a relay);
+            None: the host of this peer's announced addresses and the port it listens on.
         faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
             by default what the environment asks for (nothing, unless a test set its variables).
     """
@@ -111,6 +118,9 @@ class SwarmConfig:
     audit_rate: float = 0.1
     pipeline: bool = True
     muxer: str = "yamux"
+    direct: bool = True
+    direct_port: int = 0
+    direct_announce: str | None = None
     dht_timeout: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan.from_env)
 
@@ -123,6 +133,21 @@ class SwarmConfig:
             raise ValueError(f"audit_rate must be at least 0, got {self.audit_rate}")
         if self.chunk_values < MIN_CHUNK:
             raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
+        if not 0 <= self.direct_port < 65536:
+            raise ValueError(f"direct_port must be a TCP port (0 for any), got {self.direct_port}")
+        if self.direct_announce is not None:
+            host, _, port = self.direct_announce.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"direct_announce must be host:port, got {self.direct_announce!r}")
+
+    def direct_listen(self) -> tuple[str, int]:
+        """(host, port) the direct path listens on: the first host of ``host_maddrs`` (0.0.0.0 for all), and
+        ``direct_port``."""
+        for a in self.host_maddrs:
+            parts = a.split("/")
+            if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+                return parts[2], self.direct_port
+        return "127.0.0.1", self.direct_port
 
 
 MUXERS = ("yamux", "mplex")

@@ -1,10 +1,14 @@
-"""Our request/response protocols on the libp2p daemon's streams.
+"""Our request/response protocols on the libp2p daemon's streams (and, for the bulk kinds, on direct TCP).
 
 Every call opens a fresh stream to one peer under ``/p2ptrain/<run>/<kind>/1``, writes one message
 (a msgpack frame, net/wire.py), optionally followed by chunk frames (a streamed part, net/chunks.py),
 and reads one reply. In a private swarm every frame, chunks and replies included, carries a tag of the
 swarm key bound to its sender, protocol and run (net/auth.py); an untagged one is refused with a
 strike. Every read and write is bounded in size and time; a failed call raises RoundFailed.
+
+The bulk kinds (:data:`DIRECT_KINDS`: parts, results, relays, evidence, state) go over the direct path when the
+peer has one (net/direct.py: a TCP connection of their own per exchange, keyed over libp2p, sealed), with the same
+frames and checks; a peer without one is called over libp2p.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .auth import MAC_FIELD
 from .chunks import Refused
 from .daemon import dial
+from .direct import Direct
 from .guard import Guard
 from .transport import RoundFailed
 from .wire import SCHEMA_ERRORS, FrameError, read_frame, write_frame
@@ -26,7 +31,7 @@ from .wire import SCHEMA_ERRORS, FrameError, read_frame, write_frame
 if TYPE_CHECKING:
     from .daemon import SwarmConfig
 
-__all__ = ["ChunkSource", "Handler", "Streams", "Trailer"]
+__all__ = ["DIRECT_KINDS", "ChunkSource", "Handler", "Streams", "Trailer"]
 
 log = logging.getLogger(__name__)
 
@@ -38,27 +43,46 @@ ChunkSource = Callable[[], AsyncGenerator[bytes, None]]
 Trailer = Callable[[], dict[str, Any]]
 
 _READ_TIMEOUT = 30.0  # seconds a handler waits for each frame of a message
+#: What goes over the direct path when there is one: the exchanges that carry a fragment's bytes.
+DIRECT_KINDS = frozenset({"part", "result", "getpart", "evidence", "state"})
 
 
 class Streams:
     """The stream protocols of one peer.
 
     ``blocked(peer)``: fault injection, a peer this one cannot reach (its messages are dropped unread);
-    ``addresses(peer)``: the multiaddrs a peer announced, to dial it again when a dial failed.
+    ``addresses(peer)``: the multiaddrs a peer announced, to dial it again when a dial failed;
+    ``direct``: the direct path (net/direct.py), if this peer uses one.
     """
 
     def __init__(self, cfg: SwarmConfig, p2p: Any, guard: Guard, blocked: Callable[[str], bool],
-                 addresses: Callable[[str], Awaitable[list[str]]]) -> None:
+                 addresses: Callable[[str], Awaitable[list[str]]], direct: Direct | None = None) -> None:
         self.cfg, self.p2p, self.guard = cfg, p2p, guard
         self.peer_id = str(p2p.peer_id)
-        self.blocked, self.addresses = blocked, addresses
+        self.blocked, self.addresses, self.direct = blocked, addresses, direct
 
     def proto(self, kind: str) -> str:
         return f"/p2ptrain/{self.cfg.run_id}/{kind}/1"
 
     async def serve(self, kind: str, handler: Handler) -> None:
-        """Answer every ``kind`` message with ``handler``."""
-        await self.p2p.add_binary_stream_handler(self.proto(kind), self.on_stream(kind, handler))
+        """Answer every ``kind`` message with ``handler`` (over the direct path too, for the bulk kinds)."""
+        callback = self.on_stream(kind, handler)
+        await self.p2p.add_binary_stream_handler(self.proto(kind), callback)
+        if self.direct is not None and kind in DIRECT_KINDS:
+            self.direct.handle(kind, callback)
+
+    async def serve_direct(self) -> None:
+        """Hand out sessions of the direct path (asked for over libp2p: only the asking peer learns its secret),
+        or say there is none here."""
+        async def issue(sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+            return {} if self.direct is None else self.direct.issue(sender)  # {}: none here, use libp2p
+
+        await self.serve("direct", issue)
+
+    async def ask_direct(self, peer: str) -> dict[str, Any]:
+        """A session of ``peer``'s direct path (``{}`` if it has none); RoundFailed if the request fails."""
+        reply, _ = await self.call(peer, "direct", {}, timeout=10.0)
+        return reply
 
     def on_stream(self, kind: str, handler: Handler) -> Any:
         """The daemon's callback for one incoming stream of ``kind``: read, check, answer, close. A message
@@ -138,8 +162,19 @@ class Streams:
             raise RoundFailed(f"{kind} to {peer[-8:]}: unreachable (partitioned)")
         t0 = time.monotonic()
 
+        direct = [False]  # this attempt went over the direct path (a libp2p redial cannot help it)
+
         async def _go() -> dict[str, Any]:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.proto(kind))
+            sealed = None
+            if self.direct is not None and kind in DIRECT_KINDS:
+                sealed = await self.direct.open(peer, kind, timeout)
+                direct[0] = sealed is not None
+            if sealed is not None:
+                reader: Any = sealed
+                writer: Any = sealed
+            else:
+                _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
+                                                                              self.proto(kind))
             key = self.cfg.swarm_key
             try:
                 await write_frame(writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
@@ -174,7 +209,7 @@ class Streams:
             except (TimeoutError, FrameError, asyncio.IncompleteReadError) as e:
                 raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
             except Exception as e:  # the daemon reports failed dials with its own error types
-                if attempt == 2 or not await self.redial(peer):
+                if attempt == 2 or direct[0] or not await self.redial(peer):
                     raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
         raise AssertionError("unreachable")
 

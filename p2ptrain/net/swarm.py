@@ -50,6 +50,7 @@ from .auth import MAC_FIELD
 from .bandwidth import LinkMeter
 from .contacts import Contacts
 from .daemon import SwarmConfig, SwarmError, dial, start_p2p
+from .direct import Direct
 from .groups import Forming, alone_check, leader_of, membership_check
 from .guard import Guard
 from .identity import Identity
@@ -98,6 +99,11 @@ class HivemindTransport(Transport):
         self.outsider_said = False  # told the user once that the run's records are keyed otherwise
         self.mailboxes = Mailboxes(self.guard, cfg.max_message, run_id=cfg.run_id, verify=cfg.verify)
         self.streams = Streams(cfg, p2p, self.guard, lambda peer: peer in self.blocked, self._addresses)
+        if cfg.direct:
+            host, port = cfg.direct_listen()
+            self.streams.direct = Direct(self.peer_id, host=host, port=port, announce=cfg.direct_announce,
+                                         ask=self.streams.ask_direct, addresses=self._addresses,
+                                         listen=not cfg.client_mode)
         self._tasks: asyncio.TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -109,6 +115,13 @@ class HivemindTransport(Transport):
         and start the background tasks."""
         p2p, node, identity = await start_p2p(cfg)
         self = cls(cfg, p2p, node, identity)
+        if self.streams.direct is not None:
+            try:
+                await self.streams.direct.start()
+            except OSError as e:  # the port is taken or not ours: libp2p for everything
+                log.warning("event=direct_unavailable reason=%s", e)
+                self.streams.direct = None
+        await self.streams.serve_direct()
         for kind, handler in (("join", self._on_join), ("part", self._on_part), ("result", self._on_result),
                               ("getpart", self._on_getpart), ("state", self._on_state),
                               ("check", self.mailboxes.accept_check), ("evidence", self.mailboxes.show_evidence),
@@ -139,6 +152,8 @@ class HivemindTransport(Transport):
             done, _ = await asyncio.wait({self._runner}, timeout=10)
             if not done:
                 log.warning("event=transport_close status=background_tasks_still_running")
+        if self.streams.direct is not None:
+            await self.streams.direct.aclose()
         try:
             await asyncio.wait_for(self.node.shutdown(), 10)
         except (TimeoutError, Exception) as e:

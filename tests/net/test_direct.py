@@ -1,0 +1,241 @@
+"""The direct path (net/direct.py): sealed records, hellos, and real libp2p peers whose bulk exchanges go over it.
+
+The record layer and the hello are checked on a loopback TCP pair; the all-reduces on real hivemind daemons on
+127.0.0.1: exact, over the direct path (its counters), with a peer that has none (libp2p for it), and in a private
+swarm (the swarm key's tags still checked inside the sealed records).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from p2ptrain.collective.codecs import get_codec
+from p2ptrain.net.auth import SwarmKey
+from p2ptrain.net.direct import Direct, Sealed, derive_keys, hello_mac, host_of
+from p2ptrain.net.transport import JoinRequest
+from p2ptrain.net.wire import FrameError, read_frame, write_frame
+
+from .peers import announce_and_wait
+
+
+@asynccontextmanager
+async def _tcp_pair() -> AsyncIterator[tuple[tuple[Any, Any], tuple[Any, Any]]]:
+    """A connected (reader, writer) pair on 127.0.0.1: (client side, server side)."""
+    accepted: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
+
+    async def on(r: Any, w: Any) -> None:
+        await accepted.put((r, w))
+
+    server = await asyncio.start_server(on, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = await asyncio.open_connection("127.0.0.1", port)
+    other = await asyncio.wait_for(accepted.get(), 5)
+    try:
+        yield client, other
+    finally:
+        client[1].close()
+        other[1].close()
+        server.close()
+
+
+def test_sealed_records_carry_frames_and_refuse_a_changed_byte() -> None:
+    async def go() -> None:
+        k1, k2 = os.urandom(16), os.urandom(16)
+        async with _tcp_pair() as ((cr, cw), (sr, sw)):
+            a, b = Sealed(cr, cw, k1, k2, max_record=1000), Sealed(sr, sw, k2, k1, max_record=1000)
+            big = {"data": os.urandom(5000), "n": 7}  # several records
+            await write_frame(a, big, timeout=5)
+            got, _ = await read_frame(b, timeout=5)
+            assert got == big
+            await write_frame(b, {"ok": True}, timeout=5)
+            assert (await read_frame(a, timeout=5))[0] == {"ok": True}
+            assert a.sent == b.received > 5000
+            # a record changed on the way (a flipped bit in the ciphertext) fails its tag
+            sealed = b._out.encrypt(b._seq_out.to_bytes(12, "big"), b"\x00\x00\x00\x02hi", None)
+            tampered = bytearray(sealed)
+            tampered[3] ^= 1
+            sw.write(len(tampered).to_bytes(4, "big") + bytes(tampered))
+            await sw.drain()
+            with pytest.raises(FrameError, match="tag"):
+                await read_frame(a, timeout=5)
+
+    asyncio.run(go())
+
+
+def test_a_replayed_or_reordered_record_fails_its_tag() -> None:
+    async def go() -> None:
+        k1, k2 = os.urandom(16), os.urandom(16)
+        async with _tcp_pair() as ((cr, cw), (sr, sw)):
+            b = Sealed(sr, sw, k2, k1)
+            first = b._out.encrypt((0).to_bytes(12, "big"), b"\x00\x00\x00\x01\x80", None)  # frame {} as seq 0
+            raw = len(first).to_bytes(4, "big") + first
+            sw.write(raw + raw)  # the same record twice: the second is a replay (seq 1 expected)
+            await sw.drain()
+            a = Sealed(cr, cw, k1, k2)
+            assert (await read_frame(a, timeout=5))[0] == {}
+            with pytest.raises(FrameError, match="tag"):
+                await read_frame(a, timeout=5)
+
+    asyncio.run(go())
+
+
+def _direct(me: str, issue_to: list[Direct], **kw: Any) -> Direct:
+    async def ask(peer: str) -> dict[str, Any]:
+        return next(d for d in issue_to if d.me == peer).issue(me)
+
+    async def addresses(peer: str) -> list[str]:
+        return ["/ip4/127.0.0.1/tcp/1/p2p/" + peer]
+
+    return Direct(me, host="127.0.0.1", ask=ask, addresses=addresses, **kw)
+
+
+def test_hellos_are_checked_and_a_replayed_hello_is_refused() -> None:
+    """An exchange opens with the session's HMAC; a forged, foreign or replayed hello gets no answer."""
+
+    async def go() -> None:
+        peers: list[Direct] = []
+        server = _direct("B", peers)
+        client = _direct("A", peers)
+        peers += [server, client]
+        seen: list[str] = []
+
+        async def echo(info: Any, reader: Any, writer: Any) -> None:
+            msg, _ = await read_frame(reader, timeout=5)
+            seen.append(info.peer_id)
+            await write_frame(writer, {"echo": msg["x"]}, timeout=5)
+            writer.close()
+
+        server.handle("part", echo)
+        await server.start()
+        try:
+            sealed = await client.open("B", "part", 5)
+            assert sealed is not None
+            await write_frame(sealed, {"x": 1}, timeout=5)
+            assert (await read_frame(sealed, timeout=5))[0] == {"echo": 1}
+            sealed.close()
+            assert seen == ["A"] and server.accepted == 1
+
+            session = server.issue("A")
+            nonce = os.urandom(16)
+
+            async def try_hello(**change: Any) -> bool:
+                """True if the server answered an exchange opened with this hello."""
+                hello = {"sid": session["sid"], "peer": "A", "nonce": nonce, "kind": "part",
+                         "mac": hello_mac(session["secret"], "A", session["sid"], nonce, "part")} | change
+                r, w = await asyncio.open_connection("127.0.0.1", server.port)
+                try:
+                    await write_frame(w, hello, timeout=5)
+                    to_them, to_me = derive_keys(session["secret"], hello["nonce"])
+                    s = Sealed(r, w, to_them, to_me)
+                    await write_frame(s, {"x": 2}, timeout=5)
+                    return (await read_frame(s, timeout=5))[0] == {"echo": 2}
+                except (FrameError, ConnectionError, asyncio.IncompleteReadError):
+                    return False
+                finally:
+                    w.close()
+
+            assert await try_hello()  # well formed
+            assert not await try_hello()  # the same nonce again: a replay
+            assert not await try_hello(nonce=os.urandom(16))  # the HMAC was over another nonce
+            assert not await try_hello(peer="C", nonce=os.urandom(16))  # the session is A's
+            assert not await try_hello(sid="nope", nonce=os.urandom(16))
+            assert seen == ["A", "A"]
+        finally:
+            await server.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_peer_without_a_direct_port_is_called_over_libp2p() -> None:
+    async def go() -> None:
+        peers: list[Direct] = []
+        closed = _direct("B", peers, listen=False)
+        client = _direct("A", peers)
+        peers += [closed, client]
+        assert await client.open("B", "part", 5) is None  # it answered {}: no direct port
+        assert not client.usable("B")
+
+    asyncio.run(go())
+
+
+def test_host_of_skips_relays() -> None:
+    assert host_of(["/ip4/1.2.3.4/tcp/5/p2p/X/p2p-circuit/p2p/Y", "/ip4/10.0.0.2/tcp/7/p2p/Y"]) == "10.0.0.2"
+    assert host_of(["/ip6/::1/tcp/7"]) == "::1"
+    assert host_of(["/dns4/example.org/tcp/7"]) is None
+
+
+async def _peers(n: int, configs: Callable[[int], dict[str, Any]]) -> list[Any]:
+    from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
+
+    ts: list[Any] = []
+    try:
+        ts.append(await HivemindTransport.create(SwarmConfig(run_id="direct", join_window=2.0, chunk_values=1024,
+                                                             **configs(0))))
+        maddrs = await ts[0].visible_maddrs()
+        for i in range(1, n):
+            ts.append(await HivemindTransport.create(SwarmConfig(run_id="direct", initial_peers=maddrs,
+                                                                 join_window=2.0, chunk_values=1024, **configs(i))))
+        await announce_and_wait(ts, n)
+        return ts
+    except BaseException:
+        await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
+        raise
+
+
+async def _allreduce(ts: list[Any], n: int, key: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, generator=gen) for _ in ts]
+
+    async def one(t: Any, x: torch.Tensor) -> Any:
+        g = await t.form_group(JoinRequest(key=key, peer_id=t.peer_id, weight=1.0, fragment=0), None, timeout=20)
+        return await t.allreduce(g, 0, [x], 1.0, get_codec("fp32"), timeout=30)
+
+    res = await asyncio.gather(*(one(t, x) for t, x in zip(ts, xs, strict=True)))
+    assert all(not r.partial and len(r.contributors) == len(ts) for r in res)
+    return xs, [r.tensors[0] for r in res]
+
+
+Case = Callable[[int], dict[str, Any]]
+CASES: list[Any] = [
+    pytest.param(lambda i: {}, True, id="all-direct"),
+    pytest.param(lambda i: {"direct": i != 1}, False, id="one-without"),
+    pytest.param(lambda i: {"swarm_key": SwarmKey(b"direct-path-test-secret-0123456789")}, True, id="private"),
+]
+
+
+@pytest.mark.net
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("configs", "everyone"), CASES)
+def test_allreduce_over_the_direct_path_is_exact(configs: Case, everyone: bool) -> None:
+    n = 30_011  # parts of ~10k values: streamed in chunks of 1024
+
+    async def go() -> None:
+        ts = await _peers(3, configs)
+        try:
+            xs, outs = await _allreduce(ts, n, "r0")
+            ref = torch.stack([x.double() for x in xs]).mean(0)
+            for out in outs:
+                assert torch.equal(out, outs[0])
+                assert float((out.double() - ref).abs().max()) < 1e-6
+            direct = [t.streams.direct for t in ts]
+            if everyone:  # every member's parts and results went over the direct path: 2 sends and 2 results each
+                assert all(d is not None and d.opened >= 4 and d.accepted >= 4 for d in direct), \
+                    [(d.opened, d.accepted) for d in direct if d is not None]
+            else:  # the peer without one took no direct exchange, and the others reached it over libp2p
+                assert direct[1] is None
+                assert all(d is not None and d.opened >= 2 for d in (direct[0], direct[2]))
+                assert not direct[0].usable(ts[1].peer_id)
+                await _allreduce(ts, n, "r1")  # and again, without trying its port
+        finally:
+            await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
+
+    asyncio.run(go())
+
+
