@@ -5,8 +5,10 @@
     python bench/link.py --systems p2ptrain,p2ptrain-plain,hivemind --peers 2 --sizes 64
 
 ``p2ptrain`` is the default peer: verified aggregation on (every member checks every part's average, which
-costs CPU time after the transfer, net/verify.py); ``p2ptrain-plain`` turns it off, which is what hivemind's
-averager does (no check at all); ``-mplex`` runs the daemons with the mplex stream multiplexer.
+costs CPU time after the transfer, net/verify.py) and parts and results over the direct path (net/direct.py: a TCP
+connection per exchange, sealed); ``p2ptrain-plain`` turns verification off, which is what hivemind's averager does
+(no check at all); ``-libp2p`` sends everything over the daemon's streams (no direct path); ``-mplex`` runs the
+daemons with the mplex stream multiplexer.
 
 Each case builds a testbed (bench/testbed.py) with one region of k hosts, each behind
 its own link shaped to ``--rate`` in both directions, and starts k real processes in
@@ -65,13 +67,16 @@ def _values(rank: int, n: int) -> Any:
     return torch.full((n,), float(rank + 1), dtype=torch.float32)
 
 
-SYSTEMS = ("p2ptrain", "p2ptrain-plain", "p2ptrain-mplex", "p2ptrain-mplex-plain", "hivemind")
+SYSTEMS = ("p2ptrain", "p2ptrain-plain", "p2ptrain-libp2p", "p2ptrain-libp2p-plain", "p2ptrain-mplex",
+           "p2ptrain-mplex-plain", "hivemind")
+DIRECT_PORT = 5000  # a p2ptrain peer's direct path listens on its libp2p port + this (relayed between regions)
 
 
 def _variant(system: str) -> dict[str, Any]:
-    """A p2ptrain system's settings: ``p2ptrain`` is the default peer (yamux, verified aggregation)."""
+    """A p2ptrain system's settings: ``p2ptrain`` is the default peer (yamux, verified aggregation, direct path)."""
     words = system.split("-")[1:]
-    return {"muxer": "mplex" if "mplex" in words else "yamux", "verify": "plain" not in words}
+    return {"muxer": "mplex" if "mplex" in words else "yamux", "verify": "plain" not in words,
+            "direct": "libp2p" not in words and "mplex" not in words}
 
 
 def _emit(rec: dict[str, Any]) -> None:
@@ -95,9 +100,10 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
     from p2ptrain.net.transport import JoinRequest, PeerInfo
 
+    v = _variant(a.system)
     cfg = SwarmConfig(run_id=a.run_id, initial_peers=initial, host_maddrs=[a.listen], announce_maddrs=[a.announce],
-                      join_window=60.0, ttl=3600.0, recontact_every=3600.0, muxer=_variant(a.system)["muxer"],
-                      verify=_variant(a.system)["verify"])
+                      join_window=60.0, ttl=3600.0, recontact_every=3600.0, muxer=v["muxer"], verify=v["verify"],
+                      direct=v["direct"], direct_port=int(a.listen.rsplit("/", 1)[1]) + DIRECT_PORT)
     tr = await HivemindTransport.create(cfg)
     try:
         if a.rank == 0:
@@ -239,6 +245,8 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
         procs[system], logs[system] = [], []
         for rank, host in enumerate(hosts):
             listen, announce = tb.maddrs(host, port)
+            if system.startswith("p2ptrain") and _variant(system)["direct"]:
+                tb.expose(host, port + DIRECT_PORT)  # the direct path crosses regions through the relay too
             log = work / f"{run_id}.{rank}.log"
             logs[system].append(log)
             cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--system", system,
@@ -298,7 +306,8 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
                          "group_s": max(r["group_s"] for r in got),
                          "round_s": max(r["group_s"] + r["allreduce_s"] for r in got),
                          "members": min(r["members"] for r in got), "partial": any(r["partial"] for r in got),
-                         "max_err": max(r["max_err"] for r in got), "load": loads[system].get(rep)})
+                         "max_err": max(r["max_err"] for r in got), "load": loads[system].get(rep),
+                         "timeline": max(got, key=lambda r: r["allreduce_s"]).get("timeline")})  # the slowest's
         case: dict[str, Any] = {"system": system, "link": label, "peers": k, "size_mb": size, "ideal_s": ideal,
                                 "repeats": reps, "failed_ranks": failed}
         if system in errors or failed or len(reps) < repeats:
@@ -322,7 +331,7 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = {"hivemind": "--s", "p2ptrain": "-o", "p2ptrain-plain": "-.D", "p2ptrain-mplex": ":^",
-              "p2ptrain-mplex-plain": ":v"}
+              "p2ptrain-mplex-plain": ":v", "p2ptrain-libp2p": ":o", "p2ptrain-libp2p-plain": ":D"}
     for system, style in styles.items():
         for link in ("lan", "wan"):
             for k in sorted({c["peers"] for c in cases}):
@@ -376,7 +385,8 @@ def main() -> None:
     systems = [s for s in args.systems.split(",") if s]
     if bad := set(systems) - set(SYSTEMS):
         raise SystemExit(f"unknown systems {sorted(bad)}: choose among {', '.join(SYSTEMS)} (-mplex: the daemon's "
-                         "mplex muxer; -plain: without verified aggregation, as hivemind's averager)")
+                         "mplex muxer; -libp2p: no direct path; -plain: without verified aggregation, as hivemind's "
+                         "averager)")
     if min(peers) < 2 or args.repeats < 1:
         raise SystemExit("--peers must be ≥ 2 and --repeats ≥ 1")
     plan = [(k, s) for k in peers for s in sizes if k * s <= args.max_total_mb]

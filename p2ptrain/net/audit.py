@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..collective.codec_base import all_finite
 from ..collective.codecs import Codec
 from .chunks import decode_chunked
 from .claims import (
@@ -151,7 +152,7 @@ class Audit:
             self._decoded[part] = (res, values)
         finite = self._finite.get(part)
         if finite is None or finite[0] is not res:  # checked once per result object
-            finite = self._finite[part] = (res, bool(torch.isfinite(values).all()))
+            finite = self._finite[part] = (res, all_finite(values))
         if not finite[1]:
             return None
         return self._digest(part), values

@@ -24,6 +24,12 @@ from .transport import RoundFailed
 __all__ = ["EncodedStream", "Progress", "Refused", "chunked_size", "decode_chunked", "encode_ahead", "receive_chunks"]
 
 
+
+def decode_into(codec: Codec, data: bytes, out: torch.Tensor) -> None:
+    """Decode ``data`` into ``out`` (a 1-D float32 view), in the caller's thread: run it in a worker, so that the
+    copy of a 1 MB chunk does not hold the event loop (ValueError as ``codec.decode``)."""
+    out.copy_(codec.decode(data, out.numel()))
+
 class Refused(ValueError):
     """A streamed payload that does not fit what its header announced (the sender gets a strike)."""
 
@@ -119,7 +125,7 @@ class EncodedStream:
                 a, b = self.bounds[len(self.payloads)]
                 self.payloads.append(data)
                 self._wake()
-                self.decoded[a:b] = await asyncio.to_thread(self.codec.decode, data, b - a)
+                await asyncio.to_thread(decode_into, self.codec, data, self.decoded[a:b])
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The payloads in order, each as soon as it is encoded. RoundFailed if the producer stopped first.
@@ -178,7 +184,7 @@ async def _receive(frames: AsyncGenerator[bytes, None], codec: Codec, numel: int
             if len(data) != codec.encoded_size(b - a):
                 raise Refused(f"chunk {len(pieces)} of {len(data)} bytes for {b - a} values")
             try:
-                out[a:b] = await asyncio.to_thread(codec.decode, data, b - a)
+                await asyncio.to_thread(decode_into, codec, data, out[a:b])
             except ValueError as e:
                 raise Refused(f"undecodable chunk {len(pieces)} ({e})") from None
             pieces.append(data)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..collective.codec_base import all_finite
 from ..collective.codecs import get_codec
 from ..collective.sketch import BUCKETS, clipped, sketch
 from .chunks import decode_chunked
@@ -153,7 +154,7 @@ class Evidence:
             if len(self.data) != 4 * self.numel:
                 raise ValueError(f"raw share of {len(self.data)} bytes for {self.numel} values")
             x = torch.frombuffer(bytearray(self.data), dtype=torch.float32).clone()
-            if not bool(torch.isfinite(x).all()):
+            if not all_finite(x):
                 raise ValueError("raw share with non-finite values")
             return x
         return decode_chunked(get_codec(self.codec), self.data, self.numel, self.chunk)

@@ -39,7 +39,7 @@ __all__ = ["Direct", "DirectInfo", "Sealed", "derive_keys", "hello_mac", "host_o
 
 log = logging.getLogger(__name__)
 
-RECORD = 1 << 20  # plaintext bytes per sealed record at most
+RECORD = 4 << 20  # plaintext bytes per sealed record at most (a chunk frame of 1 MB fits in one)
 _TAG = 16
 _LEN = 4
 SESSION_SECONDS = 600.0  # a session's lifetime; a caller renews it before it runs out
@@ -82,41 +82,52 @@ class Sealed:
         self._reader, self._writer = reader, writer
         self._out, self._in = AESGCM(key_out), AESGCM(key_in)
         self._seq_out = self._seq_in = 0
-        self._pending = bytearray()  # written, not sealed yet
-        self._plain = bytearray()  # opened, not read yet
+        self._pending: list[bytes] = []  # written, not sealed yet
+        self._plain, self._pos = b"", 0  # the record being read, and how much of it was read
         self.max_record = max_record
         self.sent = self.received = 0  # bytes on the TCP connection (records)
 
     # -- reader
     async def readexactly(self, n: int) -> bytes:
-        while len(self._plain) < n:
-            header = await self._reader.readexactly(_LEN)
-            size = int.from_bytes(header, "big")
-            if not _TAG <= size <= self.max_record + _TAG:
-                raise FrameError(f"sealed record of {size} bytes announced")
-            body = await self._reader.readexactly(size)
-            self.received += _LEN + size
-            try:
-                self._plain += self._in.decrypt(self._seq_in.to_bytes(12, "big"), body, None)
-            except Exception:  # cryptography's InvalidTag: changed, replayed or out of order
-                raise FrameError("sealed record failed its tag") from None
-            self._seq_in += 1
-        out = bytes(self._plain[:n])
-        del self._plain[:n]
-        return out
+        if len(self._plain) - self._pos >= n:  # the common case: a frame's header, then its body, in one record
+            out = self._plain[self._pos : self._pos + n]
+            self._pos += n
+            return out
+        parts = [self._plain[self._pos :]]
+        have = len(parts[0])
+        while have < n:
+            record = await self._record()
+            take = min(n - have, len(record))
+            parts.append(record[:take] if take < len(record) else record)
+            have += take
+            self._plain, self._pos = record, take
+        return b"".join(parts)
+
+    async def _record(self) -> bytes:
+        header = await self._reader.readexactly(_LEN)
+        size = int.from_bytes(header, "big")
+        if not _TAG <= size <= self.max_record + _TAG:
+            raise FrameError(f"sealed record of {size} bytes announced")
+        body = await self._reader.readexactly(size)
+        self.received += _LEN + size
+        try:
+            plain = self._in.decrypt(self._seq_in.to_bytes(12, "big"), body, None)
+        except Exception:  # cryptography's InvalidTag: changed, replayed or out of order
+            raise FrameError("sealed record failed its tag") from None
+        self._seq_in += 1
+        return plain
 
     # -- writer
     def write(self, data: bytes) -> None:
-        self._pending += data
+        self._pending.append(bytes(data))
 
     async def drain(self) -> None:
-        while self._pending:
-            piece = bytes(self._pending[: self.max_record])
-            del self._pending[: self.max_record]
-            sealed = self._out.encrypt(self._seq_out.to_bytes(12, "big"), piece, None)
+        data, self._pending = b"".join(self._pending), []
+        view = memoryview(data)
+        for at in range(0, len(data), self.max_record):
+            sealed = self._out.encrypt(self._seq_out.to_bytes(12, "big"), view[at : at + self.max_record], None)
             self._seq_out += 1
-            self._writer.write(len(sealed).to_bytes(_LEN, "big"))
-            self._writer.write(sealed)
+            self._writer.write(len(sealed).to_bytes(_LEN, "big") + sealed)
             self.sent += _LEN + len(sealed)
         await self._writer.drain()
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from ..collective.aggregate import AGGREGATIONS, aggregate, clip_radius
+from ..collective.codec_base import all_finite
 
 __all__ = ["Aggregated", "Guard", "GuardConfig"]
 
@@ -98,7 +99,7 @@ class Guard:
 
     @staticmethod
     def bad_values(x: torch.Tensor) -> str | None:
-        return None if bool(torch.isfinite(x).all()) else "non-finite values"
+        return None if all_finite(x) else "non-finite values"
 
     def aggregate(self, contribs: Mapping[str, tuple[torch.Tensor, float]], me: str | None = None) -> Aggregated:
         """Check every contribution and aggregate the accepted ones (see :class:`Aggregated`).

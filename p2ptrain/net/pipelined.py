@@ -89,17 +89,19 @@ class PipelinedMean(EncodedStream):
         if (reason := self._broken()) is not None:
             raise Unpipelined(reason)
 
-    def _chunk(self, a: int, b: int) -> tuple[bytes, torch.Tensor]:
+    def _chunk(self, a: int, b: int) -> bytes:
+        """Average, encode and decode one chunk into :attr:`decoded` (in a worker thread: the copies of a 1 MB
+        chunk do not hold the event loop)."""
         avg = weighted_mean([s.progress.values[a:b] for s in self.sources], [s.weight for s in self.sources])
         data = self.codec.encode(avg)
-        return data, self.codec.decode(data, b - a)
+        self.decoded[a:b] = self.codec.decode(data, b - a)
+        return data
 
     async def _fill(self) -> None:
         """Average, encode and decode every chunk as its coordinates arrive (:meth:`produce` wakes the readers
         at each). Unpipelined if a contribution breaks off or is late; the readers then get RoundFailed."""
         for i, (a, b) in enumerate(self.bounds):
             await self._until(b, last=i == len(self.bounds) - 1)
-            data, values = await asyncio.to_thread(self._chunk, a, b)
+            data = await asyncio.to_thread(self._chunk, a, b)
             self.payloads.append(data)
-            self.decoded[a:b] = values
             self._wake()
