@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
-from ..collective.codecs import CODECS
+from ..collective.codecs import CODECS, is_codec
 
 __all__ = ["METHODS", "CoCoDCConfig", "DDPConfig", "DiLoCoConfig", "DiLoCoXConfig", "EagerConfig", "MethodConfig",
            "StreamingConfig", "method_config"]
@@ -45,7 +45,7 @@ class MethodConfig:
             raise ValueError(f"{self.name}: outer learning rate η must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"{self.name}: outer momentum μ must be in [0, 1), got {self.outer_momentum}")
-        if self.codec not in CODECS:
+        if not is_codec(self.codec):
             raise ValueError(f"{self.name}: unknown codec {self.codec!r}; choose one of {', '.join(CODECS)}")
         if not 0 < self.ef_decay <= 1:
             raise ValueError(f"{self.name}: error-feedback decay β must be in (0, 1], got {self.ef_decay}")

@@ -46,8 +46,18 @@ from .codec_base import (
 )
 from .lowbit import TopK2Codec, TopK2Codec3, TwoBitCodec
 
-__all__ = ["CODECS", "BF16Codec", "Codec", "E3M0Codec", "FP8Codec", "FP16Codec", "FP32Codec", "Uint8Codec",
-           "get_codec"]
+__all__ = [
+    "CODECS",
+    "BF16Codec",
+    "Codec",
+    "E3M0Codec",
+    "FP8Codec",
+    "FP16Codec",
+    "FP32Codec",
+    "Uint8Codec",
+    "get_codec",
+    "is_codec",
+]
 
 
 class FP32Codec(Codec):
@@ -286,10 +296,36 @@ CODECS: dict[str, type[Codec]] = {
 }
 
 
-def get_codec(name: str, device: torch.device | str | None = None) -> Codec:
-    """A codec instance by name, encoding on ``device`` when that is a GPU; ValueError naming the valid
-    choices for an unknown name."""
+_TOPK: dict[str, type[Codec]] = {}
+
+
+def _topk(name: str) -> type[Codec] | None:
+    """``topk2:F``: :class:`TopK2Codec` sending the fraction F of each block (0 < F ≤ 0.5), or None."""
+    head, _, frac = name.partition(":")
+    if head != "topk2" or not frac:
+        return None
     try:
-        return CODECS[name](device)
-    except KeyError:
-        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(sorted(CODECS))}") from None
+        f = float(frac)
+    except ValueError:
+        return None
+    if not 0 < f <= 0.5:
+        return None
+    if name not in _TOPK:
+        _TOPK[name] = type(f"TopK2Codec_{frac}", (TopK2Codec,), {"name": name, "FRACTION": f,
+                                                                  "__doc__": f"TopK2Codec with {f:g} of each block."})
+    return _TOPK[name]
+
+
+def is_codec(name: str) -> bool:
+    """Whether ``name`` names a codec: one of :data:`CODECS`, or ``topk2:F`` for a fraction 0 < F ≤ 0.5."""
+    return name in CODECS or _topk(name) is not None
+
+
+def get_codec(name: str, device: torch.device | str | None = None) -> Codec:
+    """A codec instance by name (:func:`is_codec`), encoding on ``device`` when that is a GPU; ValueError naming
+    the valid choices for an unknown name."""
+    cls = CODECS.get(name) or _topk(name)
+    if cls is None:
+        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(sorted(CODECS))} "
+                         "(or topk2:F, a fraction 0 < F ≤ 0.5)")
+    return cls(device)
