@@ -44,6 +44,8 @@ _TAG = 16
 _LEN = 4
 SESSION_SECONDS = 600.0  # a session's lifetime; a caller renews it before it runs out
 _HELLO_MAX = 4096
+_SESSIONS_PER_PEER = 4  # sessions kept per peer (the oldest goes): asking again and again cannot grow the table
+_HELLOS_PER_SESSION = 100_000  # exchanges per session (the nonces seen are kept for replays); then a new one
 _HELLO_TIMEOUT = 10.0
 _UNREACHABLE_SECONDS = 60.0  # a peer whose direct port could not be dialed is not tried for this long (doubling)
 _UNREACHABLE_MAX = 3600.0
@@ -215,6 +217,9 @@ class Direct:
         now = time.monotonic()
         for sid in [s for s, v in self._sessions.items() if v.expires < now]:
             del self._sessions[sid]
+        mine = [sid for sid, v in self._sessions.items() if v.peer == peer]
+        for sid in mine[: max(0, len(mine) - (_SESSIONS_PER_PEER - 1))]:  # a peer asking again and again
+            del self._sessions[sid]
         sid, secret = secrets.token_hex(8), secrets.token_bytes(32)
         self._sessions[sid] = _Session(secret, peer, now + SESSION_SECONDS + 30.0, set())
         reply: dict[str, Any] = {"sid": sid, "secret": secret, "port": self.port}
@@ -252,7 +257,7 @@ class Direct:
         session = self._sessions.get(sid)
         if session is None or session.expires < time.monotonic():
             raise FrameError("unknown or expired session")
-        if session.peer != peer or len(nonce) != 16 or nonce in session.seen:
+        if session.peer != peer or len(nonce) != 16 or nonce in session.seen or len(session.seen) >= _HELLOS_PER_SESSION:
             raise FrameError("hello for another peer, or replayed")
         if not hmac.compare_digest(mac, hello_mac(session.secret, peer, sid, nonce, kind)):
             raise FrameError("hello with a bad HMAC")

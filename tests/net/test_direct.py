@@ -147,6 +147,9 @@ def test_hellos_are_checked_and_a_replayed_hello_is_refused() -> None:
             assert not await try_hello(peer="C", nonce=os.urandom(16))  # the session is A's
             assert not await try_hello(sid="nope", nonce=os.urandom(16))
             assert seen == ["A", "A"]
+            for _ in range(50):  # a peer that asks for sessions again and again cannot grow the table
+                server.issue("C")
+            assert sum(1 for v in server._sessions.values() if v.peer == "C") == 4
         finally:
             await server.aclose()
 
