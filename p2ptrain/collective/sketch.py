@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BUCKETS", "KAPPA", "clipped", "mean_residual", "passes", "seed", "sketch"]
+__all__ = ["BUCKETS", "KAPPA", "Key", "add_chunk", "clipped", "mean_residual", "passes", "seed", "sketch"]
 
 #: Buckets per sketch: 32 float64 values (256 bytes) per contribution, however large the part.
 BUCKETS = 32
@@ -54,35 +54,55 @@ def _signs(bits: torch.Tensor, n: int) -> torch.Tensor:
 _SLAB = 1 << 22
 
 
-def sketch(x: torch.Tensor, key: bytes, buckets: int = BUCKETS) -> torch.Tensor:
+#: A sketch's key: one seed for the whole vector, or per chunk ``(lo, hi, seed)`` covering it in order (the seed of
+#: a chunk of a streamed result is bound to that chunk's bytes, so each chunk can be sketched as it arrives).
+Key = bytes | Sequence[tuple[int, int, bytes]]
+
+
+def sketch(x: torch.Tensor, key: Key, buckets: int = BUCKETS) -> torch.Tensor:
     """The float64 sketch of ``x`` (any shape, read flat) under ``key``: bucket b is Σ_k σ_k x_k over the b-th
-    contiguous stretch of ``ceil(n / buckets)`` values, with signs σ from SHAKE-256 of ``key`` (the same on
-    every machine and torch version). Vectorised: the values are signed (exact in float32) and summed in
-    float64 a slab of whole buckets at a time."""
+    contiguous stretch of ``ceil(n / buckets)`` values, with signs σ from SHAKE-256 of the seed of the chunk the
+    value is in (one seed: the whole of ``x``), the first bit for the chunk's first value (the same on every
+    machine and torch version)."""
     flat = x.detach().reshape(-1)
     n = flat.numel()
     out = torch.zeros(buckets, dtype=torch.float64)
-    if n == 0:
-        return out
-    bits = torch.frombuffer(bytearray(hashlib.shake_256(key).digest((n + 7) // 8)), dtype=torch.uint8)
-    size = -(-n // buckets)
-    per = max(1, _SLAB // size)  # whole buckets per slab
-    for b0 in range(0, buckets, per):
-        lo, hi = b0 * size, min(n, (b0 + per) * size)
-        if lo >= hi:
-            break
-        off = lo % 8  # the slab starts inside a byte of sign bits (an odd bucket size)
-        signs = _signs(bits[lo // 8 : (hi + 7) // 8], off + hi - lo)[off:]
-        chunk = flat[lo:hi]
+    for lo, hi, k in ([(0, n, key)] if isinstance(key, bytes) else key):
+        if not 0 <= lo <= hi <= n:
+            raise ValueError(f"a sketch chunk [{lo}, {hi}) outside {n} values")
+        add_chunk(out, flat[lo:hi], k, lo, n)
+    return out
+
+
+def add_chunk(out: torch.Tensor, values: torch.Tensor, key: bytes, offset: int, numel: int) -> None:
+    """Add to ``out`` (float64, its buckets over a vector of ``numel`` values) the signed sums of ``values``, the
+    vector's values from ``offset`` on, with signs from SHAKE-256 of ``key`` (the chunk's own seed). Vectorised:
+    the values are signed (exact in float32) and summed in float64 a slab of whole buckets at a time."""
+    flat = values.detach().reshape(-1)
+    m, buckets = flat.numel(), out.numel()
+    if m == 0:
+        return
+    bits = torch.frombuffer(bytearray(hashlib.shake_256(key).digest((m + 7) // 8)), dtype=torch.uint8)
+    size = -(-numel // buckets)
+    pos = offset
+    while pos < offset + m:  # slabs of whole buckets (the first and last may be partial)
+        b0 = pos // size
+        b1 = min(buckets, b0 + max(1, _SLAB // size))
+        hi = min(offset + m, b1 * size)
+        lo_i, hi_i = pos - offset, hi - offset
+        off = lo_i % 8  # the slab starts inside a byte of sign bits
+        signs = _signs(bits[lo_i // 8 : (hi_i + 7) // 8], off + hi_i - lo_i)[off:]
+        chunk = flat[lo_i:hi_i]
         if chunk.dtype == torch.float64:
             signed = chunk * signs.to(torch.float64)
         else:  # x·(±1) is exact in float32; the sum is taken in float64
             signed = (chunk.float() * signs).to(torch.float64)
-        count = -(-(hi - lo) // size)
+        first = b0 * size  # the slab's values sit at [pos, hi) of buckets b0.. (pos may be inside bucket b0)
+        count = -(-(hi - first) // size)
         padded = torch.zeros(count * size, dtype=torch.float64)
-        padded[: hi - lo] = signed
-        out[b0 : b0 + count] = padded.view(count, size).sum(1)
-    return out
+        padded[pos - first : hi - first] = signed
+        out[b0 : b0 + count] += padded.view(count, size).sum(1)
+        pos = hi
 
 
 def mean_residual(result: torch.Tensor, sketches: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:

@@ -27,13 +27,14 @@ from .claims import (
     Entry,
     Evidence,
     Fetched,
+    chunk_keys,
     entry_for,
     fetch_evidence,
     payload_sha,
     raw_sha,
     result_commitment,
     result_digest,
-    result_pieces,
+    result_shas,
     sign_contribution,
     sketch_bytes,
 )
@@ -91,7 +92,8 @@ class Audit:
         self.sent: dict[int, _Sent] = {}
         # Parts we proved wrong and recomputed: the digest of what we held, and its owner's signature on it.
         self.replaced: dict[int, tuple[bytes, Any]] = {}
-        self._digests: dict[int, tuple[Any, bytes]] = {}  # part -> (the result object, its digest)
+        # part -> (the result object, its digest, its chunks' hashes)
+        self._digests: dict[int, tuple[Any, bytes, list[bytes]]] = {}
         self._decoded: dict[int, tuple[Any, torch.Tensor]] = {}  # part -> (the result object, its values)
         self._finite: dict[int, tuple[Any, bool]] = {}  # part -> (the result object, whether its values are finite)
         self.own_commit = b""
@@ -120,8 +122,10 @@ class Audit:
         return {"sig": sig, "pk": self.identity.public}
 
     def sign_result(self, res: dict[str, Any], pieces: list[bytes]) -> bytes:
-        """Our signature over our part's result (its header and payload ``pieces``)."""
-        return self.identity.sign(result_commitment(self.run, self.key, self.phase, self.me, result_digest(res, pieces)))
+        """Our signature over our part's result (its header and its chunks' payloads ``pieces``)."""
+        a, b = self.bounds[self.me]
+        shas = result_shas({**res, "_pieces": pieces}, b - a, self.codec)
+        return self.identity.sign(result_commitment(self.run, self.key, self.phase, self.me, result_digest(res, shas)))
 
     def _signed(self, j: int, digest: bytes, osig: Any) -> bool:
         """Whether ``osig`` is part ``j``'s owner's signature over a result of digest ``digest``."""
@@ -142,7 +146,7 @@ class Audit:
         if values is None and cached is not None and cached[0] is res:
             values = cached[1]
         if values is None:
-            pieces = result_pieces(res)
+            pieces = [p for p in (res.get("_pieces") or [res.get("data")]) if isinstance(p, bytes)]
             try:
                 values = decode_chunked(self.codec, pieces[0] if len(pieces) == 1 else b"".join(pieces), b - a,
                                         res.get("chunk"))
@@ -159,7 +163,6 @@ class Audit:
 
     def entries(self, own: torch.Tensor) -> list[Entry]:
         """Our claims about each part we contributed to (our own share of our part is ``own``)."""
-        judge = self._judge()
         out = []
         for j in range(len(self.members)):
             if j == self.me:
@@ -181,7 +184,7 @@ class Audit:
                 out.append(entry_for(j, values, commit, self.weight, None, None, None, 0.0, self.rule))
             else:
                 digest, result = held
-                out.append(entry_for(j, values, commit, self.weight, judge.seed(j, digest), digest, result,
+                out.append(entry_for(j, values, commit, self.weight, self._key(j), digest, result,
                                      float(res.get("tau", 0.0)), self.rule))
         return out
 
@@ -200,7 +203,7 @@ class Audit:
     # ------------------------------------------------------------------ judging the others' parts
     def _judge(self) -> Judge:
         return Judge(run=self.run, key=self.key, phase=self.phase, members=self.members, codec=self.codec,
-                     rule=self.rule, own_commits=self.box.own_commits, checks=self.box.checks)
+                     rule=self.rule, own_commits=self.box.own_commits, checks=self.box.checks, key_of=self._key)
 
     async def judge_all(self, until: float) -> None:
         """Judge every part we hold a result of and did not own, then act on the verdicts: a replaced result
@@ -307,7 +310,7 @@ class Audit:
             return await judge.settle(j, owner, res, digest, None, fetch, "a result its owner did not sign", direct)
         _, values = held
         claims, missing = judge.claims(j, digest, [str(p) for p in contributors])
-        key = judge.seed(j, digest)
+        key = self._key(j)
         sketches = {p: (e.weight, e.inf, e.s, e.c) for p, e in claims.items()}
         if missing:
             evidence, stop = await judge.evidence(j, owner, missing, fetch)
@@ -333,15 +336,25 @@ class Audit:
             why = "a random audit"
         return await judge.settle(j, owner, res, digest, values, fetch, why, direct)
 
-    def _digest(self, j: int) -> bytes:
-        """The digest of the result of part ``j`` we hold (hashed once per result object)."""
+    def _hashes(self, j: int) -> tuple[bytes, list[bytes]]:
+        """(digest, the chunks' hashes) of the result of part ``j`` we hold (hashed once per result object)."""
         res = self.box.results.get(j, {})
         cached = self._digests.get(j)
         if cached is not None and cached[0] is res:
-            return cached[1]
-        digest = result_digest(res, result_pieces(res))
-        self._digests[j] = (res, digest)
-        return digest
+            return cached[1], cached[2]
+        a, b = self.bounds[j]
+        shas = result_shas(res, b - a, self.codec)
+        digest = result_digest(res, shas)
+        self._digests[j] = (res, digest, shas)
+        return digest, shas
+
+    def _digest(self, j: int) -> bytes:
+        return self._hashes(j)[0]
+
+    def _key(self, j: int) -> list[tuple[int, int, bytes]]:
+        """The sketch key of part ``j``, from the result of it we hold (claims.chunk_keys)."""
+        a, b = self.bounds[j]
+        return chunk_keys(self.run, self.key, self.phase, j, self.box.results.get(j, {}), self._hashes(j)[1], b - a)
 
     async def _settle_part(self, judge: Judge, j: int, until: float, why: str) -> Verdict:
         """A dispute over part ``j`` begun for ``why``: the owner's evidence decides (see Judge.settle)."""

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from ..collective.codec_base import all_finite
+from ..collective.butterfly import chunk_bounds
+from ..collective.codec_base import Codec, all_finite
 from ..collective.codecs import get_codec
-from ..collective.sketch import BUCKETS, clipped, sketch
+from ..collective.sketch import BUCKETS, Key, clipped, seed, sketch
 from .chunks import decode_chunked
 from .identity import Identity, verify_signature
 from .transport import RoundFailed
@@ -32,6 +33,7 @@ __all__ = [
     "Entry",
     "Evidence",
     "Fetched",
+    "chunk_keys",
     "commitment",
     "entry_for",
     "fetch_evidence",
@@ -39,9 +41,12 @@ __all__ = [
     "payload_sha",
     "raw_bytes",
     "raw_sha",
+    "result_bounds",
     "result_commitment",
     "result_digest",
+    "result_header",
     "result_pieces",
+    "result_shas",
     "sign_contribution",
     "sketch_bytes",
 ]
@@ -94,13 +99,54 @@ def result_pieces(res: Mapping[str, Any]) -> list[bytes]:
     return [data] if isinstance(data, bytes) else []
 
 
-def result_digest(res: Mapping[str, Any], pieces: Sequence[bytes]) -> bytes:
-    """What a member's sketches of one part are bound to: the owner's result, header and payload (``pieces``,
-    hashed in place: never joined)."""
+def result_header(res: Mapping[str, Any]) -> bytes:
+    """SHA-256 of a result's header: what it says before its payload (its contributors and total among it)."""
     header = [res.get("key"), res.get("phase"), res.get("part"), res.get("numel"), res.get("codec"),
               res.get("chunk"), sorted(str(p) for p in res.get("contributors") or []), res.get("total"),
               res.get("tau", 0.0)]
-    return hashlib.sha256(encode_message({"h": header}) + payload_sha(pieces)).digest()
+    return hashlib.sha256(encode_message({"h": header})).digest()
+
+
+def result_bounds(res: Mapping[str, Any], numel: int) -> list[tuple[int, int]]:
+    """The chunks a result's payload is cut into (one, unless it names its ``chunk`` size)."""
+    chunk = res.get("chunk")
+    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
+        return chunk_bounds(numel, chunk)
+    return [(0, numel)] if numel else []
+
+
+def result_shas(res: Mapping[str, Any], numel: int, codec: Codec) -> list[bytes]:
+    """SHA-256 of each chunk's payload of a stored result, however it came (streamed chunk by chunk, or joined
+    into one payload by a relay); [] if its payload does not fit its chunks (the checks refuse it anyway)."""
+    bounds = result_bounds(res, numel)
+    sizes = [codec.encoded_size(b - a) for a, b in bounds]
+    pieces = result_pieces(res)
+    if [len(p) for p in pieces] == sizes:
+        return [hashlib.sha256(p).digest() for p in pieces]
+    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    if len(data) != sum(sizes):
+        return []
+    view, out, at = memoryview(data), [], 0
+    for n in sizes:
+        out.append(hashlib.sha256(view[at : at + n]).digest())
+        at += n
+    return out
+
+
+def result_digest(res: Mapping[str, Any], shas: Sequence[bytes]) -> bytes:
+    """What a member's claims about one part name and its owner signs: the result's header and the hashes of its
+    chunks' payloads (:func:`result_shas`)."""
+    return hashlib.sha256(result_header(res) + b"".join(shas)).digest()
+
+
+def chunk_keys(run: str, key: str, phase: int, part: int, res: Mapping[str, Any], shas: Sequence[bytes],
+               numel: int) -> list[tuple[int, int, bytes]]:
+    """The sketch key of a part (collective/sketch.py): per chunk of the result, a seed bound to the result's
+    header and to that chunk's payload, which its owner chose before it could know the signs. Each chunk can then
+    be sketched as it arrives."""
+    head = result_header(res)
+    return [(a, b, seed(run, key, phase, part, head, c, sha))
+            for c, ((a, b), sha) in enumerate(zip(result_bounds(res, numel), shas, strict=True))]
 
 
 def sketch_bytes(t: torch.Tensor) -> bytes:
@@ -210,7 +256,7 @@ class Entry:
         return cls(int(m["part"]), commit, weight, inf, digest, sketches[0], sketches[1])
 
 
-def entry_for(part: int, values: torch.Tensor, commit_hash: bytes, weight: float, key: bytes | None,
+def entry_for(part: int, values: torch.Tensor, commit_hash: bytes, weight: float, key: Key | None,
               digest: bytes | None, result: torch.Tensor | None, tau: float, rule: str) -> Entry:
     """Our claim about our contribution ``values`` to ``part``, sketched under ``key`` (the seed of the result
     ``result`` of digest ``digest`` we hold), or without sketches if we hold no result of that part."""

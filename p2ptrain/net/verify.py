@@ -46,7 +46,7 @@ import torch
 from ..collective.aggregate import aggregate
 from ..collective.butterfly import chunk_bounds
 from ..collective.codecs import Codec
-from ..collective.sketch import BUCKETS, mean_residual, passes, seed, sketch
+from ..collective.sketch import BUCKETS, Key, mean_residual, passes, sketch
 from .claims import RAW, Entry, Evidence, Fetched
 
 __all__ = ["FetchEvidence", "Judge", "Verdict", "error_bound"]
@@ -98,13 +98,12 @@ class Judge:
     """
 
     def __init__(self, *, run: str, key: str, phase: int, members: Sequence[str], codec: Codec, rule: str,
-                 own_commits: Mapping[str, bytes], checks: Mapping[str, Mapping[int, Entry]]) -> None:
+                 own_commits: Mapping[str, bytes], checks: Mapping[str, Mapping[int, Entry]],
+                 key_of: Callable[[int], Key]) -> None:
         self.run, self.key, self.phase, self.members = run, key, phase, list(members)
         self.codec, self.rule, self.own_commits, self.checks = codec, rule, own_commits, checks
+        self.key_of = key_of  # part -> the sketch key of the result of it we hold (claims.chunk_keys)
         self.evidence_bytes = 0
-
-    def seed(self, part: int, digest: bytes) -> bytes:
-        return seed(self.run, self.key, self.phase, part, digest)
 
     # ------------------------------------------------------------------ the checks
     def claims(self, part: int, digest: bytes, contributors: Sequence[str]) -> tuple[dict[str, Entry], list[str]]:
@@ -203,8 +202,7 @@ class Judge:
             if claim is not None and claim.commit != commit:
                 liars.append(p)  # it signed one contribution and claims another
             elif claim is not None and claim.digest == digest and claim.s is not None:
-                key = self.seed(part, digest)
-                mine = await asyncio.to_thread(sketch, xs[p], key)
+                mine = await asyncio.to_thread(sketch, xs[p], self.key_of(part))
                 if not passes(mine - claim.s, 0.0, float(mine.abs().sum()) + float(claim.s.abs().sum())):
                     liars.append(p)  # its sketch is not the sketch of what it signed
         if not xs:

@@ -49,6 +49,16 @@ def test_a_sketch_is_linear_and_the_same_for_the_same_seed() -> None:
     s = sketch(torch.arange(1, 6, dtype=torch.float32), k, buckets=2)
     assert s.tolist() == [sign[0] * 1 + sign[1] * 2 + sign[2] * 3, sign[3] * 4 + sign[4] * 5]
     assert sketch(torch.zeros(0), k).abs().sum() == 0
+    # Per chunk: [0, 2) and [2, 5) with seeds of their own; the buckets stay those of the whole vector.
+    k1, k2 = seed("c", 1), seed("c", 2)
+    b1, b2 = hashlib.shake_256(k1).digest(1)[0], hashlib.shake_256(k2).digest(1)[0]
+    s1 = [1.0 - 2.0 * ((b1 >> i) & 1) for i in range(2)]
+    s2 = [1.0 - 2.0 * ((b2 >> i) & 1) for i in range(3)]
+    s = sketch(torch.arange(1, 6, dtype=torch.float32), [(0, 2, k1), (2, 5, k2)], buckets=2)
+    assert s.tolist() == [s1[0] * 1 + s1[1] * 2 + s2[0] * 3, s2[1] * 4 + s2[2] * 5]
+    assert torch.equal(sketch(a, [(0, 1001, k)]), sa)  # one chunk under the seed: the seed's own sketch
+    with pytest.raises(ValueError):
+        sketch(a, [(0, 2000, k)])
 
 
 @pytest.mark.parametrize("name", ["fp32", "fp16", "uint8", "e3m0"])
