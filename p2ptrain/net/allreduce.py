@@ -110,6 +110,7 @@ class ButterflyRun:
         self.own: dict[str, Any] | None = None  # our averaged part's result message, once aggregated
         self.stream: EncodedStream | None = None  # our averaged part, streamed to every member
         self.lie: dict[str, Any] | None = None  # fault injection: the wrong result a lying owner sends
+        self.lie_stream: EncodedStream | None = None  # fault injection: that lie, streamed in chunks
         self.forged: torch.Tensor | None = None  # fault injection: the own share a lying owner claims
         self.audit = audit
         self.results_at, self.relays_at, self.claims_at = VERIFIED if audit is not None else PLAIN
@@ -136,6 +137,8 @@ class ButterflyRun:
         self.box.contribs[self.me_id] = (self.me, own, self.weight, self.fp)
         if self.audit is not None:
             self.own_commit = await asyncio.to_thread(self.audit.sign_own, own)
+            # verification's sums of each result, made as its chunks arrive (net/tally.py)
+            self.audit.register(self.flat, own, self.chunk, honest=self.faults.corrupt is None)
         try:
             sent = await self._exchange()
         except BaseExceptionGroup as eg:
@@ -273,18 +276,26 @@ class ButterflyRun:
         if tau > 0:
             own["tau"] = tau  # CenteredClip's radius: members check the result with it
         self.own = own
-        if self.faults.lie is not None:  # fault injection: the average a lying owner sends back
-            data, _ = corrupt_payload(self.codec, avg, "nan") if self.faults.lie == "nan" else \
-                (await asyncio.to_thread(self.codec.encode, lie_about(avg, self.faults.lie)), None)
+        faults = self.faults
+        if faults.lie is not None and faults.lie != "nan" and not faults.forge and hi - lo > self.chunk:
+            # fault injection: a lie streamed in chunks, as an honest large part goes (signed like the truth)
+            ls = self.lie_stream = EncodedStream(self.codec, lie_about(avg, faults.lie), self.chunk)
+            self.lie = {**own, "chunk": self.chunk, "chunks": len(ls.bounds)}
+            tg.create_task(_settled(ls.produce()))
+        elif faults.lie is not None:  # fault injection: the average a lying owner sends back
+            data, _ = corrupt_payload(self.codec, avg, "nan") if faults.lie == "nan" else \
+                (await asyncio.to_thread(self.codec.encode, lie_about(avg, faults.lie)), None)
             self.lie = {**own, "data": data}
             if self.audit is not None:  # signed like the truth: a liar does not give itself away
                 self.lie["osig"] = self.audit.sign_result(self.lie, [data])
-            if self.faults.forge and self.faults.lie != "nan":  # the share that makes the lie add up
+            if faults.forge and faults.lie != "nan":  # the share that makes the lie add up
                 told = await asyncio.to_thread(self.codec.decode, data, hi - lo)
                 self.forged = self.flat[lo:hi] + (total / self.weight) * (told - avg)
-        if hi - lo > self.chunk and self.lie is None:  # streamed to every member while it is being encoded
+        if hi - lo > self.chunk and (self.lie is None or self.lie_stream is not None):  # streamed to every member
             stream = self.stream = EncodedStream(self.codec, avg, self.chunk)
             own |= {"chunk": self.chunk, "chunks": len(stream.bounds)}
+            if self.audit is not None:
+                stream.on_chunk = self.audit.own_stream(own, hi - lo)
 
             async def produce() -> None:
                 await stream.produce()
@@ -342,6 +353,8 @@ class ButterflyRun:
         if sel.agreed is not None:
             own["print"] = list(sel.agreed)
         self.own, self.stream = own, stream
+        if self.audit is not None:
+            stream.on_chunk = self.audit.own_stream(own, hi - lo)
         producer = tg.create_task(_settled(stream.produce()))
         outs = [tg.create_task(_settled(self._send_result(j))) for j in self._others()]
         if (failed := await producer) is None:
@@ -370,19 +383,26 @@ class ButterflyRun:
             msg = self.lie
         trailer = None
         stream, audit = self.stream, self.audit
+        if msg is self.lie and self.lie_stream is not None:
+            stream = self.lie_stream
         if stream is not None and audit is not None:  # signed once every chunk is known
+            signed = msg
             msg = {**msg, "trailer": True}
 
             def trailer() -> dict[str, Any]:
-                return {"osig": audit.sign_result(self.own or {}, stream.payloads)}
+                return {"osig": audit.sign_result(signed, stream.payloads)}
 
         try:
             reply, seconds = await self.call(self.members[j], "result", msg,
                                              timeout=max(0.1, self._left(self.results_at)),
                                              chunks=stream.chunks if stream is not None else None, trailer=trailer)
         except RoundFailed:  # not worth waiting for (its result, its claims)
-            self.box.unreachable.add(self.members[j])
-            self.box.poke()
+            # ... unless it was our own stream that stopped (a pipelined mean falling back to whole parts when a
+            # contribution broke off): that says nothing of the member, whose result we still wait for (marked
+            # unreachable, a survivor of a member's death gave up on the other survivor's part: the suite, loaded)
+            if stream is None or stream.failed is None:
+                self.box.unreachable.add(self.members[j])
+                self.box.poke()
             raise
         self.links.update(self.members[j], size, seconds)
         return size if reply.get("ok") else 0
@@ -504,5 +524,5 @@ class ButterflyRun:
         if self.audit is not None:
             st = self.audit.stats
             result.verify_bytes, result.verify_seconds = st.bytes_sent + st.bytes_received, st.seconds
-            result.liars = tuple(st.liars)
+            result.liars, result.verify_tallied = tuple(st.liars), st.tallied
         return result

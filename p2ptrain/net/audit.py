@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..collective.butterfly import chunk_bounds
 from ..collective.codec_base import all_finite
 from ..collective.codecs import Codec
 from .chunks import decode_chunked
@@ -32,6 +33,7 @@ from .claims import (
     fetch_evidence,
     payload_sha,
     raw_sha,
+    result_bounds,
     result_commitment,
     result_digest,
     result_shas,
@@ -42,6 +44,7 @@ from .guard import Guard
 from .identity import Identity, verify_signature
 from .mailbox import Mailbox
 from .parts import result_problem
+from .tally import ChunkTally
 from .verify import Judge, Verdict
 
 __all__ = ["Audit", "AuditStats"]
@@ -59,6 +62,7 @@ class AuditStats:
     replaced: int = 0
     skipped: int = 0
     audits: int = 0
+    tallied: int = 0  # parts judged with the sums made as their chunks arrived (net/tally.py)
     liars: list[str] = field(default_factory=list)
 
 
@@ -97,6 +101,10 @@ class Audit:
         self._decoded: dict[int, tuple[Any, torch.Tensor]] = {}  # part -> (the result object, its values)
         self._finite: dict[int, tuple[Any, bool]] = {}  # part -> (the result object, whether its values are finite)
         self.own_commit = b""
+        self.tallies: dict[tuple[int, str], ChunkTally] = {}  # (part, sender) -> the sums of its result so far
+        self._flat: torch.Tensor | None = None  # our whole vector (our contributions), once the run registers
+        self._own: torch.Tensor | None = None
+        self._chunk, self._honest = 0, True
         self.stats = AuditStats()
         self.audit_p = min(1.0, max(0.0, audit_rate) / max(1, len(self.members) - 1))
         self._draw = random.Random(int.from_bytes(os.urandom(8), "big"))
@@ -126,6 +134,56 @@ class Audit:
         a, b = self.bounds[self.me]
         shas = result_shas({**res, "_pieces": pieces}, b - a, self.codec)
         return self.identity.sign(result_commitment(self.run, self.key, self.phase, self.me, result_digest(res, shas)))
+
+    # ------------------------------------------------------------------ sums as the results arrive
+    def register(self, flat: torch.Tensor, own: torch.Tensor, chunk: int, honest: bool) -> None:
+        """Sum verification's work on each result chunk by chunk as it is decoded (net/tally.py): ``flat`` is our
+        whole vector, ``own`` our share of our part, ``chunk`` the values per chunk we stream our parts in;
+        ``honest``: what we send is ``flat`` through the codec (no fault injected), so it can be sketched."""
+        self._flat, self._own, self._chunk, self._honest = flat, own, chunk, honest
+        self.box.make_tally = self.make_tally
+
+    def make_tally(self, part: int, sender: str, res: dict[str, Any], numel: int) -> ChunkTally | None:
+        """A tally for a result of ``part`` from ``sender`` about to arrive (None if it does not fit the round)."""
+        if not 0 <= part < len(self.members) or numel != self.bounds[part][1] - self.bounds[part][0]:
+            return None
+        tally = ChunkTally(run=self.run, key=self.key, phase=self.phase, part=part, sender=sender, res=res,
+                           numel=numel, codec=self.codec, judge=part != self.me, mine=self._mine(part, res, numel))
+        self.tallies[(part, sender)] = tally
+        return tally
+
+    def _mine(self, part: int, res: dict[str, Any], numel: int) -> Callable[[int, int], torch.Tensor] | None:
+        """Our contribution to ``part`` chunk by chunk, as its owner decoded it, if we know it in the result's
+        chunks: our own share of our part as it is; our share of another's part through the codec, when we sent it
+        in the chunks the result comes in (each chunk encoded on its own)."""
+        if part == self.me:
+            own = self._own
+            return None if own is None else (lambda lo, hi: own[lo:hi])
+        flat = self._flat
+        if flat is None or not self._honest:
+            return None
+        sent = chunk_bounds(numel, self._chunk) if numel > self._chunk else [(0, numel)] if numel else []
+        if result_bounds(res, numel) != sent:
+            return None
+        a, codec = self.bounds[part][0], self.codec
+        if codec.name == "fp32":
+            return lambda lo, hi: flat[a + lo : a + hi]
+        return lambda lo, hi: codec.decode(codec.encode(flat[a + lo : a + hi]), hi - lo)
+
+    def own_stream(self, res: dict[str, Any], numel: int) -> Callable[[int, bytes, torch.Tensor], None] | None:
+        """What our own part's result chunks are told to as they are produced (its tally's feed)."""
+        if self.box.make_tally is None:
+            return None
+        tally = self.make_tally(self.me, self.me_id, res, numel)
+        return None if tally is None else tally.feed
+
+    def _tally(self, j: int) -> ChunkTally | None:
+        """The tally of the result of part ``j`` we hold, if every chunk of it came through one."""
+        res = self.box.results.get(j)
+        if res is None:
+            return None
+        tally = self.tallies.get((j, str(res.get("_from", self.members[j]))))
+        return tally if tally is not None and tally.matches(str(res.get("_from", self.members[j])), res) else None
 
     def _signed(self, j: int, digest: bytes, osig: Any) -> bool:
         """Whether ``osig`` is part ``j``'s owner's signature over a result of digest ``digest``."""
@@ -165,6 +223,14 @@ class Audit:
         """Our claims about each part we contributed to (our own share of our part is ``own``)."""
         out = []
         for j in range(len(self.members)):
+            tally = self._tally(j)
+            res = self.box.results.get(j, {})
+            if (j == self.me or j in self.sent) and tally is not None and tally.mine_sketch is not None \
+                    and not (self.rule == "centered-clip" and float(res.get("tau", 0.0)) > 0) \
+                    and self._result(j) is not None:  # summed as the result arrived (net/tally.py)
+                commit = self.own_commit if j == self.me else self.sent[j].commit
+                out.append(Entry(j, commit, self.weight, tally.mine_inf, self._digest(j), tally.mine_sketch.clone()))
+                continue
             if j == self.me:
                 values, commit = own, self.own_commit
             elif j in self.sent:
@@ -179,7 +245,6 @@ class Audit:
             else:
                 continue
             held = self._result(j)
-            res = self.box.results.get(j, {})
             if held is None:
                 out.append(entry_for(j, values, commit, self.weight, None, None, None, 0.0, self.rule))
             else:
@@ -324,7 +389,10 @@ class Audit:
                 e = await asyncio.to_thread(entry_for, j, x, b"", ev.weight, key, digest, values,
                                             float(res.get("tau", 0.0)), self.rule)
                 sketches[p] = (ev.weight, e.inf, e.s, e.c)  # type: ignore[assignment]
-        why = await asyncio.to_thread(judge.test, res, values, sketches, key)  # type: ignore[arg-type]
+        tally = self._tally(j)
+        pre = tally if tally is not None and tally.judge else None
+        self.stats.tallied += pre is not None
+        why = await asyncio.to_thread(judge.test, res, values, sketches, key, pre)  # type: ignore[arg-type]
         mine = self.box.checks.get(owner, {}).get(j)
         if why is None and direct and mine is not None and mine.digest is not None and mine.digest != digest:
             # An honest owner holds exactly the result it sends: its claims about another one are a dispute.
@@ -343,7 +411,8 @@ class Audit:
         if cached is not None and cached[0] is res:
             return cached[1], cached[2]
         a, b = self.bounds[j]
-        shas = result_shas(res, b - a, self.codec)
+        tally = self._tally(j)
+        shas = [s for s in tally.shas if s is not None] if tally is not None else result_shas(res, b - a, self.codec)
         digest = result_digest(res, shas)
         self._digests[j] = (res, digest, shas)
         return digest, shas
@@ -353,6 +422,9 @@ class Audit:
 
     def _key(self, j: int) -> list[tuple[int, int, bytes]]:
         """The sketch key of part ``j``, from the result of it we hold (claims.chunk_keys)."""
+        tally = self._tally(j)
+        if tally is not None:
+            return [k for k in tally.keys if k is not None]
         a, b = self.bounds[j]
         return chunk_keys(self.run, self.key, self.phase, j, self.box.results.get(j, {}), self._hashes(j)[1], b - a)
 

@@ -25,10 +25,16 @@ __all__ = ["EncodedStream", "Progress", "Refused", "chunked_size", "decode_chunk
 
 
 
-def decode_into(codec: Codec, data: bytes, out: torch.Tensor) -> None:
+#: Told of each chunk as it is decoded, in the worker thread: (chunk index, its payload, its decoded values).
+OnChunk = Callable[[int, bytes, torch.Tensor], None]
+
+
+def decode_into(codec: Codec, data: bytes, out: torch.Tensor, on_chunk: OnChunk | None = None, index: int = 0) -> None:
     """Decode ``data`` into ``out`` (a 1-D float32 view), in the caller's thread: run it in a worker, so that the
-    copy of a 1 MB chunk does not hold the event loop (ValueError as ``codec.decode``)."""
+    copy of a 1 MB chunk does not hold the event loop (ValueError as ``codec.decode``); then tell ``on_chunk``."""
     out.copy_(codec.decode(data, out.numel()))
+    if on_chunk is not None:
+        on_chunk(index, data, out)
 
 class Refused(ValueError):
     """A streamed payload that does not fit what its header announced (the sender gets a strike)."""
@@ -98,6 +104,7 @@ class EncodedStream:
         self.payloads: list[bytes] = []
         self.decoded = torch.empty(x.numel(), dtype=torch.float32)
         self.failed: BaseException | None = None
+        self.on_chunk: OnChunk | None = None  # told of each chunk once decoded (verification's tallies)
         self._stopped = False  # the producer returned, failed or was cancelled
         self._tick = asyncio.Event()
 
@@ -125,7 +132,8 @@ class EncodedStream:
                 a, b = self.bounds[len(self.payloads)]
                 self.payloads.append(data)
                 self._wake()
-                await asyncio.to_thread(decode_into, self.codec, data, self.decoded[a:b])
+                await asyncio.to_thread(decode_into, self.codec, data, self.decoded[a:b], self.on_chunk,
+                                        len(self.payloads) - 1)
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The payloads in order, each as soon as it is encoded. RoundFailed if the producer stopped first.
@@ -151,8 +159,8 @@ class Progress:
         self.ready, self.failed, self.tick = 0, False, tick
 
 
-async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int,
-                         progress: Progress | None = None) -> tuple[torch.Tensor, list[bytes]]:
+async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int, progress: Progress | None = None,
+                         on_chunk: OnChunk | None = None) -> tuple[torch.Tensor, list[bytes]]:
     """Decode a streamed payload chunk by chunk as it arrives: (values, the chunks' payloads).
 
     ``msg`` is the header (``chunk``, ``chunks``) with an async generator of the chunk frames' payloads in
@@ -166,7 +174,7 @@ async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int,
         bounds = chunk_bounds(numel, chunk)
         if frames is None or count != len(bounds):
             raise Refused(f"{count!r} chunks announced for {numel} values in chunks of {chunk}")
-        return await _receive(frames, codec, numel, bounds, progress)
+        return await _receive(frames, codec, numel, bounds, progress, on_chunk)
     except BaseException:
         if progress is not None:
             progress.failed = True
@@ -175,7 +183,7 @@ async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int,
 
 
 async def _receive(frames: AsyncGenerator[bytes, None], codec: Codec, numel: int, bounds: list[tuple[int, int]],
-                   progress: Progress | None) -> tuple[torch.Tensor, list[bytes]]:
+                   progress: Progress | None, on_chunk: OnChunk | None) -> tuple[torch.Tensor, list[bytes]]:
     out = progress.values if progress is not None else torch.empty(numel, dtype=torch.float32)
     pieces: list[bytes] = []
     async with aclosing(frames) as it:
@@ -184,7 +192,7 @@ async def _receive(frames: AsyncGenerator[bytes, None], codec: Codec, numel: int
             if len(data) != codec.encoded_size(b - a):
                 raise Refused(f"chunk {len(pieces)} of {len(data)} bytes for {b - a} values")
             try:
-                await asyncio.to_thread(decode_into, codec, data, out[a:b])
+                await asyncio.to_thread(decode_into, codec, data, out[a:b], on_chunk, len(pieces))
             except ValueError as e:
                 raise Refused(f"undecodable chunk {len(pieces)} ({e})") from None
             pieces.append(data)

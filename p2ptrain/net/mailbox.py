@@ -29,6 +29,7 @@ from .claims import Entry, Evidence, commitment, parse_checks, payload_sha
 from .guard import Guard
 from .identity import verify_signature
 from .parts import wire_result
+from .tally import ChunkTally
 
 __all__ = ["Contribution", "Mailbox", "Mailboxes"]
 
@@ -66,6 +67,9 @@ class Mailbox:
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None  # when our all-reduce of this (round, phase) returned or failed
     evidence_until: float | None = None  # when the evidence is dropped (None: with the mailbox)
+    # (part, sender, result header, numel) -> a tally that the result's chunks are told to as they are decoded
+    # (net/tally.py), set by our verified all-reduce of this phase once it runs; None: no tallies
+    make_tally: Callable[[int, str, dict[str, Any], int], ChunkTally | None] | None = None
 
     def poke(self) -> None:
         self.changed.set()
@@ -208,8 +212,11 @@ class Mailboxes:
             numel = msg["numel"]
             if not isinstance(numel, int) or not 0 <= numel <= self.max_numel:
                 return {"error": "bad size"}
+            make = box.make_tally
+            tally = make(part, sender, res, numel) if make is not None and part not in box.results else None
             try:
-                x, pieces = await receive_chunks(msg, get_codec(str(msg["codec"])), numel)
+                x, pieces = await receive_chunks(msg, get_codec(str(msg["codec"])), numel,
+                                                 on_chunk=None if tally is None else tally.feed)
             except Refused as e:
                 self.guard.strike(sender, f"streamed result: {e}")
                 return {"error": "streamed result does not match its header"}

@@ -89,12 +89,14 @@ class PipelinedMean(EncodedStream):
         if (reason := self._broken()) is not None:
             raise Unpipelined(reason)
 
-    def _chunk(self, a: int, b: int) -> bytes:
-        """Average, encode and decode one chunk into :attr:`decoded` (in a worker thread: the copies of a 1 MB
-        chunk do not hold the event loop)."""
+    def _chunk(self, i: int, a: int, b: int) -> bytes:
+        """Average, encode and decode chunk ``i`` into :attr:`decoded` (in a worker thread: the copies of a 1 MB
+        chunk do not hold the event loop), and tell :attr:`on_chunk`."""
         avg = weighted_mean([s.progress.values[a:b] for s in self.sources], [s.weight for s in self.sources])
         data = self.codec.encode(avg)
         self.decoded[a:b] = self.codec.decode(data, b - a)
+        if self.on_chunk is not None:
+            self.on_chunk(i, data, self.decoded[a:b])
         return data
 
     async def _fill(self) -> None:
@@ -102,6 +104,6 @@ class PipelinedMean(EncodedStream):
         at each). Unpipelined if a contribution breaks off or is late; the readers then get RoundFailed."""
         for i, (a, b) in enumerate(self.bounds):
             await self._until(b, last=i == len(self.bounds) - 1)
-            data = await asyncio.to_thread(self._chunk, a, b)
+            data = await asyncio.to_thread(self._chunk, i, a, b)
             self.payloads.append(data)
             self._wake()

@@ -48,12 +48,12 @@ from ..collective.butterfly import chunk_bounds
 from ..collective.codecs import Codec
 from ..collective.sketch import BUCKETS, Key, mean_residual, passes, sketch
 from .claims import RAW, Entry, Evidence, Fetched
+from .tally import F32_ROUND, ChunkTally
 
 __all__ = ["FetchEvidence", "Judge", "Verdict", "error_bound"]
 
 log = logging.getLogger(__name__)
 
-_F32_ROUND = 2.0**-24  # the mean is summed in float64 and rounded once to float32
 
 
 def error_bound(values: torch.Tensor, codec: Codec, chunk: int | None, largest: float,
@@ -70,7 +70,7 @@ def error_bound(values: torch.Tensor, codec: Codec, chunk: int | None, largest: 
         eps = torch.empty(n, dtype=torch.float64)
         for a, b in chunk_bounds(n, chunk):
             eps[a:b] = codec.error_bound(values[a:b]).to(torch.float64)
-    eps.add_(absv, alpha=_F32_ROUND)
+    eps.add_(absv, alpha=F32_ROUND)
     return torch.minimum(eps, absv + largest)
 
 
@@ -120,23 +120,33 @@ class Judge:
         return usable, missing
 
     def test(self, res: Mapping[str, Any], values: torch.Tensor, sketches: Mapping[str, tuple[float, float,
-             torch.Tensor, torch.Tensor | None]], key: bytes) -> str | None:
+             torch.Tensor, torch.Tensor | None]], key: Key, pre: ChunkTally | None = None) -> str | None:
         """Why the result ``values`` of ``res`` fails the checks against the contributors' (weight, magnitude,
-        sketch, clipped sketch), or None if it passes."""
+        sketch, clipped sketch), or None if it passes. ``pre``: the result's sums made as it arrived (its sketch
+        and error bound; net/tally.py), used where they are exact."""
         total = math.fsum(w for w, _, _, _ in sketches.values())
         claimed = float(res["total"])
         if not math.isclose(total, claimed, rel_tol=1e-9, abs_tol=1e-12):
             return f"total weight {claimed:.6g}, the contributors' weights sum to {total:.6g}"
         largest = max((m for _, m, _, _ in sketches.values()), default=0.0)
-        absv = values.abs().to(torch.float64)
-        eps = error_bound(values, self.codec, res.get("chunk"), largest, absv)
-        over = absv - eps - largest * (1 + 1e-6)
-        if values.numel() and float(over.max()) > 0:
-            return f"a value beyond every contribution's range (by {float(over.max()):.3g})"
-        bound_sq = float(eps.pow(2).sum())
-        scale = float(absv.sum()) + sum(float(s.abs().sum()) for _, _, s, _ in sketches.values())
+        claimed_abs = sum(float(s.abs().sum()) for _, _, s, _ in sketches.values())
+        if pre is not None and pre.slack <= largest:  # summed as the result arrived (net/tally.py)
+            # max(|v| − min(e0, |v| + L)) = max(|v| − e0, −L); and min(e0, |v| + L) = e0 wherever e0 − |v| <= L
+            if values.numel() and pre.over - largest * (1 + 1e-6) > 0:
+                return f"a value beyond every contribution's range (by {pre.over - largest * (1 + 1e-6):.3g})"
+            bound_sq, scale, result_sketch = pre.e0_sq, pre.abs_sum + claimed_abs, pre.result
+        else:
+            absv = values.abs().to(torch.float64)
+            eps = error_bound(values, self.codec, res.get("chunk"), largest, absv)
+            over = absv - eps - largest * (1 + 1e-6)
+            if values.numel() and float(over.max()) > 0:
+                return f"a value beyond every contribution's range (by {float(over.max()):.3g})"
+            bound_sq = float(eps.pow(2).sum())
+            scale = float(absv.sum()) + claimed_abs
+            result_sketch = sketch(values, key) if self.rule == "mean" else None
         if self.rule == "mean":
-            residual = mean_residual(sketch(values, key), [(w, s) for w, _, s, _ in sketches.values()])
+            assert result_sketch is not None
+            residual = mean_residual(result_sketch, [(w, s) for w, _, s, _ in sketches.values()])
             if not passes(residual, bound_sq, scale):
                 return f"the sketch is {float(residual.norm()):.3g} off the contributions' (allowed {math.sqrt(bound_sq):.3g})"
         elif self.rule == "centered-clip":

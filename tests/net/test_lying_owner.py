@@ -27,8 +27,9 @@ NUMEL = 1 << 14  # 16 Ki values: parts of ~3 Ki, small enough for a test, large 
 
 @asynccontextmanager
 async def swarm(faults: FaultPlan, bad: int, guard: GuardConfig | None = None,
-                run: str = "liar", audit_rate: float | list[float] = 0.1) -> AsyncIterator[list[Any]]:
-    """N libp2p peers on 127.0.0.1; peer ``bad`` injects ``faults``."""
+                run: str = "liar", audit_rate: float | list[float] = 0.1,
+                chunk: int | None = None) -> AsyncIterator[list[Any]]:
+    """N libp2p peers on 127.0.0.1; peer ``bad`` injects ``faults``; ``chunk``: values per streamed chunk."""
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 
     ts: list[Any] = []
@@ -38,7 +39,7 @@ async def swarm(faults: FaultPlan, bad: int, guard: GuardConfig | None = None,
             ts.append(await HivemindTransport.create(SwarmConfig(
                 run_id=run, initial_peers=initial, join_window=1.0, ttl=30, guard=guard or GuardConfig(),
                 audit_rate=audit_rate[i] if isinstance(audit_rate, list) else audit_rate,
-                faults=faults if i == bad else FaultPlan())))
+                faults=faults if i == bad else FaultPlan(), **({"chunk_values": chunk} if chunk else {}))))
         for t in ts:
             await t.announce(PeerInfo(peer_id=t.peer_id))
         for t in ts:
@@ -73,12 +74,15 @@ def weighted(ids: list[int]) -> torch.Tensor:
     return (torch.stack([update(i).double() for i in ids]) * ws[:, None]).sum(0) / ws.sum()
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("lie", LIES)
-def test_a_lying_owner_is_caught_banned_and_its_part_is_the_honest_mean(lie: str) -> None:
+def test_a_lying_owner_is_caught_banned_and_its_part_is_the_honest_mean(lie: str, streamed: bool) -> None:
+    """Whole parts, and parts streamed in chunks of 1024 values (the lie too, signed like the truth): then every
+    member's checks are summed chunk by chunk as the results arrive (net/tally.py), and must catch it the same."""
     bad = N - 1
 
     async def go() -> None:
-        async with swarm(FaultPlan(lie=lie), bad) as ts:
+        async with swarm(FaultPlan(lie=lie), bad, chunk=1024 if streamed else None) as ts:
             liar = ts[bad].peer_id
             results = await rounds(ts, 3)
             honest_ids = list(range(N))
@@ -104,6 +108,8 @@ def test_a_lying_owner_is_caught_banned_and_its_part_is_the_honest_mean(lie: str
                 assert not (t.guard.banned - {liar}), (lie, i, t.guard.banned)  # no honest peer was banned
             first = [x for x in results[0][:bad]]
             assert all(liar in x.liars or t.guard.is_banned(liar) for x, t in zip(first, ts, strict=False))
+            if streamed and lie != "nan":  # the checks were the ones summed as the chunks came (not a second pass)
+                assert all(x.verify_tallied >= N - 2 for x in first), [x.verify_tallied for x in first]
             # What verification cost the honest members in the round that caught the liar, and in one without it.
             for label, res in (("caught", results[0]), ("after", results[2])):
                 for x in res[:bad]:

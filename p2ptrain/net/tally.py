@@ -1,0 +1,101 @@
+"""Verification's sums over one result, chunk by chunk as it arrives (net/audit.py uses them once it is whole).
+
+A member checks each part's result against the contributors' sketches (net/verify.py), and claims a sketch of its
+own contribution to each part, all under keys bound to each chunk of the result (claims.chunk_keys). Summed after
+the transfer, that work held every verified round up for seconds of CPU on a 64 MB fragment; summed here, in the
+worker thread that decodes each chunk as it arrives, it overlaps the transfer. What is summed does not depend on
+what arrives later: per chunk its hash and seed, the sketch of the result's values and of this member's own
+contribution, and the parts of the error bound that do not need the contributors' largest magnitude (the cap
+``|v| + largest`` applies only where ``e0 > |v| + largest``: if the largest ``e0 − |v|`` is within it, the sum
+of ``e0²`` is the bound's; if not, the judge computes it whole, as before).
+
+A tally is for one result as one sender sent it (its header, hashed); the audit uses it only for the result it
+holds, and only when every chunk came through it. Anything else (a relay, a replaced result, chunks of another
+size) is summed whole, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..collective.codec_base import Codec
+from ..collective.sketch import BUCKETS, add_chunk, seed
+from .claims import result_bounds, result_header
+
+__all__ = ["F32_ROUND", "ChunkTally"]
+
+F32_ROUND = 2.0**-24  # the mean is summed in float64 and rounded once to float32
+
+#: Our contribution to a part, values [lo, hi) as the part's owner decoded them; None if not known for that chunk.
+Mine = Callable[[int, int], torch.Tensor | None]
+
+
+class ChunkTally:
+    """The sums of one result of ``part`` (``numel`` values, header ``res``) from ``sender``, chunk by chunk.
+
+    ``judge``: sum the result's own statistics (a part this member did not own); ``mine``: this member's
+    contribution to the part, to sketch under each chunk's key (None: it made none, or it is summed whole)."""
+
+    def __init__(self, *, run: str, key: str, phase: int, part: int, sender: str, res: Mapping[str, Any], numel: int,
+                 codec: Codec, judge: bool, mine: Mine | None) -> None:
+        self.run, self.key, self.phase, self.part, self.sender = run, key, phase, part, sender
+        self.numel, self.codec, self.judge, self.mine = numel, codec, judge, mine
+        self.head = result_header(res)
+        self.bounds = result_bounds(res, numel)
+        n = len(self.bounds)
+        self.shas: list[bytes | None] = [None] * n
+        self.keys: list[tuple[int, int, bytes] | None] = [None] * n
+        self.result = torch.zeros(BUCKETS, dtype=torch.float64)  # sketch of the result's values
+        self.e0_sq = 0.0  # Σ e0², e0 = the codec's bound + float32 rounding of the mean
+        self.over = float("-inf")  # max(|v| − e0): a value beyond every contribution's range shows here
+        self.slack = float("-inf")  # max(e0 − |v|): where the cap |v| + largest could bind
+        self.abs_sum = 0.0  # Σ |v|
+        self.mine_sketch: torch.Tensor | None = torch.zeros(BUCKETS, dtype=torch.float64) if mine else None
+        self.mine_inf = 0.0  # our contribution's largest magnitude
+        self.done = 0
+        self.broken = False
+        self._lock = threading.Lock()
+
+    def matches(self, sender: str, res: Mapping[str, Any]) -> bool:
+        """Whether this tally is of ``res`` (the result the audit holds, from ``sender``) and whole."""
+        return (self.sender == sender and not self.broken and self.done == len(self.bounds)
+                and result_header(res) == self.head)
+
+    def feed(self, c: int, piece: bytes, values: torch.Tensor) -> None:
+        """Chunk ``c`` arrived: its payload and its decoded values (run it in a worker thread). A chunk that does
+        not fit the header's chunks leaves the tally broken (the audit then sums the result whole)."""
+        with self._lock:
+            if self.broken or not 0 <= c < len(self.bounds) or self.shas[c] is not None:
+                self.broken = True
+                return
+            lo, hi = self.bounds[c]
+            if values.numel() != hi - lo:
+                self.broken = True
+                return
+            sha = hashlib.sha256(piece).digest()
+            k = seed(self.run, self.key, self.phase, self.part, self.head, c, sha)
+            if self.judge:
+                add_chunk(self.result, values, k, lo, self.numel)
+                absv = values.abs().to(torch.float64)
+                e0 = self.codec.error_bound(values).to(torch.float64).add_(absv, alpha=F32_ROUND)
+                if hi > lo:
+                    diff = absv - e0
+                    self.over = max(self.over, float(diff.max()))
+                    self.slack = max(self.slack, float(-diff.min()))
+                    self.e0_sq += float(e0.pow(2).sum())
+                    self.abs_sum += float(absv.sum())
+            if self.mine is not None and self.mine_sketch is not None:
+                x = self.mine(lo, hi)
+                if x is None:
+                    self.mine_sketch = None
+                else:
+                    add_chunk(self.mine_sketch, x, k, lo, self.numel)
+                    if x.numel():
+                        self.mine_inf = max(self.mine_inf, float(x.abs().max()))
+            self.shas[c], self.keys[c] = sha, (lo, hi, k)
+            self.done += 1
