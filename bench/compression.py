@@ -41,10 +41,12 @@ from p2ptrain.ui import out, table
 
 RESULTS = Path(__file__).parent / "results"
 BASELINE = "diloco fp32"
-#: Knobs of the error-feedback codecs' runs: no outer momentum, η 1, as SparseLoCo (arXiv 2508.15706), whose
-#: buffer stands in for the momentum (undecayed here: on 400-step trials the default μ 0.9, η 0.7 ended
-#: higher, 2.78 against 2.66).
-EF_KNOBS: dict[str, Any] = {"outer_momentum": 0.0, "outer_lr": 1.0, "ef_decay": 1.0}
+#: Knobs of the error-feedback codecs' runs beyond the method's defaults: none. With progress counted once (the
+#: buffer or the local model, never both: algo/rules.py), the method's own outer Nesterov (μ 0.9, η 0.7) and α 1
+#: (a peer trains on with what it did not send) did best at H 20 with topk2:0.03 (1.447; μ 0, η 1: 1.659; α 0.5:
+#: 1.488; α 0: 1.705; μ 0.95, η 0.5: 1.529; η 1: 1.444; β 0.95 changes nothing at α 1, whose buffer is empty after
+#: each apply; 1 seed, /tmp sweeps of this session, summarised in bench/results/README.md).
+EF_KNOBS: dict[str, Any] = {}
 
 
 NOTES = [
@@ -52,11 +54,16 @@ NOTES = [
     "- Each peer sends `Q(Δ_i + e_i)` and keeps the rest in `e_i` (p2ptrain/algo/feedback.py). `Q` is the codec's "
     "round trip laid out as the butterfly lays out the parts; the codecs are idempotent, so a part's owner "
     "decodes exactly what the buffer assumed (tests/net/test_sparse_wire.py: bit for bit on libp2p peers).",
+    "- Counted once: what the wire did not carry is in the buffer or in the local model, never both (the "
+    "α-merge used to keep α of it locally while the buffer also sent it later: a coordinate's unsent progress "
+    "counted 1/(1−α) times; tests/algo/test_feedback_merge.py). α is the share a peer keeps training with.",
     "- Reduction: *densify at the owner*. The owner decodes the members' sparse parts, averages them densely "
     "(up to M·k nonzeros a block) and sends the average back in the same codec: top-k of the union at 2 bits. "
-    "What that drops is in no one's buffer: on 400-step trials (1 seed) the same run with an exact average "
-    "ended 3% lower (2.70 against 2.78). An owner-side residual (the owner adds M·(A − Q(A)) to its own "
-    "buffer) would keep that mass; it needs the owner's code path (net/allreduce.py) and was left out.",
+    "What that drops is in no one's buffer, but with progress counted once it no longer costs loss: at H 20 "
+    "with topk2:0.03 an owner that sends the exact average ended at 1.451 against 1.447 re-encoded (1 seed).",
+    "- A mask shared by the round (random-k, no indices on the wire, 2-bit values) at the same bytes ended "
+    "higher than top-k: 1.552 against 1.447 (18.6% of the values against topk2:0.03) and 2.115 against 1.625 "
+    "(7% against topk2 1%), H 20, 1 seed: top-k's choice is worth its 10-bit indices.",
     "- On the wire (bench/sparse_wire.py, 4 libp2p peers, this model, H 20): topk2's all-reduces send 1.58× "
     "its payload (per-part block headers), but verified aggregation's claims and evidence add 1.7–3.2 KB per "
     "inner step, 5–10× the sparse parts: 405× fewer bytes per inner step than ddp on the wire against 4243× "

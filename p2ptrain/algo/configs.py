@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
-from ..collective.codecs import CODECS, is_codec
+from ..collective.codecs import CODECS, get_codec, is_codec
 
 __all__ = ["METHODS", "CoCoDCConfig", "DDPConfig", "DiLoCoConfig", "DiLoCoXConfig", "EagerConfig", "MethodConfig",
            "StreamingConfig", "method_config"]
@@ -90,7 +90,10 @@ class StreamingConfig(MethodConfig):
         mode: ``strided`` (layer ℓ in fragment ℓ mod P) or ``sequential``.
         tau: τ, inner steps between starting fragment p's all-reduce and applying it;
             0 ≤ τ < H (with τ ≥ H/P several fragments are in flight at once).
-        alpha: α of the merge ``θ_i ← α·θ_i + (1−α)·θ`` (0 takes the global value).
+        alpha: α of the merge ``θ_i ← α·θ_i + (1−α)·θ`` (0 takes the global value); behind error feedback, the
+            share of its unsent progress a peer keeps training with (algo/rules.py). Default: 0.5, and 1 behind
+            error feedback (at H 20 with topk2:0.03, θ's loss 1.447 against 1.488 at 0.5 and 1.705 at 0:
+            bench/results/compression.md).
         outer_lr: η 0.7, DiLoCo's: at 100 rounds per fragment it ended below the Streaming DiLoCo paper's 0.4 on
             every seed and corpus measured (0.3–0.9% lower loss, bench/results/methods.md); ``--outer-lr 0.4``
             gives the paper's.
@@ -100,7 +103,7 @@ class StreamingConfig(MethodConfig):
     P: int = 4
     mode: Literal["strided", "sequential"] = "strided"
     tau: int = 1
-    alpha: float = 0.5
+    alpha: float | None = None
     outer_lr: float = 0.7
     codec: str = "e3m0"
 
@@ -112,6 +115,8 @@ class StreamingConfig(MethodConfig):
             raise ValueError(f"{self.name}: H ({self.H}) must be a multiple of the number of fragments P ({self.P})")
         if self.mode not in ("strided", "sequential"):
             raise ValueError(f"{self.name}: mode must be 'strided' or 'sequential', got {self.mode!r}")
+        if self.alpha is None:
+            self.alpha = 1.0 if get_codec(self.codec).error_feedback else 0.5
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"{self.name}: α must be in [0, 1], got {self.alpha}")
         self._check_tau()
