@@ -10,6 +10,10 @@ A collective either blocks until what the driver needs is there (a real swarm: a
 yet" (the simulator: the other virtual peers must act first). So :meth:`OuterDriver.advance` returns False
 when it is blocked and may be called again for the same step: it is idempotent (a fragment is never sent twice
 at one step, an applied round leaves the rounds in flight).
+
+Why it is long: the plan, the sends, the applies (with their repair and ordering rules) and the drain share one
+object's state (the rounds in flight, their token marks, the lock the replica serves under), and splitting them
+would pass that state around; the pure rules they follow live in algo/ (outer_loop, rules, slots).
 """
 
 from __future__ import annotations

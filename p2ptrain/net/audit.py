@@ -4,6 +4,10 @@
 about them, makes its check message once the results are in, and judges every part it did not own: it
 fills in claims that are missing with evidence from the part's owner, runs the checks, settles disputes,
 and says per part whether to use the result, replace it with its own recomputation or leave it out.
+
+Why it is long: signing, claiming, judging and reconciling share one round's state (what we sent, the results we
+hold and their digests, the verdicts); the checks themselves are in net/verify.py, the sums made as the results
+arrive in net/tally.py, the wire forms in net/claims.py.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from typing import Any
 
 import torch
 
-from ..collective.butterfly import chunk_bounds
 from ..collective.codec_base import all_finite
 from ..collective.codecs import Codec
 from .chunks import decode_chunked
@@ -33,7 +36,6 @@ from .claims import (
     fetch_evidence,
     payload_sha,
     raw_sha,
-    result_bounds,
     result_commitment,
     result_digest,
     result_shas,
@@ -44,7 +46,7 @@ from .guard import Guard
 from .identity import Identity, verify_signature
 from .mailbox import Mailbox
 from .parts import result_problem
-from .tally import ChunkTally
+from .tally import ChunkTally, Tallies
 from .verify import Judge, Verdict
 
 __all__ = ["Audit", "AuditStats"]
@@ -101,10 +103,7 @@ class Audit:
         self._decoded: dict[int, tuple[Any, torch.Tensor]] = {}  # part -> (the result object, its values)
         self._finite: dict[int, tuple[Any, bool]] = {}  # part -> (the result object, whether its values are finite)
         self.own_commit = b""
-        self.tallies: dict[tuple[int, str], ChunkTally] = {}  # (part, sender) -> the sums of its result so far
-        self._flat: torch.Tensor | None = None  # our whole vector (our contributions), once the run registers
-        self._own: torch.Tensor | None = None
-        self._chunk, self._honest = 0, True
+        self.tallies: Tallies | None = None  # the sums of each result as it arrives, once the run registers
         self.stats = AuditStats()
         self.audit_p = min(1.0, max(0.0, audit_rate) / max(1, len(self.members) - 1))
         self._draw = random.Random(int.from_bytes(os.urandom(8), "big"))
@@ -137,53 +136,23 @@ class Audit:
 
     # ------------------------------------------------------------------ sums as the results arrive
     def register(self, flat: torch.Tensor, own: torch.Tensor, chunk: int, honest: bool) -> None:
-        """Sum verification's work on each result chunk by chunk as it is decoded (net/tally.py): ``flat`` is our
-        whole vector, ``own`` our share of our part, ``chunk`` the values per chunk we stream our parts in;
-        ``honest``: what we send is ``flat`` through the codec (no fault injected), so it can be sketched."""
-        self._flat, self._own, self._chunk, self._honest = flat, own, chunk, honest
-        self.box.make_tally = self.make_tally
-
-    def make_tally(self, part: int, sender: str, res: dict[str, Any], numel: int) -> ChunkTally | None:
-        """A tally for a result of ``part`` from ``sender`` about to arrive (None if it does not fit the round)."""
-        if not 0 <= part < len(self.members) or numel != self.bounds[part][1] - self.bounds[part][0]:
-            return None
-        tally = ChunkTally(run=self.run, key=self.key, phase=self.phase, part=part, sender=sender, res=res,
-                           numel=numel, codec=self.codec, judge=part != self.me, mine=self._mine(part, res, numel))
-        self.tallies[(part, sender)] = tally
-        return tally
-
-    def _mine(self, part: int, res: dict[str, Any], numel: int) -> Callable[[int, int], torch.Tensor] | None:
-        """Our contribution to ``part`` chunk by chunk, as its owner decoded it, if we know it in the result's
-        chunks: our own share of our part as it is; our share of another's part through the codec, when we sent it
-        in the chunks the result comes in (each chunk encoded on its own)."""
-        if part == self.me:
-            own = self._own
-            return None if own is None else (lambda lo, hi: own[lo:hi])
-        flat = self._flat
-        if flat is None or not self._honest:
-            return None
-        sent = chunk_bounds(numel, self._chunk) if numel > self._chunk else [(0, numel)] if numel else []
-        if result_bounds(res, numel) != sent:
-            return None
-        a, codec = self.bounds[part][0], self.codec
-        if codec.name == "fp32":
-            return lambda lo, hi: flat[a + lo : a + hi]
-        return lambda lo, hi: codec.decode(codec.encode(flat[a + lo : a + hi]), hi - lo)
+        """Sum verification's work on each result chunk by chunk as it is decoded (net/tally.py, see
+        :class:`Tallies`)."""
+        self.tallies = Tallies(run=self.run, key=self.key, phase=self.phase, me=self.me, members=self.members,
+                               bounds=self.bounds, codec=self.codec, flat=flat, own=own, chunk=chunk, honest=honest)
+        self.box.make_tally = self.tallies.make
 
     def own_stream(self, res: dict[str, Any], numel: int) -> Callable[[int, bytes, torch.Tensor], None] | None:
         """What our own part's result chunks are told to as they are produced (its tally's feed)."""
-        if self.box.make_tally is None:
+        if self.tallies is None:
             return None
-        tally = self.make_tally(self.me, self.me_id, res, numel)
+        tally = self.tallies.make(self.me, self.me_id, res, numel)
         return None if tally is None else tally.feed
 
     def _tally(self, j: int) -> ChunkTally | None:
         """The tally of the result of part ``j`` we hold, if every chunk of it came through one."""
         res = self.box.results.get(j)
-        if res is None:
-            return None
-        tally = self.tallies.get((j, str(res.get("_from", self.members[j]))))
-        return tally if tally is not None and tally.matches(str(res.get("_from", self.members[j])), res) else None
+        return None if res is None or self.tallies is None else self.tallies.of(j, res)
 
     def _signed(self, j: int, digest: bytes, osig: Any) -> bool:
         """Whether ``osig`` is part ``j``'s owner's signature over a result of digest ``digest``."""

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from ..collective.butterfly import chunk_bounds
 from ..collective.codec_base import Codec
 from ..collective.sketch import BUCKETS, add_chunk, seed
 from .claims import result_bounds, result_header
 
-__all__ = ["F32_ROUND", "ChunkTally"]
+__all__ = ["F32_ROUND", "ChunkTally", "Tallies"]
 
 F32_ROUND = 2.0**-24  # the mean is summed in float64 and rounded once to float32
 
@@ -99,3 +100,50 @@ class ChunkTally:
                         self.mine_inf = max(self.mine_inf, float(x.abs().max()))
             self.shas[c], self.keys[c] = sha, (lo, hi, k)
             self.done += 1
+
+
+class Tallies:
+    """The tallies of one member's run of one (round, phase): one per result as a sender sends it.
+
+    ``flat``: our whole vector (``bounds`` cut it into the parts, ``me`` is ours); ``own``: our share of our part;
+    ``chunk``: the values per chunk we stream our parts in; ``honest``: what we send is ``flat`` through the
+    codec (no fault injected), so our contributions can be sketched as the results come."""
+
+    def __init__(self, *, run: str, key: str, phase: int, me: int, members: Sequence[str],
+                 bounds: Sequence[tuple[int, int]], codec: Codec, flat: torch.Tensor, own: torch.Tensor, chunk: int,
+                 honest: bool) -> None:
+        self.run, self.key, self.phase, self.me, self.members = run, key, phase, me, list(members)
+        self.bounds, self.codec, self.flat, self.own, self.chunk, self.honest = bounds, codec, flat, own, chunk, honest
+        self._tallies: dict[tuple[int, str], ChunkTally] = {}
+
+    def make(self, part: int, sender: str, res: dict[str, Any], numel: int) -> ChunkTally | None:
+        """A tally for a result of ``part`` from ``sender`` about to arrive (None if it does not fit the round)."""
+        if not 0 <= part < len(self.members) or numel != self.bounds[part][1] - self.bounds[part][0]:
+            return None
+        tally = ChunkTally(run=self.run, key=self.key, phase=self.phase, part=part, sender=sender, res=res,
+                           numel=numel, codec=self.codec, judge=part != self.me, mine=self._mine(part, res, numel))
+        self._tallies[(part, sender)] = tally
+        return tally
+
+    def of(self, part: int, res: Mapping[str, Any]) -> ChunkTally | None:
+        """The tally of ``res`` (the result of ``part`` a member holds), if every chunk of it came through one."""
+        sender = str(res.get("_from", self.members[part]))
+        tally = self._tallies.get((part, sender))
+        return tally if tally is not None and tally.matches(sender, res) else None
+
+    def _mine(self, part: int, res: Mapping[str, Any], numel: int) -> Mine | None:
+        """Our contribution to ``part`` chunk by chunk, as its owner decoded it, if we know it in the result's
+        chunks: our own share of our part as it is; our share of another's part through the codec, when we sent it
+        in the chunks the result comes in (each chunk encoded on its own)."""
+        if part == self.me:
+            own = self.own
+            return lambda lo, hi: own[lo:hi]
+        if not self.honest:
+            return None
+        sent = chunk_bounds(numel, self.chunk) if numel > self.chunk else [(0, numel)] if numel else []
+        if result_bounds(res, numel) != sent:
+            return None
+        a, codec, flat = self.bounds[part][0], self.codec, self.flat
+        if codec.name == "fp32":
+            return lambda lo, hi: flat[a + lo : a + hi]
+        return lambda lo, hi: codec.decode(codec.encode(flat[a + lo : a + hi]), hi - lo)

@@ -130,7 +130,9 @@ def test_methods_run_behind_error_feedback_and_peers_agree(cfg: DiLoCoConfig) ->
 
 
 def test_the_buffer_is_checkpointed_kept_on_resync_and_not_given_to_a_joiner() -> None:
-    cfg = StreamingConfig(H=8, P=4, tau=1, codec="topk2")
+    # α 0.5: the buffer keeps half of what was not sent after each apply (at α 1, the default, the local model
+    # takes all of it and the buffer is empty between rounds)
+    cfg = StreamingConfig(H=8, P=4, tau=1, codec="topk2", alpha=0.5)
     r, _, _ = run(cfg, peers=2, steps=24)
     src = r.outers[0]
     state = src.state_dict()
