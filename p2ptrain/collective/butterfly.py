@@ -29,12 +29,26 @@ from .aggregate import aggregate
 from .codecs import Codec
 
 __all__ = ["CHUNK_VALUES", "MIN_CHUNK", "butterfly_mean", "chunk_bounds", "part_bounds", "parts_roundtrip",
-           "ring_factor", "wire_roundtrip"]
+           "ring_factor", "stream_chunk", "wire_roundtrip"]
 
 #: The smallest chunk (values) a part may be streamed in: bounds the number of frames per part.
 MIN_CHUNK = 1024
 #: Values per streamed chunk by default (a part larger than this is streamed).
 CHUNK_VALUES = 1 << 18
+#: A part is cut into at least this many chunks when it is large enough (:func:`stream_chunk`).
+PIECES = 16
+#: The smallest chunk :func:`stream_chunk` picks (16 Ki values, 64 KB in fp32): below it a part goes whole.
+SMALL_CHUNK = 1 << 14
+
+
+def stream_chunk(part: int, most: int = CHUNK_VALUES) -> int:
+    """Values per chunk for parts of up to ``part`` values: at most ``most``, and small enough that a part is cut
+    into :data:`PIECES` chunks (whose transfer, averaging and sending back overlap: a 1 MB fragment between two
+    peers went in one piece each way, its phases one after the other), but not below :data:`SMALL_CHUNK`;
+    a multiple of 1024, the largest block of any codec, so that cutting a part into chunks changes no block."""
+    want = -(-part // PIECES)
+    want = -(-want // 1024) * 1024
+    return max(min(SMALL_CHUNK, most), min(most, want))
 
 
 def part_bounds(numel: int, members: int) -> list[tuple[int, int]]:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..collective.butterfly import part_bounds
+from ..collective.butterfly import part_bounds, stream_chunk
 from ..collective.codecs import Codec
 from .allreduce import ButterflyRun
 from .audit import Audit
@@ -472,7 +472,8 @@ class HivemindTransport(Transport):
         run = ButterflyRun(group=group, phase=phase, me=self.peer_id, tensors=tensors, weight=weight, codec=codec,
                            timeout=timeout, fingerprint=fingerprint, box=box, call=self._call,
                            gone=lambda: self._gone(group.key, phase), guard=self.guard, links=self.links,
-                           chunk=self.cfg.chunk_values, faults=self.cfg.faults, audit=audit,
+                           chunk=stream_chunk(-(-sum(t.numel() for t in tensors) // len(group.members)),
+                                              self.cfg.chunk_values), faults=self.cfg.faults, audit=audit,
                            pipeline=self.cfg.pipeline)
         try:
             return await run.run()

@@ -452,3 +452,23 @@ def test_uint8_reencoding_is_exact_for_well_conditioned_blocks() -> None:
         assert codec.encode(codec.decode(data, x.numel())) == data
 
 
+
+
+def test_stream_chunks_cut_parts_into_pieces_at_block_boundaries() -> None:
+    """A part is cut into about 16 chunks (never below 16 Ki values, never above the most), each a multiple of
+    1024 values: every codec's block divides it, so a part encoded chunk by chunk decodes as encoded whole."""
+    from p2ptrain.collective.butterfly import chunk_bounds, stream_chunk
+
+    assert stream_chunk(100) == 1 << 14 and stream_chunk(8_000_000) == 1 << 18
+    assert stream_chunk(524_288) == 32_768 and stream_chunk(524_288, 1024) == 1024
+    for part in (20_000, 131_072, 524_289, 3_000_001):
+        c = stream_chunk(part)
+        assert c % 1024 == 0 and (part <= c or len(chunk_bounds(part, c)) <= 17)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(300_000, generator=g)
+    c = stream_chunk(x.numel())
+    for name in CODECS:
+        codec = get_codec(name)
+        whole = codec.decode(codec.encode(x), x.numel())
+        pieces = torch.cat([codec.decode(codec.encode(x[a:b]), b - a) for a, b in chunk_bounds(x.numel(), c)])
+        assert torch.equal(whole, pieces), name
