@@ -275,15 +275,19 @@ class Direct:
         (no port, dial refused or too slow: libp2p then; the peer is not tried again for a while)."""
         if not self.usable(peer):
             return None
-        ticket = await self._ticket(peer, timeout)
-        if ticket is None:
-            return None
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(ticket.host, ticket.port, limit=RECORD + 64 * 1024), min(timeout, 3.0))
-        except (OSError, TimeoutError) as e:
-            self._give_up(peer, f"dial {ticket.host}:{ticket.port}: {e}")
-            return None
+        for fresh in (peer not in self._tickets, True):  # a session kept from before may be of a restarted peer
+            ticket = await self._ticket(peer, timeout)
+            if ticket is None:
+                return None
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(ticket.host, ticket.port, limit=RECORD + 64 * 1024), min(timeout, 3.0))
+                break
+            except (OSError, TimeoutError) as e:
+                if fresh:
+                    self._give_up(peer, f"dial {ticket.host}:{ticket.port}: {e}")
+                    return None
+                self.forget(peer)  # ask for a new session (and port) once before giving up
         nonce = os.urandom(16)
         hello = {"sid": ticket.sid, "peer": self.me, "nonce": nonce, "kind": kind,
                  "mac": hello_mac(ticket.secret, self.me, ticket.sid, nonce, kind)}
@@ -297,6 +301,11 @@ class Direct:
         self._failures.pop(peer, None)
         to_them, to_me = derive_keys(ticket.secret, nonce)
         return Sealed(reader, writer, to_them, to_me)
+
+    def forget(self, peer: str) -> None:
+        """An exchange with ``peer`` failed over the direct path: ask it for a new session next time (it may have
+        restarted under the same identity, and no longer know ours)."""
+        self._tickets.pop(peer, None)
 
     def _give_up(self, peer: str, why: str) -> None:
         n = self._failures[peer] = self._failures.get(peer, 0) + 1

@@ -207,11 +207,17 @@ class Streams:
                 reply = await asyncio.wait_for(_go(), max(0.05, timeout - (time.monotonic() - t0)))
                 return reply, time.monotonic() - t0
             except (TimeoutError, FrameError, asyncio.IncompleteReadError) as e:
+                self._forget(peer, direct[0])
                 raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
             except Exception as e:  # the daemon reports failed dials with its own error types
+                self._forget(peer, direct[0])
                 if attempt == 2 or direct[0] or not await self.redial(peer):
                     raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
         raise AssertionError("unreachable")
+
+    def _forget(self, peer: str, direct: bool) -> None:
+        if direct and self.direct is not None:  # a new session next time (the peer may have restarted)
+            self.direct.forget(peer)
 
     async def redial(self, peer: str) -> bool:
         """A dial failed: connect again with the addresses the peer announced (the daemon's peer store

@@ -242,3 +242,47 @@ def test_allreduce_over_the_direct_path_is_exact(configs: Case, everyone: bool) 
     asyncio.run(go())
 
 
+
+
+def test_a_restarted_peer_is_reached_again_with_a_new_session() -> None:
+    """The peer restarted under the same identity (new port, none of its old sessions): the first dial with the
+    kept session is refused, a new session is asked for at once, and the exchange goes through; an exchange that
+    failed after the dial drops the session too (Direct.forget, called by the stream layer)."""
+
+    async def go() -> None:
+        servers: dict[str, Direct] = {}
+
+        async def ask(peer: str) -> dict[str, Any]:
+            return servers[peer].issue("A")
+
+        async def addresses(peer: str) -> list[str]:
+            return ["/ip4/127.0.0.1/tcp/1"]
+
+        async def echo(info: Any, reader: Any, writer: Any) -> None:
+            msg, _ = await read_frame(reader, timeout=5)
+            await write_frame(writer, {"echo": msg["x"]}, timeout=5)
+            writer.close()
+
+        async def restart() -> None:
+            if "B" in servers:
+                await servers["B"].aclose()
+            servers["B"] = Direct("B", host="127.0.0.1", ask=ask, addresses=addresses)
+            servers["B"].handle("part", echo)
+            await servers["B"].start()
+
+        client = Direct("A", host="127.0.0.1", ask=ask, addresses=addresses, listen=False)
+        try:
+            for x in range(3):
+                await restart()
+                sealed = await client.open("B", "part", 5)
+                assert sealed is not None, x
+                await write_frame(sealed, {"x": x}, timeout=5)
+                assert (await read_frame(sealed, timeout=5))[0] == {"echo": x}
+                sealed.close()
+            assert client.usable("B")
+            client.forget("B")
+            assert "B" not in client._tickets
+        finally:
+            await servers["B"].aclose()
+
+    asyncio.run(go())
