@@ -53,6 +53,8 @@ __all__ = [
 
 RESULTS = Path(__file__).parent / "results"
 P2PTRAIN = [sys.executable, "-m", "p2ptrain"]
+#: A ``join`` peer's direct path listens on its libp2p port + this (the testbed relays it between regions).
+DIRECT_PORT = 5000
 
 
 def machine() -> dict[str, Any]:
@@ -229,11 +231,16 @@ def run_swarm(launches: Sequence[PeerLaunch], *, work: Path, deadline: float, tb
         procs.append(p)
         return p
 
-    def addrs(host: str | None) -> list[str]:
+    def addrs(host: str | None, direct: bool = False) -> list[str]:
         if tb is None:
             return ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
         listen, announce = tb.maddrs(host)
-        return ["--host-maddrs", listen[0], "--announce-maddrs", announce[0]]
+        out = ["--host-maddrs", listen[0], "--announce-maddrs", announce[0]]
+        if direct and host is not None:  # the direct path's port, relayed between regions like libp2p's
+            port = int(listen[0].rsplit("/", 1)[1]) + DIRECT_PORT
+            tb.expose(host, port)
+            out += ["--direct-port", str(port)]
+        return out
 
     jsons = [work / f"{lp.name or f'peer{i}'}.json" for i, lp in enumerate(launches)]
     for j in jsons:
@@ -249,7 +256,8 @@ def run_swarm(launches: Sequence[PeerLaunch], *, work: Path, deadline: float, tb
                      work / "boot.log")
         initial = [a for a in wait_lines(boot_file, 90, boot) if tb is None or "/ip4/10.200." in a]
         for i, lp in enumerate(launches):
-            argv = [*lp.argv, *addrs(lp.host), "--json", str(jsons[i])]
+            argv = [*lp.argv, *addrs(lp.host, direct=lp.argv[:len(P2PTRAIN) + 1] == [*P2PTRAIN, "join"]),
+                    "--json", str(jsons[i])]
             for a in initial:
                 argv += ["--initial-peers", a]
             peers.append(spawn(argv, lp.host, work / f"{lp.name or f'peer{i}'}.log"))

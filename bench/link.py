@@ -51,6 +51,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import DIRECT_PORT  # a peer's direct path: its libp2p port + this (relayed between regions)
 from bench.testbed import RegionSpec, Testbed, TestbedSpec, measure_throughput, parse_rate, unavailable_reason
 
 RESULTS = Path(__file__).parent / "results"
@@ -69,7 +70,6 @@ def _values(rank: int, n: int) -> Any:
 
 SYSTEMS = ("p2ptrain", "p2ptrain-plain", "p2ptrain-libp2p", "p2ptrain-libp2p-plain", "p2ptrain-mplex",
            "p2ptrain-mplex-plain", "hivemind")
-DIRECT_PORT = 5000  # a p2ptrain peer's direct path listens on its libp2p port + this (relayed between regions)
 
 
 def _variant(system: str) -> dict[str, Any]:
