@@ -117,12 +117,13 @@ def test_a_partition_of_two_regions_reconverges_within_two_rounds_of_healing(cor
     assert not errors and not run.errors, (errors, run.errors)
     logs = [p.applied_log for p in run.peers]
     # While split, rounds were sent but neither side holds more than half the swarm (net/groups.py's quorum): no
-    # side applied one of its own, θ did not fork (a round whose group formed before the split may still end,
-    # on all four alike).
+    # side applied one of its own, θ did not fork. A round whose group formed before the split may still end, on
+    # more than half of the swarm alike (a member whose part was cut off by the split applies none and repairs).
     tried = {k for s in sent for k, t in s.items() if times["split"] + 0.5 < t < times["heal"]}
     assert tried, (times, [sorted(s.values())[-3:] for s in sent])
     forked = sorted(k for k in tried if any(k in lg for lg in logs)
-                    and not (all(k in lg for lg in logs) and len({lg[k][0] for lg in logs}) == 1))
+                    and not (2 * sum(k in lg for lg in logs) > len(logs)
+                             and len({lg[k][0] for lg in logs if k in lg}) == 1))
     assert not forked, (forked, [[lg[k][0][:6] for lg in logs if k in lg] for k in forked])
     # After healing: per fragment, the first two rounds sent by all may still repair; from the third
     # on, every peer holds the same θ of that fragment.
