@@ -133,7 +133,8 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
             err = float((res.tensors[0] - expect).abs().max())
             if rep >= 0:
                 _emit({"rep": rep, "group_s": t1 - t0, "allreduce_s": t2 - t1, "members": len(group.members),
-                       "partial": res.partial, "max_err": err, "timeline": res.timeline})
+                       "partial": res.partial, "max_err": err, "timeline": res.timeline,
+                       "verify_s": res.verify_seconds, "verify_bytes": res.verify_bytes, "audits": res.verify_audits})
             else:
                 print("READY", flush=True)
         await asyncio.to_thread(_turn, Path(a.turns), "end")
@@ -307,7 +308,11 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
                          "round_s": max(r["group_s"] + r["allreduce_s"] for r in got),
                          "members": min(r["members"] for r in got), "partial": any(r["partial"] for r in got),
                          "max_err": max(r["max_err"] for r in got), "load": loads[system].get(rep),
-                         "timeline": max(got, key=lambda r: r["allreduce_s"]).get("timeline")})  # the slowest's
+                         "timeline": max(got, key=lambda r: r["allreduce_s"]).get("timeline"),  # the slowest's
+                         # verified rounds: exact audits drawn by any member (each fetches a part's contributions
+                         # again and every member waits for its verdict), and the slowest member's judging
+                         "audits": sum(r.get("audits", 0) for r in got),
+                         "verify_s": max(r.get("verify_s", 0.0) for r in got)})
         case: dict[str, Any] = {"system": system, "link": label, "peers": k, "size_mb": size, "ideal_s": ideal,
                                 "repeats": reps, "failed_ranks": failed}
         if system in errors or failed or len(reps) < repeats:
