@@ -160,9 +160,6 @@ class RoundRunner:
     #: for half a minute at each fault.
     QUICK = 5.0
     QUICK_FLOOR = 10.0
-    #: Seconds a round's members may take to probe the links not measured yet (net/probe.py), at most a
-    #: quarter of the method's timeout.
-    PROBE_TIMEOUT = 5.0
 
     def __init__(self, transport: Transport, codec: Codec, *, join_timeout: float, round_timeout: float,
                  ema: float = 0.3, on_result: Callable[[Round, ReduceResult | None], None] | None = None,
@@ -254,9 +251,6 @@ class RoundRunner:
             phase, partial = 0, False
             payload = rnd.payload
             plan = plan_for(group, self.transport.peer_id, self.max_group) if self.hierarchical else None
-            probe = getattr(self.transport, "probe", None)
-            if probe is not None:  # links not measured yet (a first round): a first rate for its timeout
-                await probe(group.members, timeout=min(self.PROBE_TIMEOUT, self.round_timeout / 4))
             while payload is not None:
                 n0 = time.monotonic()
                 # (hierarchical: a carrier's shards cross a link shared by fewer members)

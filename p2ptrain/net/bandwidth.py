@@ -19,19 +19,12 @@ class ThroughputEMA:
     rate: float = 0.0
     samples: int = 0
 
-    seeded: bool = False  # a first guess (a probe: net/probe.py) that the first real sample replaces
-
     def update(self, nbytes: int, seconds: float) -> float:
         if nbytes >= self.min_bytes and seconds > 0:
             sample = nbytes / seconds
             self.rate = sample if self.samples == 0 else (1 - self.alpha) * self.rate + self.alpha * sample
             self.samples += 1
         return self.rate
-
-    def seed(self, nbytes: int, seconds: float) -> None:
-        """A first guess of the rate, until a real transfer is measured (then it is replaced, not averaged)."""
-        if self.samples == 0 and nbytes > 0 and seconds > 0:
-            self.rate, self.seeded = nbytes / seconds, True
 
 
 @dataclass
@@ -44,19 +37,11 @@ class LinkMeter:
     def update(self, peer: str, nbytes: int, seconds: float) -> None:
         self.links.setdefault(peer, ThroughputEMA(self.alpha)).update(nbytes, seconds)
 
-    def seed(self, peer: str, nbytes: int, seconds: float) -> None:
-        self.links.setdefault(peer, ThroughputEMA(self.alpha)).seed(nbytes, seconds)
-
-    def known(self, peer: str) -> bool:
-        """Whether the link to ``peer`` has a rate (measured, or seeded by a probe)."""
-        link = self.links.get(peer)
-        return link is not None and (link.samples > 0 or link.seeded)
-
     def rate(self, peer: str) -> float:
         link = self.links.get(peer)
         return link.rate if link else 0.0
 
     def slowest(self) -> float:
-        """The slowest link with a rate (what a butterfly's round waits for); 0 before any sample or seed."""
-        rates = [link.rate for link in self.links.values() if link.samples or link.seeded]
+        """The slowest measured link (what a butterfly's round waits for); 0 before any sample."""
+        rates = [link.rate for link in self.links.values() if link.samples]
         return min(rates) if rates else 0.0

@@ -6,7 +6,7 @@ and reads one reply. In a private swarm every frame, chunks and replies included
 swarm key bound to its sender, protocol and run (net/auth.py); an untagged one is refused with a
 strike. Every read and write is bounded in size and time; a failed call raises RoundFailed.
 
-The bulk kinds (:data:`DIRECT_KINDS`: parts, results, relays, evidence, state, link probes) go over the direct path when the
+The bulk kinds (:data:`DIRECT_KINDS`: parts, results, relays, evidence, state) go over the direct path when the
 peer has one (net/direct.py: a TCP connection of their own per exchange, keyed over libp2p, sealed), with the same
 frames and checks; a peer without one is called over libp2p.
 """
@@ -44,7 +44,7 @@ Trailer = Callable[[], dict[str, Any]]
 
 _READ_TIMEOUT = 30.0  # seconds a handler waits for each frame of a message
 #: What goes over the direct path when there is one: the exchanges that carry a fragment's bytes.
-DIRECT_KINDS = frozenset({"part", "result", "getpart", "evidence", "state", "probe"})
+DIRECT_KINDS = frozenset({"part", "result", "getpart", "evidence", "state"})
 
 
 class Streams:

@@ -56,7 +56,6 @@ from .guard import Guard
 from .identity import Identity
 from .mailbox import Mailbox, Mailboxes
 from .offers import Offers
-from .probe import on_probe, probe_links
 from .state_transfer import StateServer, fetch_chunked
 from .streams import ChunkSource, Streams, Trailer
 from .transport import (
@@ -126,8 +125,7 @@ class HivemindTransport(Transport):
         for kind, handler in (("join", self._on_join), ("part", self._on_part), ("result", self._on_result),
                               ("getpart", self._on_getpart), ("state", self._on_state),
                               ("check", self.mailboxes.accept_check), ("evidence", self.mailboxes.show_evidence),
-                              ("verdict", self.mailboxes.accept_verdict), ("hello", self._on_hello),
-                              ("probe", on_probe)):
+                              ("verdict", self.mailboxes.accept_verdict), ("hello", self._on_hello)):
             await self.streams.serve(kind, handler)
         started = asyncio.Event()
         self._runner = asyncio.create_task(self._background(started))
@@ -329,10 +327,6 @@ class HivemindTransport(Transport):
                     chunks: ChunkSource | None = None, trailer: Trailer | None = None) -> tuple[dict[str, Any], float]:
         """One request/response with ``peer`` (see streams.Streams.call); RoundFailed if it fails."""
         return await self.streams.call(peer, kind, msg, timeout=timeout, chunks=chunks, trailer=trailer)
-
-    async def probe(self, peers: Sequence[str], *, timeout: float) -> int:
-        """A first rate for the links to ``peers`` not measured yet (net/probe.py); how many were seeded."""
-        return await probe_links(self._call, self.links, [p for p in peers if p != self.peer_id], timeout=timeout)
 
     # ------------------------------------------------------------------ groups
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
