@@ -91,3 +91,40 @@ def test_once_rounds_complete_quickly_the_timeout_follows_them_down() -> None:
     for _ in range(4):
         slow._took(0.1, 6.0, late=False)
     assert slow.timeout_for(payload, 4) == 6.0
+
+
+class _StretchingRunner:
+    """A runner whose timeout scale grows once a round's phase has started (after the peer began to wait)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    @property
+    def timeout_scale(self) -> float:
+        self.reads += 1
+        return 1.0 if self.reads == 1 else 100.0
+
+
+def test_the_peers_wait_follows_a_timeout_the_runner_stretches_while_it_waits() -> None:
+    import threading
+    import time
+
+    from p2ptrain.peer.collective import SwarmCollective
+
+    runner = _StretchingRunner()
+    c = SwarmCollective(None, runner, peer_id="a", codec=get_codec("fp32"), join_timeout=1.0,  # type: ignore[arg-type]
+                        wait_limit=0.3, step_seconds=lambda: None)
+    c.RECHECK = 0.05
+    done = threading.Event()
+    timer = threading.Timer(0.6, done.set)  # the round ends after the first limit (0.3 s), inside the stretched one
+    timer.start()
+    try:
+        assert c._wait_one(done, time.perf_counter())
+    finally:
+        timer.cancel()
+    assert runner.reads > 1
+    # without a stretch the wait gives up at its limit
+    c.runner = _runner()
+    t0 = time.perf_counter()
+    assert not c._wait_one(threading.Event(), t0)
+    assert 0.3 <= time.perf_counter() - t0 < 5.0

@@ -59,6 +59,9 @@ class SwarmCollective:
         step_seconds: the swarm's step duration now (for CoCoDC's N).
     """
 
+    #: Seconds between two looks at the runner's timeout scale while a wait goes on.
+    RECHECK = 1.0
+
     def __init__(self, net: NetLoop, runner: RoundRunner, *, peer_id: str, codec: Codec, join_timeout: float,
                  wait_limit: float, step_seconds: Callable[[], float | None], region: str = "") -> None:
         self.net, self.runner, self.peer_id, self.codec, self.region = net, runner, peer_id, codec, region
@@ -85,17 +88,29 @@ class SwarmCollective:
 
     def wait(self, rounds: Sequence[Round]) -> bool:
         t0 = time.perf_counter()
-        limit = self.wait_limit * self.runner.timeout_scale  # rounds on a slow link are given longer (sync.py)
-        end = t0 + limit if self.deadline is None else min(t0 + limit, self.deadline)
         for r in rounds:
             ev = self._done.get(r)
-            if ev is None or ev.wait(max(0.0, end - time.perf_counter())):
+            if ev is None or self._wait_one(ev, t0):
                 continue
             log.warning("event=round_timeout key=%s%s", r.key, "" if self.deadline is None else " when=leaving")
             self.stuck += 1
             r.abort()
         self.stall += time.perf_counter() - t0
         return True
+
+    def _wait_one(self, ev: threading.Event, t0: float) -> bool:
+        """Wait for one round from ``t0`` (perf_counter) on, until ``wait_limit`` times the runner's timeout scale
+        as it is *now*: a round whose phases start after the wait did, on a link the runner stretched its
+        timeout for, is given the longer time (read once at the start, the wait gave up after the old limit
+        while the round went on, then aborted it). Whether it ended."""
+        while True:
+            limit = self.wait_limit * self.runner.timeout_scale  # rounds on a slow link are given longer (sync.py)
+            end = t0 + limit if self.deadline is None else min(t0 + limit, self.deadline)
+            left = end - time.perf_counter()
+            if left <= 0:
+                return ev.is_set()
+            if ev.wait(min(left, self.RECHECK)):
+                return True
 
     def negotiate(self, request: SlotRequest, leader: SlotLeader) -> _GroupPending:
         req = JoinRequest(key=request.key, peer_id=self.peer_id, weight=1.0, fragment=None, scores=request.scores,
