@@ -25,7 +25,7 @@ from .chunks import Refused
 from .daemon import dial
 from .direct import Direct
 from .guard import Guard
-from .transport import RoundFailed
+from .transport import RoundFailed, Unreachable
 from .wire import SCHEMA_ERRORS, FrameError, read_frame, write_frame
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class Streams:
         from hivemind.p2p import PeerID
 
         if self.blocked(peer):
-            raise RoundFailed(f"{kind} to {peer[-8:]}: unreachable (partitioned)")
+            raise Unreachable(f"{kind} to {peer[-8:]}: unreachable (partitioned)")
         t0 = time.monotonic()
 
         direct = [False]  # this attempt went over the direct path (a libp2p redial cannot help it)
@@ -212,7 +212,7 @@ class Streams:
             except Exception as e:  # the daemon reports failed dials with its own error types
                 self._forget(peer, direct[0])
                 if attempt == 2 or direct[0] or not await self.redial(peer):
-                    raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
+                    raise Unreachable(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
         raise AssertionError("unreachable")
 
     def _forget(self, peer: str, direct: bool) -> None:

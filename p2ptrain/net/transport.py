@@ -39,11 +39,17 @@ __all__ = [
     "StateProvider",
     "Transport",
     "TransportState",
+    "Unreachable",
 ]
 
 
 class RoundFailed(RuntimeError):
     """A round could not complete at all (no group, or nothing averaged): the caller aborts it."""
+
+
+class Unreachable(RoundFailed):
+    """The peer could not be reached at all: its dial failed (it left, or its host is gone), or a partition blocks
+    it. Unlike an answer that says "not yet", asking again soon is unlikely to help."""
 
 
 class StateMismatch(RoundFailed):
