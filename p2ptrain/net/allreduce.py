@@ -208,6 +208,8 @@ class ButterflyRun:
             msg |= {"chunk": self.chunk, "chunks": len(cb)}
             size = chunked_size(codec, hi - lo, self.chunk)
             pieces: list[bytes] = []
+            if audit is not None:
+                audit.sending(j, pieces)
 
             async def source() -> AsyncGenerator[bytes, None]:
                 pieces.clear()  # a retried call encodes again
@@ -240,6 +242,7 @@ class ButterflyRun:
                 data, mine = corrupt_payload(codec, mine, corrupt)
             msg |= {"numel": mine.numel(), "data": data}
             if audit is not None:
+                audit.sending(j, [data])
                 lossless = corrupt is None and codec.name == "fp32"
                 msg |= audit.sign(j, [data], mine.numel(), None, values=mine if lossless else None)
             size = len(data)

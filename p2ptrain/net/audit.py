@@ -142,6 +142,11 @@ class Audit:
                                bounds=self.bounds, codec=self.codec, flat=flat, own=own, chunk=chunk, honest=honest)
         self.box.make_tally = self.tallies.make
 
+    def sending(self, part: int, pieces: list[bytes]) -> None:
+        """The list our share of ``part`` is encoded into as it is sent (its tallies sketch it from there)."""
+        if self.tallies is not None:
+            self.tallies.sending(part, pieces)
+
     def own_stream(self, res: dict[str, Any], numel: int) -> Callable[[int, bytes, torch.Tensor], None] | None:
         """What our own part's result chunks are told to as they are produced (its tally's feed)."""
         if self.tallies is None:

@@ -32,8 +32,8 @@ __all__ = ["F32_ROUND", "ChunkTally", "Tallies"]
 
 F32_ROUND = 2.0**-24  # the mean is summed in float64 and rounded once to float32
 
-#: Our contribution to a part, values [lo, hi) as the part's owner decoded them; None if not known for that chunk.
-Mine = Callable[[int, int], torch.Tensor | None]
+#: Our contribution to a part, chunk ``c`` = values [lo, hi) as the part's owner decoded them; None if not known.
+Mine = Callable[[int, int, int], torch.Tensor | None]
 
 
 class ChunkTally:
@@ -91,7 +91,7 @@ class ChunkTally:
                     self.e0_sq += float(e0.pow(2).sum())
                     self.abs_sum += float(absv.sum())
             if self.mine is not None and self.mine_sketch is not None:
-                x = self.mine(lo, hi)
+                x = self.mine(c, lo, hi)
                 if x is None:
                     self.mine_sketch = None
                 else:
@@ -115,6 +115,12 @@ class Tallies:
         self.run, self.key, self.phase, self.me, self.members = run, key, phase, me, list(members)
         self.bounds, self.codec, self.flat, self.own, self.chunk, self.honest = bounds, codec, flat, own, chunk, honest
         self._tallies: dict[tuple[int, str], ChunkTally] = {}
+        self._sending: dict[int, list[bytes]] = {}  # part -> the payloads of our share of it, as they are sent
+
+    def sending(self, part: int, pieces: list[bytes]) -> None:
+        """The list our share of ``part`` is encoded into, chunk by chunk as it is sent: its owner averages chunk
+        ``c`` only once our chunk ``c`` is in, so the list holds it by the time that chunk's result arrives."""
+        self._sending[part] = pieces
 
     def make(self, part: int, sender: str, res: dict[str, Any], numel: int) -> ChunkTally | None:
         """A tally for a result of ``part`` from ``sender`` about to arrive (None if it does not fit the round)."""
@@ -133,11 +139,12 @@ class Tallies:
 
     def _mine(self, part: int, res: Mapping[str, Any], numel: int) -> Mine | None:
         """Our contribution to ``part`` chunk by chunk, as its owner decoded it, if we know it in the result's
-        chunks: our own share of our part as it is; our share of another's part through the codec, when we sent it
-        in the chunks the result comes in (each chunk encoded on its own)."""
+        chunks: our own share of our part as it is; our share of another's part as we sent it, when we sent it in
+        the chunks the result comes in (fp32: the values themselves; else our own payload of that chunk, decoded:
+        not encoded a second time)."""
         if part == self.me:
             own = self.own
-            return lambda lo, hi: own[lo:hi]
+            return lambda c, lo, hi: own[lo:hi]
         if not self.honest:
             return None
         sent = chunk_bounds(numel, self.chunk) if numel > self.chunk else [(0, numel)] if numel else []
@@ -145,5 +152,13 @@ class Tallies:
             return None
         a, codec, flat = self.bounds[part][0], self.codec, self.flat
         if codec.name == "fp32":
-            return lambda lo, hi: flat[a + lo : a + hi]
-        return lambda lo, hi: codec.decode(codec.encode(flat[a + lo : a + hi]), hi - lo)
+            return lambda c, lo, hi: flat[a + lo : a + hi]
+        pieces = self._sending.get(part)
+        if pieces is None:
+            return None
+
+        def mine(c: int, lo: int, hi: int) -> torch.Tensor | None:
+            piece = pieces[c] if c < len(pieces) else None  # (a retried send refills the list from the start)
+            return None if piece is None or len(piece) != codec.encoded_size(hi - lo) else codec.decode(piece, hi - lo)
+
+        return mine

@@ -42,7 +42,7 @@ def test_sums_made_as_chunks_arrive_are_the_whole_ones(codec_name: str, lie: boo
     res, values, pieces, xs = _result(codec_name, lie)
     mine = xs[0]
     tally = ChunkTally(run="run", key="r", phase=0, part=1, sender="o", res=res, numel=N, codec=codec, judge=True,
-                       mine=lambda lo, hi: mine[lo:hi])
+                       mine=lambda c, lo, hi: mine[lo:hi])
     for c, ((a, b), p) in enumerate(zip(chunk_bounds(N, CHUNK), pieces, strict=True)):
         tally.feed(c, p, values[a:b])
     assert tally.matches("o", res) and not tally.matches("x", res)
@@ -87,3 +87,38 @@ def test_a_chunk_that_does_not_fit_leaves_the_tally_unused() -> None:
                          mine=None)
     missing.feed(0, pieces[0], values[:CHUNK])
     assert not missing.matches("o", res)  # not whole
+
+
+def test_our_share_of_another_part_is_sketched_from_the_payloads_we_sent() -> None:
+    """With a lossy codec, our contribution to another member's part is what our sent chunks decode to: the tally
+    sketches it from the payloads of our send (not encoded a second time), and knows nothing without them."""
+    from p2ptrain.net.tally import Tallies
+
+    codec = get_codec("e3m0")
+    res, values, pieces, _ = _result("e3m0", False)
+    res = {**res, "part": 0}
+    g = torch.Generator().manual_seed(9)
+    flat = torch.randn(2 * N, generator=g)
+    bounds = [(0, N), (N, 2 * N)]  # part 0 is the other member's, part 1 ours
+
+    def tallies() -> Tallies:
+        return Tallies(run="run", key="r", phase=0, me=1, members=["o", "me"], bounds=bounds, codec=codec,
+                       flat=flat, own=flat[N:], chunk=CHUNK, honest=True)
+
+    ours = [codec.encode(flat[a:b]) for a, b in chunk_bounds(N, CHUNK)]  # our share of part 0, as sent
+    t = tallies()
+    sent: list[bytes] = []
+    t.sending(0, sent)
+    tally = t.make(0, "o", res, N)
+    assert tally is not None
+    for c, ((a, b), p) in enumerate(zip(chunk_bounds(N, CHUNK), pieces, strict=True)):
+        sent.append(ours[c])  # our chunk c is out before the owner can average chunk c
+        tally.feed(c, p, values[a:b])
+    keys = chunk_keys("run", "r", 0, 0, res, result_shas(res, N, codec), N)
+    told = torch.cat([codec.decode(o, b - a) for o, (a, b) in zip(ours, chunk_bounds(N, CHUNK), strict=True)])
+    assert tally.mine_sketch is not None
+    assert torch.allclose(tally.mine_sketch, sketch(told, keys), rtol=1e-12, atol=1e-9)
+    assert tally.mine_inf == float(told.abs().max())
+    # without the payloads of our send (not registered) the tally has no sketch of ours: the audit sums it whole
+    blind = tallies().make(0, "o", res, N)
+    assert blind is not None and blind.mine is None
