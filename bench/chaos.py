@@ -61,7 +61,7 @@ class Attack:
     kill: bool = False
     codec: str = "fp32"
     group: str = "owner"  # owner | member | contribution | fault
-    audit_rate: float = 0.1  # exact audits per part and round (the default)
+    audit_rate: float = 1.0  # chunks of each part audited exactly per round (the default)
     norm_bound: float | None = None
 
 
@@ -78,8 +78,8 @@ def attacks() -> list[Attack]:
         wire = "" if codec == "fp32" else " (e3m0 wire)"
         rows += [Attack(f"owner passes a +10% shift off as its own share{wire}", {"lie": "shift", "forge": True},
                         codec=codec),
-                 Attack(f"owner passes a +10% shift off as its own share{wire}, audit rate 1",
-                        {"lie": "shift", "forge": True}, codec=codec, audit_rate=1.0)]
+                 Attack(f"owner passes a +10% shift off as its own share{wire}, audit rate 4",
+                        {"lie": "shift", "forge": True}, codec=codec, audit_rate=4.0)]
     rows.append(Attack("member lies about its contribution", {"frame": True}, group="member"))
     for kind in ("nan", "scale", "random", "shape", "truncate"):  # with the norm bound a hostile swarm sets
         rows.append(Attack(f"contribution: {kind} (norm bound 10)", {"corrupt": kind}, group="contribution",

@@ -309,8 +309,8 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
                          "members": min(r["members"] for r in got), "partial": any(r["partial"] for r in got),
                          "max_err": max(r["max_err"] for r in got), "load": loads[system].get(rep),
                          "timeline": max(got, key=lambda r: r["allreduce_s"]).get("timeline"),  # the slowest's
-                         # verified rounds: exact audits drawn by any member (each fetches a part's contributions
-                         # again and every member waits for its verdict), and the slowest member's judging
+                         # verified rounds: chunk audits drawn by any member (each fetches one chunk of every
+                         # contribution to a part; every member waits for its verdict), and the slowest judging
                          "audits": sum(r.get("audits", 0) for r in got),
                          "verify_s": max(r.get("verify_s", 0.0) for r in got)})
         case: dict[str, Any] = {"system": system, "link": label, "peers": k, "size_mb": size, "ideal_s": ideal,

@@ -34,11 +34,14 @@ from .claims import (
     chunk_keys,
     entry_for,
     fetch_evidence,
+    fetch_slice,
     payload_sha,
-    raw_sha,
+    raw_shas,
+    result_bounds,
     result_commitment,
     result_digest,
     result_shas,
+    root,
     sign_contribution,
     sketch_bytes,
 )
@@ -79,12 +82,16 @@ class _Sent:
 class Audit:
     """Verified aggregation for one member's run of one (round, phase).
 
-    ``call(peer, kind, msg, timeout=...)`` talks to a member. ``audit_rate``: how many exact audits of each
-    part the group makes per round, on average, whatever the checks said: each member that judges a part
-    audits it with probability ``audit_rate / (members − 1)``, drawn on its own after the result came (the
-    owner cannot know who will). An audit fetches every signed contribution and recomputes the part, which
-    catches what sketches cannot: a lie within a lossy codec's rounding, and an owner that passes its lie
-    off as its own share (whose commitment it announced before any result existed).
+    ``call(peer, kind, msg, timeout=...)`` talks to a member. ``audit_rate``: how many chunks of each part
+    the group audits exactly per round, on average, whatever the checks said: each member that judges a part
+    audits ``audit_rate / (members − 1)`` random chunks of it (the fraction by a draw), drawn on its own after
+    the result came (the owner cannot know who will, nor which chunks). An audit fetches every contributor's
+    signed values of the chunk (each contribution's commitment names its chunks' hashes) and aggregates them
+    again, which catches what sketches cannot: a lie within a lossy codec's rounding, and an owner that passes
+    its lie off as its own share (whose commitment it announced before any result existed). A lie in a
+    fraction f of a part's chunks is caught with probability about f per audited chunk: the likelier, the
+    more of the part it moves. An audit that fails begins a dispute over the whole part (Judge.settle).
+    CenteredClip is not coordinate-wise: its audits are of the whole part.
     """
 
     def __init__(self, *, run: str, key: str, phase: int, me: str, members: Sequence[str],
@@ -105,18 +112,18 @@ class Audit:
         self.own_commit = b""
         self.tallies: Tallies | None = None  # the sums of each result as it arrives, once the run registers
         self.stats = AuditStats()
-        self.audit_p = min(1.0, max(0.0, audit_rate) / max(1, len(self.members) - 1))
+        self.audit_per_part = max(0.0, audit_rate) / max(1, len(self.members) - 1)  # chunks, on average
         self._draw = random.Random(int.from_bytes(os.urandom(8), "big"))
 
     # ------------------------------------------------------------------ signing what leaves
-    def sign_own(self, own: torch.Tensor) -> bytes:
+    def sign_own(self, own: torch.Tensor, chunk: int) -> bytes:
         """Keep our own share of our part as signed evidence (the tensor itself: its bytes are made only if it is
-        shown); the hash of its commitment, to announce."""
-        sha = raw_sha(own)
+        shown; hashed in chunks of ``chunk`` values); the hash of its commitment, to announce."""
+        shas = raw_shas(own, chunk)
         sig, self.own_commit = sign_contribution(self.identity, self.run, self.key, self.phase, self.me, self.weight,
-                                                 own.numel(), RAW, None, sha)
-        self.box.evidence[self.me_id] = Evidence((), self.weight, own.numel(), RAW, None, sig, self.identity.public,
-                                                 sha=sha, raw=own)
+                                                 own.numel(), RAW, chunk, root(shas))
+        self.box.evidence[self.me_id] = Evidence((), self.weight, own.numel(), RAW, chunk, sig, self.identity.public,
+                                                 shas=shas, raw=own)
         return self.own_commit
 
     def sign(self, part: int, pieces: list[bytes], numel: int, chunk: int | None,
@@ -124,7 +131,7 @@ class Audit:
         """Sign our contribution to ``part`` (its payload ``pieces``, all of them written; ``values``: what they
         decode to, when known without decoding: a lossless codec): the fields that carry the signature."""
         sig, commit = sign_contribution(self.identity, self.run, self.key, self.phase, part, self.weight, numel,
-                                        self.codec.name, chunk, payload_sha(pieces))
+                                        self.codec.name, chunk, payload_sha(pieces, numel, self.codec, chunk))
         self.sent[part] = _Sent(pieces, commit, chunk, values)
         return {"sig": sig, "pk": self.identity.public}
 
@@ -331,7 +338,7 @@ class Audit:
 
         async def fetch(who: str) -> Fetched:
             return await fetch_evidence(self.call, owner, self.key, self.phase, j, who,
-                                        max(0.1, until - time.monotonic()))
+                                        max(0.1, until - time.monotonic()), b - a)
 
         problem = result_problem(res, j, b - a, self.codec, self.members, self.me_id)
         if problem is not None and not problem[1]:
@@ -372,11 +379,33 @@ class Audit:
             # An honest owner holds exactly the result it sends: its claims about another one are a dispute.
             why = "the owner's claims are about another result than the one it sent"
         if why is None:
-            if self._draw.random() >= self.audit_p:
+            why = await self._audit(judge, j, res, values, until)
+            if why is None:
                 return Verdict("use")
-            self.stats.audits += 1
-            why = "a random audit"
         return await judge.settle(j, owner, res, digest, values, fetch, why, direct)
+
+    async def _audit(self, judge: Judge, j: int, res: dict[str, Any], values: torch.Tensor, until: float
+                     ) -> str | None:
+        """Our random audit of part ``j`` (see the class): why it failed, or None (also when none was drawn)."""
+        r = self.audit_per_part
+        n = int(r) + (self._draw.random() < r - int(r))
+        if n == 0:
+            return None
+        if self.rule == "centered-clip":
+            self.stats.audits += 1
+            return "a random audit (of the whole part: CenteredClip)"
+        a, b = self.bounds[j]
+        chunks = result_bounds(res, b - a)
+        slices = sorted(self._draw.sample(chunks, min(n, len(chunks))))
+        self.stats.audits += len(slices)
+        owner = self.members[j]
+
+        async def fetch(who: str, lo: int, hi: int) -> tuple[Any, int]:
+            return await fetch_slice(self.call, owner, self.key, self.phase, j, who, lo, hi, b - a,
+                                     max(0.1, until - time.monotonic()))
+
+        why = await judge.audit(j, owner, res, values, slices, fetch)
+        return None if why is None else f"a random audit: {why}"
 
     def _hashes(self, j: int) -> tuple[bytes, list[bytes]]:
         """(digest, the chunks' hashes) of the result of part ``j`` we hold (hashed once per result object)."""
@@ -408,9 +437,11 @@ class Audit:
         res = self.box.results[j]
         held = self._result(j)
 
+        a, b = self.bounds[j]
+
         async def fetch(who: str) -> Fetched:
             return await fetch_evidence(self.call, owner, self.key, self.phase, j, who,
-                                        max(0.1, until - time.monotonic()))
+                                        max(0.1, until - time.monotonic()), b - a)
 
         return await judge.settle(j, owner, res, self._digest(j), None if held is None else held[1],
                                   fetch, why, res.get("_from", owner) == owner)

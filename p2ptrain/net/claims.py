@@ -1,8 +1,10 @@
 """What verified aggregation sends (net/verify.py): signed commitments, evidence, claims and their wire form.
 
 A contributor signs a *commitment* to each contribution it sends (run, round, phase, part, weight, size,
-codec, chunking and the payload's SHA-256) with the key behind its peer id (net/identity.py); the part's
-owner keeps the payload and signature as :class:`Evidence`. After the all-gather each member sends its
+codec, chunking and the payload's hash: SHA-256 of its chunks' SHA-256s, so that one chunk can be shown and
+checked on its own) with the key behind its peer id (net/identity.py); the part's owner keeps the payload and
+signature as :class:`Evidence`, and shows all of it (a dispute) or the chunks that cover a slice of the part
+(:class:`Slice`: a random audit). After the all-gather each member sends its
 *claims* (:class:`Entry`, one per part it contributed to) in a check message. Sketches travel as 32
 little-endian float64 values.
 """
@@ -14,12 +16,12 @@ import math
 import struct
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..collective.butterfly import chunk_bounds
+from ..collective.butterfly import MIN_CHUNK, chunk_bounds
 from ..collective.codec_base import Codec, all_finite
 from ..collective.codecs import get_codec
 from ..collective.sketch import BUCKETS, Key, clipped, seed, sketch
@@ -33,14 +35,17 @@ __all__ = [
     "Entry",
     "Evidence",
     "Fetched",
+    "Slice",
     "chunk_keys",
     "commitment",
     "entry_for",
     "fetch_evidence",
+    "fetch_slice",
     "parse_checks",
     "payload_sha",
+    "payload_shas",
     "raw_bytes",
-    "raw_sha",
+    "raw_shas",
     "result_bounds",
     "result_commitment",
     "result_digest",
@@ -61,24 +66,62 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     return get_codec("fp32").encode(t)
 
 
-def raw_sha(t: torch.Tensor) -> bytes:
-    """SHA-256 of :func:`raw_bytes` of ``t``, without copying ``t`` on a little-endian host."""
+def raw_shas(t: torch.Tensor, chunk: int | None) -> list[bytes]:
+    """SHA-256 of each chunk of :func:`raw_bytes` of ``t`` (cut at ``chunk`` values), without copying ``t`` on a
+    little-endian host."""
+    bounds = _bounds(t.numel(), chunk)
     if sys.byteorder != "little":
-        return hashlib.sha256(raw_bytes(t)).digest()
-    return hashlib.sha256(t.detach().float().contiguous().cpu().numpy().data).digest()
+        data = raw_bytes(t)
+        return [hashlib.sha256(data[4 * a : 4 * b]).digest() for a, b in bounds]
+    view = memoryview(t.detach().float().contiguous().cpu().numpy().data).cast("B")
+    return [hashlib.sha256(view[4 * a : 4 * b]).digest() for a, b in bounds]
 
 
-def payload_sha(pieces: Sequence[bytes]) -> bytes:
-    h = hashlib.sha256()
-    for p in pieces:
-        h.update(p)
-    return h.digest()
+def _bounds(numel: int, chunk: int | None) -> list[tuple[int, int]]:
+    """The chunks a payload of ``numel`` values is cut into (one, when it is not chunked)."""
+    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
+        return chunk_bounds(numel, chunk)
+    return [(0, numel)] if numel else []
+
+
+def _codec(name: str | Codec) -> Codec:
+    """A payload's codec (a raw share has fp32's layout); ValueError for an unknown name."""
+    if not isinstance(name, str):
+        return name
+    return get_codec("fp32" if name == RAW else name)
+
+
+def payload_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
+    """SHA-256 of each chunk's payload of ``numel`` values encoded by ``codec`` in chunks of ``chunk`` values,
+    however the payload came (chunk by chunk, or joined into one); [] if it does not fit its chunks."""
+    sizes = [_codec(codec).encoded_size(b - a) for a, b in _bounds(numel, chunk)]
+    if [len(p) for p in pieces] == sizes:
+        return [hashlib.sha256(p).digest() for p in pieces]
+    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    if len(data) != sum(sizes):
+        return []
+    view, out, at = memoryview(data), [], 0
+    for n in sizes:
+        out.append(hashlib.sha256(view[at : at + n]).digest())
+        at += n
+    return out
+
+
+def root(shas: Sequence[bytes]) -> bytes:
+    """What a commitment names of a payload: SHA-256 of its chunks' SHA-256s."""
+    return hashlib.sha256(b"".join(shas)).digest()
+
+
+def payload_sha(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> bytes:
+    """The hash a contributor signs of its payload (:func:`root` of :func:`payload_shas`)."""
+    return root(payload_shas(pieces, numel, codec, chunk))
 
 
 def commitment(run: str, key: str, phase: int, part: int, weight: float, numel: int, codec: str,
                chunk: int | None, sha: bytes) -> bytes:
-    """The bytes a contributor signs for its contribution to ``part`` (its payload's SHA-256 is ``sha``)."""
-    return encode_message({"t": "p2ptrain/contribution/1", "run": run, "key": key, "phase": int(phase),
+    """The bytes a contributor signs for its contribution to ``part`` (its payload's :func:`payload_sha` is
+    ``sha``)."""
+    return encode_message({"t": "p2ptrain/contribution/2", "run": run, "key": key, "phase": int(phase),
                            "part": int(part), "w": float(weight), "numel": int(numel), "codec": codec,
                            "chunk": chunk, "h": sha})
 
@@ -109,28 +152,13 @@ def result_header(res: Mapping[str, Any]) -> bytes:
 
 def result_bounds(res: Mapping[str, Any], numel: int) -> list[tuple[int, int]]:
     """The chunks a result's payload is cut into (one, unless it names its ``chunk`` size)."""
-    chunk = res.get("chunk")
-    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
-        return chunk_bounds(numel, chunk)
-    return [(0, numel)] if numel else []
+    return _bounds(numel, res.get("chunk"))
 
 
 def result_shas(res: Mapping[str, Any], numel: int, codec: Codec) -> list[bytes]:
     """SHA-256 of each chunk's payload of a stored result, however it came (streamed chunk by chunk, or joined
     into one payload by a relay); [] if its payload does not fit its chunks (the checks refuse it anyway)."""
-    bounds = result_bounds(res, numel)
-    sizes = [codec.encoded_size(b - a) for a, b in bounds]
-    pieces = result_pieces(res)
-    if [len(p) for p in pieces] == sizes:
-        return [hashlib.sha256(p).digest() for p in pieces]
-    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-    if len(data) != sum(sizes):
-        return []
-    view, out, at = memoryview(data), [], 0
-    for n in sizes:
-        out.append(hashlib.sha256(view[at : at + n]).digest())
-        at += n
-    return out
+    return payload_shas(result_pieces(res), numel, codec, res.get("chunk"))
 
 
 def result_digest(res: Mapping[str, Any], shas: Sequence[bytes]) -> bytes:
@@ -158,13 +186,24 @@ def _f64(data: bytes) -> torch.Tensor:
     return torch.tensor(struct.unpack(f"<{BUCKETS}d", data), dtype=torch.float64)
 
 
+def _chunking(chunk: Any, numel: Any, expect: int | None, most: int) -> None:
+    """Refuse (ValueError) a shown contribution's size and chunking that no honest member sends (another size than
+    ``expect`` values, if given; more than ``most`` chunks): hashing it would cost what its sender chose."""
+    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0 or (expect is not None and numel != expect):
+        raise ValueError(f"a contribution of {numel!r} values to a part of {expect} values")
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < MIN_CHUNK):
+        raise ValueError(f"chunk of {chunk!r} values")
+    if chunk is not None and -(-numel // chunk) > most:
+        raise ValueError(f"{numel} values in chunks of {chunk}: more chunks than were shown")
+
+
 @dataclass
 class Evidence:
     """A member's signed contribution to a part, as the part's owner keeps it to show to whoever asks.
 
     ``pieces``: the payload as it came (a streamed one's chunk payloads; never joined until shown), or
     ``raw``: an owner's own share, kept as the float32 tensor it is (its bytes are made only when shown);
-    ``sha``: the payload's SHA-256 (computed once; from the bytes themselves for evidence from the wire)."""
+    ``shas``: its chunks' SHA-256s (computed once; from the bytes themselves for evidence from the wire)."""
 
     pieces: tuple[bytes, ...]
     weight: float
@@ -173,12 +212,17 @@ class Evidence:
     chunk: int | None
     sig: bytes
     pk: bytes = b""  # an RSA signer's public key (an Ed25519 id holds its own)
-    sha: bytes = b""
+    shas: list[bytes] = field(default_factory=list)
     raw: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if not self.sha:
-            self.sha = payload_sha(self.pieces)
+        if not self.shas:
+            self.shas = raw_shas(self.raw, self.chunk) if self.raw is not None else \
+                payload_shas(self.pieces, self.numel, self.codec, self.chunk)
+
+    @property
+    def sha(self) -> bytes:
+        return root(self.shas)
 
     @property
     def data(self) -> bytes:
@@ -209,14 +253,99 @@ class Evidence:
         return {"data": self.data, "w": self.weight, "numel": self.numel, "codec": self.codec, "chunk": self.chunk,
                 "sig": self.sig, "pk": self.pk}
 
+    def slice_wire(self, lo: int, hi: int) -> dict[str, Any]:
+        """What shows values ``lo:hi`` of this contribution (:class:`Slice`): the chunks that cover them, every
+        chunk's hash and the signature (ValueError for a range outside it)."""
+        if not 0 <= lo < hi <= self.numel:
+            raise ValueError(f"values {lo}:{hi} of a contribution of {self.numel}")
+        bounds = _bounds(self.numel, self.chunk)
+        first = next(i for i, (_, b) in enumerate(bounds) if b > lo)
+        last = next(i for i, (_, b) in enumerate(bounds) if b >= hi)
+        if self.raw is not None:
+            data = [raw_bytes(self.raw[a:b]) for a, b in bounds[first : last + 1]]
+        elif len(self.pieces) == len(bounds):
+            data = list(self.pieces[first : last + 1])
+        else:  # joined into one payload (evidence from the wire): cut it
+            codec, at, whole, data = _codec(self.codec), 0, memoryview(self.data), []
+            for i, (a, b) in enumerate(bounds[: last + 1]):
+                n = codec.encoded_size(b - a)
+                if i >= first:
+                    data.append(bytes(whole[at : at + n]))
+                at += n
+        return {"w": self.weight, "numel": self.numel, "codec": self.codec, "chunk": self.chunk, "sig": self.sig,
+                "pk": self.pk, "shas": list(self.shas), "first": first, "data": data}
+
     @classmethod
-    def from_wire(cls, m: Mapping[str, Any]) -> Evidence:
+    def from_wire(cls, m: Mapping[str, Any], numel: int | None = None) -> Evidence:
+        """SCHEMA_ERRORS for anything malformed, or of another size than ``numel`` values (if given)."""
         data, sig, pk, chunk = m["data"], m["sig"], m.get("pk", b""), m.get("chunk")
         if not (isinstance(data, bytes) and isinstance(sig, bytes) and isinstance(pk, bytes)):
             raise TypeError("evidence fields must be bytes")
-        if chunk is not None and not isinstance(chunk, int):
-            raise TypeError("chunk must be an integer")
+        _chunking(chunk, m["numel"], numel, len(data) + 1)  # every chunk's payload has a byte at least
         return cls((data,), float(m["w"]), int(m["numel"]), str(m["codec"]), chunk, sig, pk)
+
+
+@dataclass
+class Slice:
+    """Values ``lo:hi`` of a member's signed contribution, as the part's owner shows them for a random audit: the
+    chunks that cover them (``first`` is the index of the first), every chunk's hash (their :func:`root` is what
+    the contributor signed) and the signature. :meth:`values` checks the chunks against their hashes."""
+
+    weight: float
+    numel: int
+    codec: str
+    chunk: int | None
+    sig: bytes
+    pk: bytes
+    shas: list[bytes]
+    first: int
+    pieces: list[bytes]
+
+    @property
+    def sha(self) -> bytes:
+        return root(self.shas)
+
+    def commit(self, run: str, key: str, phase: int, part: int) -> bytes:
+        return commitment(run, key, phase, part, self.weight, self.numel, self.codec, self.chunk, self.sha)
+
+    def signed_by(self, peer: str, run: str, key: str, phase: int, part: int) -> bool:
+        return verify_signature(peer, self.commit(run, key, phase, part), self.sig, self.pk)
+
+    def values(self, lo: int, hi: int) -> torch.Tensor:
+        """Values ``lo:hi`` (ValueError if the chunks shown do not cover them, are not the ones hashed in
+        :attr:`shas`, or do not decode)."""
+        bounds = _bounds(self.numel, self.chunk)
+        if len(self.shas) != len(bounds) or not 0 <= self.first or self.first + len(self.pieces) > len(bounds) \
+                or not self.pieces:
+            raise ValueError("the chunks shown are not chunks of the contribution")
+        a, b = bounds[self.first][0], bounds[self.first + len(self.pieces) - 1][1]
+        if not a <= lo < hi <= b:
+            raise ValueError(f"chunks of values {a}:{b} shown for values {lo}:{hi}")
+        codec, out = _codec(self.codec), []
+        for i, p in enumerate(self.pieces, self.first):
+            if hashlib.sha256(p).digest() != self.shas[i]:
+                raise ValueError(f"chunk {i} is not the one its hash names")
+            ca, cb = bounds[i]
+            out.append(codec.decode(p, cb - ca))
+        x = torch.cat(out)[lo - a : hi - a]
+        if not all_finite(x):
+            raise ValueError("a contribution with non-finite values")
+        return x
+
+    @classmethod
+    def from_wire(cls, m: Mapping[str, Any], numel: int) -> Slice:
+        """SCHEMA_ERRORS for anything malformed, or of another size than ``numel`` values."""
+        sig, pk, chunk, shas, data = m["sig"], m.get("pk", b""), m.get("chunk"), m["shas"], m["data"]
+        _chunking(chunk, m["numel"], numel, len(shas) if isinstance(shas, list) else 0)
+        if not (isinstance(sig, bytes) and isinstance(pk, bytes) and isinstance(shas, list)
+                and isinstance(data, list) and len(shas) == len(_bounds(numel, chunk)) and len(data) <= len(shas)
+                and all(isinstance(h, bytes) and len(h) == 32 for h in shas)
+                and all(isinstance(p, bytes) for p in data)):
+            raise TypeError("a slice of a contribution: signature, chunk hashes and payloads must be bytes")
+        first = m["first"]
+        if not isinstance(first, int) or isinstance(first, bool):
+            raise TypeError("first must be an integer")
+        return cls(float(m["w"]), numel, str(m["codec"]), chunk, sig, pk, shas, first, data)
 
 
 @dataclass
@@ -292,8 +421,8 @@ def parse_checks(msg: Mapping[str, Any], members: int, max_entries: int) -> dict
 
 
 async def fetch_evidence(call: Callable[..., Awaitable[tuple[dict[str, Any], float]]], owner: str, key: str,
-                         phase: int, part: int, who: str, timeout: float) -> Fetched:
-    """``who``'s signed contribution to ``part``, as its owner shows it."""
+                         phase: int, part: int, who: str, timeout: float, numel: int | None = None) -> Fetched:
+    """``who``'s signed contribution to ``part`` (of ``numel`` values), as its owner shows it."""
     try:
         reply, _ = await call(owner, "evidence", {"key": key, "phase": phase, "part": part, "who": who},
                               timeout=timeout)
@@ -301,10 +430,28 @@ async def fetch_evidence(call: Callable[..., Awaitable[tuple[dict[str, Any], flo
         return Fetched(None, answered=False)
     ev = reply.get("evidence")
     try:
-        return Fetched(Evidence.from_wire(ev), answered=True, nbytes=len(ev["data"])) if isinstance(ev, dict) \
-            else Fetched(None, answered=True)
+        return Fetched(Evidence.from_wire(ev, numel), answered=True, nbytes=len(ev["data"])) \
+            if isinstance(ev, dict) else Fetched(None, answered=True)
     except SCHEMA_ERRORS:
         return Fetched(None, answered=True)  # answered with something that is not a contribution
+
+
+async def fetch_slice(call: Callable[..., Awaitable[tuple[dict[str, Any], float]]], owner: str, key: str,
+                      phase: int, part: int, who: str, lo: int, hi: int, numel: int, timeout: float
+                      ) -> tuple[Slice | None, int]:
+    """Values ``lo:hi`` of ``who``'s signed contribution to ``part`` (of ``numel`` values), as its owner shows
+    them, and the payload bytes received; (None, …) if it did not, or showed something malformed."""
+    try:
+        reply, _ = await call(owner, "evidence", {"key": key, "phase": phase, "part": part, "who": who,
+                                                  "lo": lo, "hi": hi}, timeout=timeout)
+    except RoundFailed:
+        return None, 0
+    ev = reply.get("evidence")
+    try:
+        got = Slice.from_wire(ev, numel)
+    except SCHEMA_ERRORS:
+        return None, 0
+    return got, sum(map(len, got.pieces))
 
 
 def sign_contribution(identity: Identity, run: str, key: str, phase: int, part: int, weight: float, numel: int,

@@ -25,7 +25,7 @@ import torch
 
 from ..collective.codecs import get_codec
 from .chunks import Progress, Refused, receive_chunks
-from .claims import Entry, Evidence, commitment, parse_checks, payload_sha
+from .claims import Entry, Evidence, commitment, parse_checks, payload_shas, root
 from .guard import Guard
 from .identity import verify_signature
 from .parts import wire_result
@@ -186,8 +186,8 @@ class Mailboxes:
             signed = (await msg["_trailer"]()) if streamed and "_trailer" in msg else msg
             sig, pk, own = signed.get("sig"), signed.get("pk", b""), msg.get("own")
             chunk = msg.get("chunk") if streamed else None
-            sha = await asyncio.to_thread(payload_sha, pieces)
-            c = commitment(self.run_id, key, phase, part, float(msg["weight"]), numel, codec.name, chunk, sha)
+            shas = await asyncio.to_thread(payload_shas, pieces, numel, codec, chunk)
+            c = commitment(self.run_id, key, phase, part, float(msg["weight"]), numel, codec.name, chunk, root(shas))
             if not (isinstance(sig, bytes) and isinstance(pk, bytes) and verify_signature(sender, c, sig, pk)):
                 self.guard.strike(sender, "part without a valid signature of its sender")
                 if progress is not None:  # an owner that averaged it as it came must not use it
@@ -195,7 +195,7 @@ class Mailboxes:
                     box.poke()
                 return {"error": "part without a valid signature"}
             box.evidence[sender] = Evidence(tuple(pieces), float(msg["weight"]), numel, codec.name, chunk, sig, pk,
-                                            sha=sha)
+                                            shas=shas)
             if isinstance(own, bytes) and len(own) == 32:
                 box.own_commits.setdefault(sender, own)
         box.contribs[sender] = (part, x, float(msg["weight"]), fp)
@@ -265,7 +265,15 @@ class Mailboxes:
         return {"ok": True}
 
     async def show_evidence(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
-        """A member's signed contribution to our part, for a member that checks our result."""
+        """A member's signed contribution to our part, for a member that checks our result: all of it, or the
+        chunks that cover values ``lo:hi`` of it (a random audit's slice)."""
         box = self.boxes.get((str(msg["key"]), int(msg["phase"])))
         ev = None if box is None else box.evidence.get(str(msg["who"]))
-        return {"evidence": ev.to_wire()} if ev is not None else {"error": "no such contribution here"}
+        if ev is None:
+            return {"error": "no such contribution here"}
+        lo, hi = msg.get("lo"), msg.get("hi")
+        if lo is None and hi is None:
+            return {"evidence": ev.to_wire()}
+        if not (isinstance(lo, int) and isinstance(hi, int)):
+            raise TypeError("lo and hi must be integers")
+        return {"evidence": await asyncio.to_thread(ev.slice_wire, lo, hi)}

@@ -177,7 +177,7 @@ class ReduceResult:
     verify_seconds: float = 0.0  # from the results being in to every part judged
     liars: tuple[str, ...] = ()  # members proven to have lied in this phase (banned)
     verify_tallied: int = 0  # parts whose checks were summed as their chunks arrived (net/tally.py)
-    verify_audits: int = 0  # parts this member audited exactly (a random draw: it fetched their contributions)
+    verify_audits: int = 0  # chunks of parts this member audited exactly (a random draw: it fetched their contributions)
     # seconds from the phase's start to each step's end (butterfly: "sent", "gathered", "aggregated",
     # "results", "relays", "verified", "results_out"), to see where a round's time goes
     timeline: dict[str, float] = field(default_factory=dict)

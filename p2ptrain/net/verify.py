@@ -47,10 +47,10 @@ from ..collective.aggregate import aggregate
 from ..collective.butterfly import chunk_bounds
 from ..collective.codecs import Codec
 from ..collective.sketch import BUCKETS, Key, mean_residual, passes, sketch
-from .claims import RAW, Entry, Evidence, Fetched
+from .claims import RAW, Entry, Evidence, Fetched, Slice
 from .tally import F32_ROUND, ChunkTally
 
-__all__ = ["FetchEvidence", "Judge", "Verdict", "error_bound"]
+__all__ = ["FetchEvidence", "FetchSlice", "Judge", "Verdict", "error_bound"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,8 @@ class Verdict:
 
 #: Fetches one member's signed contribution to the part from the part's owner.
 FetchEvidence = Callable[[str], Awaitable[Fetched]]
+#: Fetches values lo:hi of one member's signed contribution to the part from the part's owner: (slice, bytes).
+FetchSlice = Callable[[str, int, int], Awaitable[tuple[Slice | None, int]]]
 
 
 class Judge:
@@ -224,6 +226,52 @@ class Judge:
                 return Verdict("use", f"{first}; the owner's result holds", liars=tuple(liars))
         return Verdict("replace", f"{first}; the result is not the aggregate of what was sent",
                        values=honest, liars=(*liars, owner) if blame else tuple(liars))
+
+    async def audit(self, part: int, owner: str, res: Mapping[str, Any], values: torch.Tensor,
+                    slices: Sequence[tuple[int, int]], fetch: FetchSlice) -> str | None:
+        """A random audit of the result ``values`` of ``part`` on ``slices`` (chunks of the result, values lo:hi):
+        every contributor's signed contribution to them, shown by the owner, aggregated again exactly as an
+        honest owner would. Why the result fails it (a dispute follows: :meth:`settle` fetches everything and
+        decides who lied), or None if it holds. Each slice costs one chunk of every contribution, not the part."""
+        contributors = [str(p) for p in res.get("contributors") or []]
+        if not contributors:
+            return "the result names no contributor"
+        got = await asyncio.gather(*(fetch(p, a, b) for a, b in slices for p in contributors))
+        self.evidence_bytes += sum(n for _, n in got)
+        shown = iter(got)
+        for a, b in slices:
+            pieces = [(p, next(shown)[0]) for p in contributors]
+            why = await asyncio.to_thread(self._audit_slice, part, owner, res, values, a, b, pieces)
+            if why is not None:
+                return why
+        return None
+
+    def _audit_slice(self, part: int, owner: str, res: Mapping[str, Any], values: torch.Tensor, lo: int, hi: int,
+                     shown: Sequence[tuple[str, Slice | None]]) -> str | None:
+        xs, ws = [], []
+        for p, sl in shown:
+            if sl is None:
+                return f"the owner did not show {p[-8:]}'s values {lo}:{hi}"
+            if not sl.signed_by(p, self.run, self.key, self.phase, part):
+                return f"the values it shows for {p[-8:]} are not signed by it"
+            if (sl.codec == RAW) != (p == owner):
+                return f"the values it shows for {p[-8:]} are of the wrong kind ({sl.codec})"
+            commit = hashlib.sha256(sl.commit(self.run, self.key, self.phase, part)).digest()
+            announced = self.own_commits.get(p) if p == owner else None
+            claim = self.checks.get(p, {}).get(part)
+            if (announced is not None and announced != commit) or (claim is not None and claim.commit != commit):
+                return f"{p[-8:]}'s signed contribution is not the one it claimed"
+            try:
+                xs.append(sl.values(lo, hi))
+            except ValueError as e:
+                return f"{p[-8:]}'s values {lo}:{hi}: {e}"
+            ws.append(sl.weight)
+        avg = aggregate(xs, ws, self.rule).float()
+        honest = self.codec.decode(self.codec.encode(avg), hi - lo)
+        largest = max(float(x.abs().max()) if x.numel() else 0.0 for x in xs)
+        if self.same(values[lo:hi], honest, error_bound(honest, self.codec, None, largest)):
+            return None
+        return f"values {lo}:{hi} are not the aggregate of what was sent"
 
     def same(self, values: torch.Tensor, honest: torch.Tensor, eps: torch.Tensor) -> bool:
         """Whether the owner's result is our recomputation of it. The mean is the same arithmetic in the same

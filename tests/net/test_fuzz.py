@@ -204,7 +204,8 @@ def test_evidence_parses_or_refuses_and_never_decodes_past_its_size(msg: dict[st
 def _signed_part(ident: Identity, values: torch.Tensor, codec: str = "fp32", data: bytes | None = None
                  ) -> dict[str, Any]:
     data = get_codec(codec).encode(values) if data is None else data
-    sig, _ = sign_contribution(ident, "p2ptrain", "k", 0, 0, 1.0, values.numel(), codec, None, payload_sha([data]))
+    sig, _ = sign_contribution(ident, "p2ptrain", "k", 0, 0, 1.0, values.numel(), codec, None,
+                             payload_sha([data], values.numel(), codec, None))
     return {"key": "k", "phase": 0, "part": 0, "weight": 1.0, "fp": None, "codec": codec, "numel": values.numel(),
             "data": data, "sig": sig, "pk": ident.public}
 

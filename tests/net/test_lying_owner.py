@@ -235,3 +235,35 @@ def test_what_one_members_audit_proves_every_member_acts_on() -> None:
             assert all(t.guard.banned == {liar} for i, t in enumerate(ts) if i != bad)
 
     asyncio.run(go())
+
+
+def test_one_audited_chunk_of_each_part_catches_a_forged_lie_and_costs_a_chunk_not_the_part() -> None:
+    """Parts streamed in chunks of 1024 values; every member audits one random chunk of each part it judges (a
+    rate of N − 1). Honest, that costs each member one chunk of every contribution per part, not the parts. An
+    owner that passes a lie over its whole part off as its own share (the sketches add up): the audited chunk shows
+    it, the dispute that follows settles the part, the liar is banned and every honest member ends with the honest
+    mean."""
+    part = NUMEL // N + 1
+    whole = (N - 1) * N * part * 4  # the evidence bytes of auditing every other part whole
+
+    async def go() -> None:
+        async with swarm(FaultPlan(), 0, run="slice-honest", audit_rate=float(N - 1), chunk=1024) as ts:
+            [res] = await rounds(ts, 1)
+            for x in res:
+                assert not isinstance(x, BaseException), x
+                assert x.verify_audits == N - 1 and not x.liars
+                assert torch.allclose(x.tensors[0].double(), weighted(list(range(N))), rtol=0, atol=1e-6)
+                print(f"honest: verification {x.verify_bytes} B; a whole-part audit of each part: {whole} B of evidence")
+                assert x.verify_bytes < whole / 2
+        bad = 1
+        async with swarm(FaultPlan(lie="shift", forge=True), bad, run="slice-liar", audit_rate=float(N - 1),
+                         chunk=1024) as ts:
+            liar = ts[bad].peer_id
+            [res] = await rounds(ts, 1, timeout=30.0)
+            honest = [x for i, x in enumerate(res) if i != bad]
+            assert all(not isinstance(x, BaseException) for x in honest), honest
+            for x in honest:
+                assert torch.allclose(x.tensors[0].double(), weighted(list(range(N))), rtol=0, atol=1e-6)
+            assert all(t.guard.banned == {liar} for i, t in enumerate(ts) if i != bad)
+
+    asyncio.run(go())

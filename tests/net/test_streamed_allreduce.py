@@ -120,7 +120,8 @@ def test_a_streamed_part_that_lies_about_its_chunks_is_refused() -> None:
             assert ("x", 0) not in a._mail or b.peer_id not in a._mail[("x", 0)].contribs
             # the honest stream is accepted, once signed by its sender (the signature follows the chunks)
             honest = [codec.encode(torch.ones(s)) for s in (1024, 1024, 952)]
-            sig, _ = sign_contribution(b.identity, a.cfg.run_id, "x", 0, 0, 1.0, 3000, "fp32", 1024, payload_sha(honest))
+            sig, _ = sign_contribution(b.identity, a.cfg.run_id, "x", 0, 0, 1.0, 3000, "fp32", 1024,
+                                     payload_sha(honest, 3000, codec, 1024))
             unsigned, _ = await b._call(a.peer_id, "part", msg, timeout=5, chunks=chunks([1024, 1024, 952]))
             assert "error" in unsigned
             reply, _ = await b._call(a.peer_id, "part", {**msg, "trailer": True}, timeout=5,

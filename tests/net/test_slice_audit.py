@@ -1,0 +1,160 @@
+"""Random audits of a slice of a part (net/claims.py ``Slice``, net/verify.py ``Judge.audit``): a contribution's
+commitment names its chunks' hashes, so that the owner can show the chunks covering a few values and an auditor
+can check them against the contributor's signature alone; a slice that was not signed, not hashed, or does not
+cover the values asked is refused, and the slice's aggregate is checked as exactly as the whole part's."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+import torch
+
+from p2ptrain.collective.butterfly import chunk_bounds
+from p2ptrain.collective.codecs import get_codec
+from p2ptrain.net.claims import RAW, Evidence, Slice, payload_sha, raw_shas, root, sign_contribution
+from p2ptrain.net.identity import Identity
+from p2ptrain.net.verify import Judge
+
+N, CHUNK = 5000, 1024
+RUN, KEY = "run", "r0"
+
+
+def _values(seed: int) -> torch.Tensor:
+    return torch.randn(N, generator=torch.Generator().manual_seed(seed))
+
+
+def _evidence(ident: Identity, x: torch.Tensor, codec: str, chunk: int | None, joined: bool = False) -> Evidence:
+    """A contribution as the owner keeps it: streamed chunk by chunk, or joined into one payload."""
+    c = get_codec(codec)
+    bounds = chunk_bounds(N, chunk) if chunk else [(0, N)]
+    pieces = [c.encode(x[a:b]) for a, b in bounds]
+    sig, _ = sign_contribution(ident, RUN, KEY, 0, 0, 1.5, N, codec, chunk, payload_sha(pieces, N, c, chunk))
+    return Evidence((b"".join(pieces),) if joined else tuple(pieces), 1.5, N, codec, chunk, sig, ident.public)
+
+
+@pytest.mark.parametrize("how", ["streamed", "joined", "unchunked"])
+@pytest.mark.parametrize("codec", ["fp32", "e3m0"])
+def test_a_slice_shows_the_signed_values_and_nothing_else(how: str, codec: str) -> None:
+    ident = Identity.generate()
+    x = _values(0)
+    chunk = None if how == "unchunked" else CHUNK
+    ev = _evidence(ident, x, codec, chunk, joined=how == "joined")
+    assert ev.signed_by(ident.peer_id, RUN, KEY, 0, 0)
+    whole = ev.values()
+    for lo, hi in [(0, 1024), (1024, 2048), (4096, 5000), (1000, 1100), (0, N)]:
+        wire = ev.slice_wire(lo, hi)
+        sl = Slice.from_wire(wire, N)
+        assert sl.signed_by(ident.peer_id, RUN, KEY, 0, 0)
+        assert torch.equal(sl.values(lo, hi), whole[lo:hi])
+        if chunk is not None and hi - lo <= CHUNK and lo % CHUNK == 0:  # one chunk shown, not the part
+            assert len(wire["data"]) == 1 and len(wire["data"][0]) == get_codec(codec).encoded_size(hi - lo)
+        covered = min(N, -(-hi // CHUNK) * CHUNK) if chunk is not None else N
+        if covered < N:  # values the chunks shown do not cover
+            with pytest.raises(ValueError, match="shown for"):
+                sl.values(lo, covered + 1)
+    with pytest.raises(ValueError):
+        ev.slice_wire(10, 10)
+    with pytest.raises(ValueError):
+        ev.slice_wire(0, N + 1)
+
+
+def test_an_owner_own_raw_share_is_shown_by_the_slice_as_signed() -> None:
+    ident = Identity.generate()
+    x = _values(1)
+    shas = raw_shas(x, CHUNK)
+    assert shas == [hashlib.sha256(get_codec("fp32").encode(x[a:b])).digest() for a, b in chunk_bounds(N, CHUNK)]
+    sig, _ = sign_contribution(ident, RUN, KEY, 0, 0, 2.0, N, RAW, CHUNK, root(shas))
+    ev = Evidence((), 2.0, N, RAW, CHUNK, sig, ident.public, shas=shas, raw=x)
+    sl = Slice.from_wire(ev.slice_wire(2048, 3072), N)
+    assert sl.signed_by(ident.peer_id, RUN, KEY, 0, 0) and torch.equal(sl.values(2048, 3072), x[2048:3072])
+    # the whole of it, as a dispute fetches it, is the same commitment
+    assert Evidence.from_wire(ev.to_wire(), N).signed_by(ident.peer_id, RUN, KEY, 0, 0)
+
+
+def test_a_slice_that_was_not_signed_or_not_hashed_is_refused() -> None:
+    ident, other = Identity.generate(), Identity.generate()
+    ev = _evidence(ident, _values(2), "fp32", CHUNK)
+    wire = ev.slice_wire(1024, 2048)
+    # a chunk that is not the one hashed
+    bad = {**wire, "data": [get_codec("fp32").encode(torch.zeros(1024))]}
+    with pytest.raises(ValueError, match="not the one its hash names"):
+        Slice.from_wire(bad, N).values(1024, 2048)
+    # hashes made to fit another chunk: then the signature does not hold
+    forged = get_codec("fp32").encode(torch.zeros(1024))
+    shas = list(wire["shas"])
+    shas[1] = hashlib.sha256(forged).digest()
+    sl = Slice.from_wire({**wire, "data": [forged], "shas": shas}, N)
+    assert torch.equal(sl.values(1024, 2048), torch.zeros(1024))
+    assert not sl.signed_by(ident.peer_id, RUN, KEY, 0, 0)
+    # another member's signature, another weight, another size
+    assert not Slice.from_wire(wire, N).signed_by(other.peer_id, RUN, KEY, 0, 0)
+    assert not Slice.from_wire({**wire, "w": 3.0}, N).signed_by(ident.peer_id, RUN, KEY, 0, 0)
+    with pytest.raises(ValueError):
+        Slice.from_wire(wire, N + 1)
+    # a chunking that would cost the auditor what the owner chose: tiny chunks, or more chunks than hashes
+    with pytest.raises(ValueError):
+        Slice.from_wire({**wire, "chunk": 1}, N)
+    with pytest.raises(ValueError):
+        Slice.from_wire({**wire, "numel": 10**15}, None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Evidence.from_wire({**ev.to_wire(), "numel": 10**15, "chunk": 1024})
+    with pytest.raises((TypeError, ValueError)):  # one hash short
+        Slice.from_wire({**wire, "shas": wire["shas"][:-1]}, N)
+    with pytest.raises(ValueError):  # chunks past the last one
+        Slice.from_wire({**wire, "first": 4}, N).values(4096, 5000)
+
+
+def _judge(members: list[str], owner_commit: bytes) -> Judge:
+    return Judge(run=RUN, key=KEY, phase=0, members=members, codec=get_codec("fp32"), rule="mean",
+                 own_commits={members[0]: owner_commit}, checks={}, key_of=lambda j: [])
+
+
+@pytest.mark.parametrize("lie_at", [None, 1024, 4500])
+def test_an_audit_of_a_chunk_recomputes_it_exactly(lie_at: int | None) -> None:
+    """Three contributors (the first the owner, its share raw): the owner's result with a lie of one value; an audit
+    of the chunk holding it fails, of any other chunk passes, and fetches one chunk of each contribution."""
+    ids = [Identity.generate() for _ in range(3)]
+    members = [i.peer_id for i in ids]
+    xs = [_values(10 + k) for k in range(3)]
+    ws = [1.0, 2.0, 3.0]
+    evs = {}
+    for k, (ident, x) in enumerate(zip(ids, xs, strict=True)):
+        if k == 0:
+            shas = raw_shas(x, CHUNK)
+            sig, commit = sign_contribution(ident, RUN, KEY, 0, 0, ws[k], N, RAW, CHUNK, root(shas))
+            evs[members[k]] = Evidence((), ws[k], N, RAW, CHUNK, sig, ident.public, shas=shas, raw=x)
+            owner_commit = commit
+        else:
+            c = get_codec("fp32")
+            pieces = [c.encode(x[a:b]) for a, b in chunk_bounds(N, CHUNK)]
+            sig, _ = sign_contribution(ident, RUN, KEY, 0, 0, ws[k], N, "fp32", CHUNK,
+                                       payload_sha(pieces, N, c, CHUNK))
+            evs[members[k]] = Evidence(tuple(pieces), ws[k], N, "fp32", CHUNK, sig, ident.public)
+    want = (sum(w * x.double() for w, x in zip(ws, xs, strict=True)) / sum(ws)).float()
+    result = want.clone()
+    if lie_at is not None:
+        result[lie_at] += 0.01
+    res = {"contributors": members, "chunk": CHUNK}
+    shown: list[tuple[str, int, int]] = []
+
+    async def fetch(who: str, lo: int, hi: int) -> tuple[Slice | None, int]:
+        shown.append((who, lo, hi))
+        wire = evs[who].slice_wire(lo, hi)
+        return Slice.from_wire(wire, N), sum(map(len, wire["data"]))
+
+    for lo, hi in chunk_bounds(N, CHUNK):
+        shown.clear()
+        judge = _judge(members, owner_commit)
+        why = asyncio.run(judge.audit(0, members[0], res, result, [(lo, hi)], fetch))
+        if lie_at is not None and lo <= lie_at < hi:
+            assert why is not None and "not the aggregate" in why
+        else:
+            assert why is None, (lo, why)
+        assert sorted(shown) == sorted((m, lo, hi) for m in members)
+        assert judge.evidence_bytes == 3 * 4 * (hi - lo)
+    # the owner's own share is not the one it announced: refused before any arithmetic
+    judge = _judge(members, b"\0" * 32)
+    why = asyncio.run(judge.audit(0, members[0], res, want, [(0, CHUNK)], fetch))
+    assert why is not None and "not the one it claimed" in why
