@@ -154,6 +154,11 @@ class RoundRunner:
     SLACK = 3.0
     #: ... and at most this many times the method's timeout (a frozen member must not hold rounds forever).
     MAX_STRETCH = 8.0
+    #: Bytes/s a link is assumed to carry before any is measured (10 Mbit/s: a slow WAN link). Without it the first
+    #: round of a large fragment between regions got the method's timeout whatever its size: 4 peers in 2 regions at
+    #: 20 Mbit/s cut the first diloco round's cross-region shards off half-way, every time (the bytes sent for
+    #: nothing were most of the wire). A faster link ends the round early; a dead member holds it longer, once.
+    FIRST_RATE = 10e6 / 8
     #: Once rounds have completed, a phase's timeout is at most this many times the slowest of the recent
     #: complete ones (never under :data:`QUICK_FLOOR` seconds, never over the method's): a member that froze or
     #: died holds a round for about half its timeout, and 60 s for rounds that take 2 stalled every peer in it
@@ -310,7 +315,7 @@ class RoundRunner:
     def timeout_for(self, payload: Sequence[torch.Tensor], members: int) -> float:
         """Seconds one phase of ``members`` may take to all-reduce ``payload``: the method's timeout, or
         :data:`SLACK` times the expected transfer (each member sends and receives 2/k of the payload over each
-        link, at the slowest link's measured rate) if that is longer, stretched after phases that ran into
+        link, at the slowest link's measured rate, or :data:`FIRST_RATE` before any is measured) if that is longer, stretched after phases that ran into
         their deadline; at most :data:`MAX_STRETCH` times the method's. Once phases have completed, the method's
         timeout is cut to :data:`QUICK` times the slowest recent one (at least :data:`QUICK_FLOOR`)."""
         base = self.round_timeout
@@ -319,7 +324,8 @@ class RoundRunner:
         need = 0.0
         links = getattr(self.transport, "links", None)
         rate = links.slowest() if links is not None and links.slowest() > 0 else self.stats.bandwidth
-        if rate > 0 and members > 1:  # (the per-link meters count sends cut off by a timeout too)
+        rate = rate if rate > 0 else self.FIRST_RATE
+        if members > 1:  # (the per-link meters count sends cut off by a timeout too)
             nbytes = self.codec.encoded_size(sum(t.numel() for t in payload))
             need = self.SLACK * 2.0 * nbytes / members / rate
         timeout = min(max(base, need) * self._stretch, self.MAX_STRETCH * self.round_timeout)

@@ -14,9 +14,13 @@ def _runner(base: float = 60.0, codec: str = "fp32") -> RoundRunner:
     return RoundRunner(transport=None, codec=get_codec(codec), join_timeout=10.0, round_timeout=base)  # type: ignore[arg-type]
 
 
-def test_without_a_measured_link_the_methods_timeout_holds() -> None:
+def test_without_a_measured_link_a_slow_wan_link_is_assumed() -> None:
     r = _runner()
-    assert r.timeout_for([torch.zeros(25_000_000)], 4) == 60.0
+    assert RoundRunner.FIRST_RATE == 1.25e6  # 10 Mbit/s
+    # 25M fp32 values = 100 MB; 4 members: 2 × 100 MB / 4 over each link = 40 s at 1.25 MB/s; × SLACK 3 = 120 s
+    assert r.timeout_for([torch.zeros(25_000_000)], 4) == pytest.approx(120.0)
+    # a payload that crosses a slow link well within the method's timeout keeps it
+    assert r.timeout_for([torch.zeros(1_000_000)], 4) == 60.0
     assert r.timeout_for([torch.zeros(10)], 1) == 60.0
 
 
