@@ -253,7 +253,9 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
         offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
         name = _offer_name(group, phase, s)
-        digest = transport.offers.put(name, offer, ttl=OFFER_TTL)
+        # wanted by the cell's other members before the round's deadline: a carrier that leaves serves it first
+        digest = transport.offers.put(name, offer, ttl=OFFER_TTL, wanted=len(plan.local.members) - 1,
+                                      needed_until=deadline)
         transport.offers.put(name + "#sha", digest.encode(), ttl=OFFER_TTL)
         # The other regions' carriers outvoted this region's θ (this carrier was excluded as divergent): the
         # region's members learn it with the shard, whom to take θ from (not the region's own members), and the

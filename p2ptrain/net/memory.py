@@ -129,6 +129,8 @@ class MemoryTransport(Transport):
         data = offered[0] if offered is not None else provider(name) if provider is not None else None
         if data is None:
             raise RoundFailed(f"state {name!r}: peer {peer_id} has none")
+        if offered is not None and offers is not None:
+            offers.fetched(name)
         if progress is not None:
             progress(len(data), len(data))
         return data

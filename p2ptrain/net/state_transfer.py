@@ -54,7 +54,8 @@ class StateServer:
         if not isinstance(name, str) or not isinstance(offset, int) or offset < 0:
             return {"error": "bad state request"}
         offered = self.offers.get(name)
-        if offered is not None and want in (None, offered[1]):
+        from_offer = offered is not None and want in (None, offered[1])
+        if offered is not None and from_offer:
             data, digest = offered
         elif want is None:
             if self.provider is None:
@@ -72,6 +73,8 @@ class StateServer:
             return {"error": "that state is no longer served"}
         if offset > len(data):
             return {"error": "offset past the end of the state"}
+        if from_offer and offset + self.chunk >= len(data):  # the transfer's last reply
+            self.offers.fetched(name)
         return {"sha256": digest, "size": len(data), "offset": offset, "chunk": data[offset : offset + self.chunk]}
 
 

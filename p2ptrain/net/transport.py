@@ -236,6 +236,12 @@ class Transport(abc.ABC):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    async def serve_wanted(self, limit: float) -> float:
+        """Before a graceful close: keep serving what this peer offers that is still wanted (the shards it carried
+        for its cell in a round: :class:`Offers`) until it was fetched or its round's deadline passed, at most
+        ``limit`` seconds. Returns the seconds waited."""
+        return await self.offers.served(limit)
+
     async def aclose(self) -> None:
         """Stop everything the transport runs (background tasks, connections); then it is CLOSED."""
         self.state = TransportState.CLOSED

@@ -24,6 +24,8 @@ from .config import PeerConfig
 __all__ = ["SwarmLink"]
 
 log = logging.getLogger(__name__)
+#: Seconds a peer that leaves gracefully may keep serving the shards its cell still wants (Transport.serve_wanted).
+LINGER = 120.0
 
 
 class SwarmLink:
@@ -240,6 +242,12 @@ class SwarmLink:
                 log.warning("event=service_stop reason=%s", e)
             self._stopping = None
         if self.transport is not None:
+            try:  # the shards we carried in our last round, until our cell fetched them (net/offers.py)
+                waited = self.net.call(self.transport.serve_wanted(LINGER), timeout=LINGER + 5)
+                if waited > 0.1:
+                    log.info("event=left_serving seconds=%.1f", waited)
+            except (TimeoutError, RuntimeError) as e:
+                log.warning("event=left_serving reason=%s", e)
             try:
                 self.net.call(self.transport.aclose(), timeout=15)
             except (TimeoutError, RuntimeError) as e:

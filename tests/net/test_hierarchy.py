@@ -216,12 +216,12 @@ def test_a_carrier_that_lies_to_its_region_fails_the_round_there_and_poisons_no_
             liar = ts[1]
             honest_put = liar.offers.put
 
-            def lying_put(name: str, data: bytes, *, ttl: float) -> str:
+            def lying_put(name: str, data: bytes, *, ttl: float, **wanted: Any) -> str:
                 if name.endswith("#sha"):
-                    return honest_put(name, data, ttl=ttl)
+                    return honest_put(name, data, ttl=ttl, **wanted)
                 head = _HEADER.size
                 bad = data[:head] + torch.full(((len(data) - head) // 4,), 100.0).numpy().tobytes()
-                lie = honest_put(name, bad, ttl=ttl)
+                lie = honest_put(name, bad, ttl=ttl, **wanted)
                 return hashlib.sha256(data).hexdigest() if digest == "honest" else lie
 
             liar.offers.put = lying_put  # type: ignore[method-assign]
@@ -310,3 +310,40 @@ def test_peers_in_two_regions_reduce_region_by_region_and_agree(name: str, knobs
     applied_agree(res)
     across = {key for (_, key, _) in swarm.phases if "#s" in key}
     assert bool(across) != flat, sorted(swarm.phases)[:6]
+
+
+@pytest.mark.parametrize("serve", [True, False], ids=["served", "gone at once"])
+def test_a_member_that_fetches_late_gets_its_shard_from_a_carrier_that_left_gracefully(serve: bool) -> None:
+    """Every member but one leaves as soon as its round ends (a peer at its step budget); the one left fetches its
+    shard 6 s late (after the others' waits for a witness, at least 5 s, are over). A leaving carrier serves what its cell still wants first (Transport.serve_wanted): the late
+    member ends the round with the mean. Gone at once (the control), nobody is left to serve it."""
+    async def go() -> None:
+        swarm = MemorySwarm(join_window=WINDOW, ttl=30)
+        async with memory_swarm(4, swarm) as ts:
+            groups = await _form(ts, ["a", "a", "b", "b"], "late")
+            late = ts[0]
+            fetch = late.fetch_state
+
+            async def slow_fetch(peer: str, name: str, **kw: Any) -> bytes:
+                await asyncio.sleep(6.0)
+                return await fetch(peer, name, **kw)
+
+            late.fetch_state = slow_fetch  # type: ignore[method-assign]
+
+            async def leave(t: Transport, g: Group, x: list[torch.Tensor]) -> float:
+                await _hier(t, g, x, 1.0, timeout=12.0)
+                waited = await t.serve_wanted(30) if serve else 0.0
+                swarm.kill(t.peer_id)
+                return waited
+
+            xs = [[torch.full((10,), float(i))] for i in range(4)]
+            out = await asyncio.gather(_hier(late, groups[0], xs[0], 1.0, timeout=12.0),
+                                       *(leave(t, g, x) for t, g, x in zip(ts[1:], groups[1:], xs[1:], strict=True)),
+                                       return_exceptions=True)
+            if serve:
+                assert isinstance(out[0], ReduceResult) and torch.allclose(out[0].tensors[0], torch.full((10,), 1.5))
+                assert all(w < 15.0 for w in out[1:])  # type: ignore[operator]  # not the round's deadline
+            else:
+                assert isinstance(out[0], RoundFailed), out[0]
+
+    run(go())
