@@ -27,6 +27,7 @@ from ..collective.codec_base import all_finite
 from ..collective.codecs import Codec
 from .chunks import decode_chunked
 from .claims import (
+    AUDIT_GRAIN,
     RAW,
     Entry,
     Evidence,
@@ -82,14 +83,14 @@ class _Sent:
 class Audit:
     """Verified aggregation for one member's run of one (round, phase).
 
-    ``call(peer, kind, msg, timeout=...)`` talks to a member. ``audit_rate``: how many chunks of each part
-    the group audits exactly per round, on average, whatever the checks said: each member that judges a part
-    audits ``audit_rate / (members − 1)`` random chunks of it (the fraction by a draw), drawn on its own after
-    the result came (the owner cannot know who will, nor which chunks). An audit fetches every contributor's
-    signed values of the chunk (each contribution's commitment names its chunks' hashes) and aggregates them
-    again, which catches what sketches cannot: a lie within a lossy codec's rounding, and an owner that passes
+    ``call(peer, kind, msg, timeout=...)`` talks to a member. ``audit_rate``: how many slices of each part
+    (AUDIT_GRAIN values) the group audits exactly per round, on average, whatever the checks said: each member
+    that judges a part audits ``audit_rate / (members − 1)`` random slices of it (the fraction by a draw), drawn
+    on its own after the result came (the owner cannot know who will, nor which slices). An audit fetches every
+    contributor's signed values of the slice (each contribution's commitment names its chunks' hashes: the chunk
+    that covers the slice, or the slice itself of the owner's raw share) and aggregates them again, which catches what sketches cannot: a lie within a lossy codec's rounding, and an owner that passes
     its lie off as its own share (whose commitment it announced before any result existed). A lie in a
-    fraction f of a part's chunks is caught with probability about f per audited chunk: the likelier, the
+    fraction f of a part is caught with probability about f per audited slice: the likelier, the
     more of the part it moves. An audit that fails begins a dispute over the whole part (Judge.settle).
     CenteredClip is not coordinate-wise: its audits are of the whole part.
     """
@@ -116,14 +117,15 @@ class Audit:
         self._draw = random.Random(int.from_bytes(os.urandom(8), "big"))
 
     # ------------------------------------------------------------------ signing what leaves
-    def sign_own(self, own: torch.Tensor, chunk: int) -> bytes:
+    def sign_own(self, own: torch.Tensor) -> bytes:
         """Keep our own share of our part as signed evidence (the tensor itself: its bytes are made only if it is
-        shown; hashed in chunks of ``chunk`` values); the hash of its commitment, to announce."""
-        shas = raw_shas(own, chunk)
+        shown; hashed in pieces of AUDIT_GRAIN values, what an audit's slice fetches); the hash of its commitment,
+        to announce."""
+        shas = raw_shas(own, AUDIT_GRAIN)
         sig, self.own_commit = sign_contribution(self.identity, self.run, self.key, self.phase, self.me, self.weight,
-                                                 own.numel(), RAW, chunk, root(shas))
-        self.box.evidence[self.me_id] = Evidence((), self.weight, own.numel(), RAW, chunk, sig, self.identity.public,
-                                                 shas=shas, raw=own)
+                                                 own.numel(), RAW, AUDIT_GRAIN, root(shas))
+        self.box.evidence[self.me_id] = Evidence((), self.weight, own.numel(), RAW, AUDIT_GRAIN, sig,
+                                                 self.identity.public, shas=shas, raw=own)
         return self.own_commit
 
     def sign(self, part: int, pieces: list[bytes], numel: int, chunk: int | None,
@@ -395,8 +397,11 @@ class Audit:
             self.stats.audits += 1
             return "a random audit (of the whole part: CenteredClip)"
         a, b = self.bounds[j]
-        chunks = result_bounds(res, b - a)
-        slices = sorted(self._draw.sample(chunks, min(n, len(chunks))))
+        # slices of AUDIT_GRAIN values from each chunk's start (a multiple of every codec's block: the slice's
+        # average is encoded as it is inside its chunk)
+        grains = [(s, min(s + AUDIT_GRAIN, hi)) for lo, hi in result_bounds(res, b - a)
+                  for s in range(lo, hi, AUDIT_GRAIN)]
+        slices = sorted(self._draw.sample(grains, min(n, len(grains))))
         self.stats.audits += len(slices)
         owner = self.members[j]
 

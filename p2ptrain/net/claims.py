@@ -31,6 +31,7 @@ from .transport import RoundFailed
 from .wire import SCHEMA_ERRORS, encode_message
 
 __all__ = [
+    "AUDIT_GRAIN",
     "RAW",
     "Entry",
     "Evidence",
@@ -58,6 +59,10 @@ __all__ = [
 
 #: The codec name of an owner's own share of its part: float32 values as they are (never encoded).
 RAW = "raw"
+#: Values per random audit's slice (net/audit.py), and per hashed piece of an owner's raw share: a multiple of every
+#: codec's block (1024), so that a slice's average goes through the codec as it does inside its chunk. An audit
+#: fetches the slice of the raw share (128 kB) and the chunk of each other contribution that covers it.
+AUDIT_GRAIN = 1 << 15
 _SKETCH_BYTES = 8 * BUCKETS
 
 

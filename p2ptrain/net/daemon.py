@@ -75,10 +75,10 @@ class SwarmConfig:
         swarm_key: a private swarm's shared key: records and messages are tagged and checked (net/auth.py).
         verify: verified aggregation (net/verify.py): contributions are signed, every member checks every
             part's average and a proven liar is banned. Every peer of a run must agree on it.
-        audit_rate: chunks of each part audited exactly per round, on average (net/audit.py): each costs the
-            auditor one chunk of every contribution to the part (not the part), and a lie in a fraction f of a
-            part's chunks is caught with probability about f per audited chunk; 1.0 costs about k chunks per part
-            for a group of k (~1% of a round's bytes at 4 × 64 MB). CenteredClip audits whole parts at this rate.
+        audit_rate: slices of each part (32 Ki values) audited exactly per round, on average (net/audit.py):
+            each costs the auditor the slice of the owner's share and the chunk of every other contribution that
+            covers it (not the part), and a lie in a fraction f of a part is caught with probability about f per
+            audited slice. CenteredClip, not coordinate-wise, audits whole parts at this rate.
         dht_timeout: seconds any one DHT store, lookup or address query may take (TimeoutError after).
         pipeline: an owner averages its part (plain mean, no norm bound) chunk by chunk as the contributions
             stream in, and sends each chunk of the average back at once (net/pipelined.py); False: it

@@ -158,3 +158,13 @@ def test_an_audit_of_a_chunk_recomputes_it_exactly(lie_at: int | None) -> None:
     judge = _judge(members, b"\0" * 32)
     why = asyncio.run(judge.audit(0, members[0], res, want, [(0, CHUNK)], fetch))
     assert why is not None and "not the one it claimed" in why
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "bf16", "uint8", "fp8", "e3m0", "2bit", "topk2", "topk2:0.03"])
+def test_every_codec_encodes_a_slice_from_a_multiple_of_1024_as_it_does_inside_its_chunk(codec: str) -> None:
+    """What lets an audit recompute a slice of a result chunk on its own (AUDIT_GRAIN is a multiple of 1024)."""
+    c = get_codec(codec)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.1, 3, 5000)
+    whole = c.decode(c.encode(x), x.numel())
+    for lo, hi in [(0, 1024), (1024, 3072), (4096, 5000), (2048, 5000)]:
+        assert torch.equal(c.decode(c.encode(x[lo:hi]), hi - lo), whole[lo:hi]), (codec, lo, hi)
