@@ -248,10 +248,10 @@ def test_one_audited_chunk_of_each_part_catches_a_forged_lie_and_costs_a_chunk_n
 
     async def go() -> None:
         async with swarm(FaultPlan(), 0, run="slice-honest", audit_rate=float(N - 1), chunk=1024) as ts:
-            [res] = await rounds(ts, 1)
+            [res] = await rounds(ts, 1, timeout=30.0)  # (a loaded machine: no member cut off)
             for x in res:
                 assert not isinstance(x, BaseException), x
-                assert x.verify_audits == N - 1 and not x.liars
+                assert x.verify_audits == N - 1 and not x.liars and not x.partial
                 assert torch.allclose(x.tensors[0].double(), weighted(list(range(N))), rtol=0, atol=1e-6)
                 print(f"honest: verification {x.verify_bytes} B; a whole-part audit of each part: {whole} B of evidence")
                 assert x.verify_bytes < whole / 2
