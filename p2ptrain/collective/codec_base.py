@@ -130,6 +130,9 @@ class Codec(ABC):
     error_feedback: ClassVar[bool] = False
     #: Inputs smaller than this are encoded on the CPU (a GPU round trip costs more than it saves).
     GPU_MIN_NUMEL: ClassVar[int] = 1 << 16
+    #: Bytes per value when a payload is the values' encodings one after the other (no block headers), so that
+    #: any range of values is a range of bytes; 0 otherwise.
+    value_bytes: ClassVar[int] = 0
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         #: A CUDA device to encode on (the input is copied there; only the packed payload comes back),

@@ -64,6 +64,7 @@ class FP32Codec(Codec):
     """Raw little-endian float32: lossless, 4 bytes per value."""
 
     name: ClassVar[str] = "fp32"
+    value_bytes: ClassVar[int] = 4
     elementwise_bound = True
     computes: ClassVar[bool] = False  # raw bytes: nothing to compute
 
@@ -85,6 +86,7 @@ class FP16Codec(Codec):
     """
 
     name: ClassVar[str] = "fp16"
+    value_bytes: ClassVar[int] = 2
     elementwise_bound = True
     _MAX: ClassVar[float] = float(torch.finfo(torch.float16).max)
 
@@ -110,6 +112,7 @@ class BF16Codec(Codec):
     """
 
     name: ClassVar[str] = "bf16"
+    value_bytes: ClassVar[int] = 2
     elementwise_bound = True
     _MAX: ClassVar[float] = float(torch.finfo(torch.bfloat16).max)
 

@@ -137,7 +137,7 @@ class ButterflyRun:
         own = self.flat[lo:hi].clone()
         self.box.contribs[self.me_id] = (self.me, own, self.weight, self.fp)
         if self.audit is not None:
-            self.own_commit = await asyncio.to_thread(self.audit.sign_own, own)
+            self.own_commit = await asyncio.to_thread(self.audit.sign_own, own, self.chunk)
             # verification's sums of each result, made as its chunks arrive (net/tally.py)
             self.audit.register(self.flat, own, self.chunk, honest=self.faults.corrupt is None)
         try:

@@ -117,15 +117,15 @@ class Audit:
         self._draw = random.Random(int.from_bytes(os.urandom(8), "big"))
 
     # ------------------------------------------------------------------ signing what leaves
-    def sign_own(self, own: torch.Tensor) -> bytes:
+    def sign_own(self, own: torch.Tensor, chunk: int) -> bytes:
         """Keep our own share of our part as signed evidence (the tensor itself: its bytes are made only if it is
-        shown; hashed in pieces of AUDIT_GRAIN values, what an audit's slice fetches); the hash of its commitment,
-        to announce."""
-        shas = raw_shas(own, AUDIT_GRAIN)
+        shown; hashed in pieces of AUDIT_GRAIN values, or of our ``chunk`` if smaller: what an audit's slice
+        fetches); the hash of its commitment, to announce."""
+        shas = raw_shas(own, chunk)
         sig, self.own_commit = sign_contribution(self.identity, self.run, self.key, self.phase, self.me, self.weight,
-                                                 own.numel(), RAW, AUDIT_GRAIN, root(shas))
-        self.box.evidence[self.me_id] = Evidence((), self.weight, own.numel(), RAW, AUDIT_GRAIN, sig,
-                                                 self.identity.public, shas=shas, raw=own)
+                                                 own.numel(), RAW, chunk, root(shas))
+        self.box.evidence[self.me_id] = Evidence((), self.weight, own.numel(), RAW, chunk, sig, self.identity.public,
+                                                 shas=shas, raw=own)
         return self.own_commit
 
     def sign(self, part: int, pieces: list[bytes], numel: int, chunk: int | None,
@@ -409,8 +409,24 @@ class Audit:
             return await fetch_slice(self.call, owner, self.key, self.phase, j, who, lo, hi, b - a,
                                      max(0.1, until - time.monotonic()))
 
-        why = await judge.audit(j, owner, res, values, slices, fetch)
+        held = {self.me_id: lambda lo, hi: (self.weight, self._sent_values(j, lo, hi))} if j in self.sent else None
+        why = await judge.audit(j, owner, res, values, slices, fetch, held)
         return None if why is None else f"a random audit: {why}"
+
+    def _sent_values(self, j: int, lo: int, hi: int) -> torch.Tensor:
+        """Values ``lo:hi`` of our contribution to part ``j`` as we sent it (decoded: what the owner averaged)."""
+        s = self.sent[j]
+        if s.values is not None:
+            return s.values[lo:hi]
+        a, b = self.bounds[j]
+        bounds = result_bounds({"chunk": s.chunk}, b - a)  # the chunks we encoded it in
+        if len(s.pieces) != len(bounds):
+            return decode_chunked(self.codec, b"".join(s.pieces), b - a, s.chunk)[lo:hi]
+        out = []
+        for (ca, cb), piece in zip(bounds, s.pieces, strict=True):
+            if ca < hi and cb > lo:
+                out.append(self.codec.decode(piece, cb - ca)[max(lo, ca) - ca : min(hi, cb) - ca])
+        return torch.cat(out)
 
     def _hashes(self, j: int) -> tuple[bytes, list[bytes]]:
         """(digest, the chunks' hashes) of the result of part ``j`` we hold (hashed once per result object)."""

@@ -39,9 +39,11 @@ __all__ = [
     "Slice",
     "chunk_keys",
     "commitment",
+    "contribution_shas",
     "entry_for",
     "fetch_evidence",
     "fetch_slice",
+    "hash_grid",
     "parse_checks",
     "payload_sha",
     "payload_shas",
@@ -72,9 +74,9 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 
 
 def raw_shas(t: torch.Tensor, chunk: int | None) -> list[bytes]:
-    """SHA-256 of each chunk of :func:`raw_bytes` of ``t`` (cut at ``chunk`` values), without copying ``t`` on a
+    """SHA-256 of each piece (:func:`hash_grid`) of :func:`raw_bytes` of ``t``, without copying ``t`` on a
     little-endian host."""
-    bounds = _bounds(t.numel(), chunk)
+    bounds = hash_grid(t.numel(), RAW, chunk)
     if sys.byteorder != "little":
         data = raw_bytes(t)
         return [hashlib.sha256(data[4 * a : 4 * b]).digest() for a, b in bounds]
@@ -96,30 +98,79 @@ def _codec(name: str | Codec) -> Codec:
     return get_codec("fp32" if name == RAW else name)
 
 
-def payload_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
-    """SHA-256 of each chunk's payload of ``numel`` values encoded by ``codec`` in chunks of ``chunk`` values,
-    however the payload came (chunk by chunk, or joined into one); [] if it does not fit its chunks."""
-    sizes = [_codec(codec).encoded_size(b - a) for a, b in _bounds(numel, chunk)]
-    if [len(p) for p in pieces] == sizes:
+def _step(codec: str | Codec, chunk: int | None) -> int | None:
+    if _codec(codec).value_bytes:
+        return min(AUDIT_GRAIN, chunk) if chunk else AUDIT_GRAIN
+    return chunk
+
+
+def hash_grid(numel: int, codec: str | Codec, chunk: int | None) -> list[tuple[int, int]]:
+    """The pieces a contribution's payload is hashed in (what an audit's slice fetches at least): for a codec whose
+    payload is its values' bytes in order (any range of values is a range of bytes: fp32, a raw share), pieces of
+    AUDIT_GRAIN values (or of its chunks, if smaller); its chunks otherwise (a chunk's block headers come first)."""
+    return _bounds(numel, _step(codec, chunk))
+
+
+def _grid_size(numel: int, codec: str | Codec, chunk: int | None) -> int:
+    """How many pieces :func:`hash_grid` cuts ``numel`` values into (without making them)."""
+    step = _step(codec, chunk)
+    return -(-numel // step) if step else (1 if numel else 0)
+
+
+def _hash_pieces(pieces: Sequence[bytes], sizes: Sequence[int]) -> list[bytes]:
+    """SHA-256 of consecutive byte ranges of ``sizes`` across ``pieces`` (never joined); [] if they do not fit."""
+    if [len(p) for p in pieces] == list(sizes):
         return [hashlib.sha256(p).digest() for p in pieces]
-    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-    if len(data) != sum(sizes):
+    if sum(len(p) for p in pieces) != sum(sizes):
         return []
-    view, out, at = memoryview(data), [], 0
+    out, it, cur = [], iter(pieces), memoryview(b"")
     for n in sizes:
-        out.append(hashlib.sha256(view[at : at + n]).digest())
-        at += n
+        h = hashlib.sha256()
+        while n:
+            while not cur:
+                cur = memoryview(next(it))
+            take = cur[:n]
+            h.update(take)
+            n -= len(take)
+            cur = cur[len(take):]
+        out.append(h.digest())
     return out
 
 
+def _byte_range(pieces: Sequence[bytes], start: int, end: int) -> bytes:
+    """Bytes ``start:end`` of the concatenation of ``pieces`` (only the pieces they fall in are copied)."""
+    out, at = [], 0
+    for p in pieces:
+        lo, hi = max(start, at), min(end, at + len(p))
+        if lo < hi:
+            out.append(memoryview(p)[lo - at : hi - at])
+        at += len(p)
+        if at >= end:
+            break
+    return b"".join(out)
+
+
+def payload_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
+    """SHA-256 of each chunk's payload of ``numel`` values encoded by ``codec`` in chunks of ``chunk`` values,
+    however the payload came (chunk by chunk, or joined into one); [] if it does not fit its chunks."""
+    c = _codec(codec)
+    return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in _bounds(numel, chunk)])
+
+
+def contribution_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
+    """SHA-256 of each piece (:func:`hash_grid`) of a contribution's payload; [] if it does not fit."""
+    c = _codec(codec)
+    return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in hash_grid(numel, c, chunk)])
+
+
 def root(shas: Sequence[bytes]) -> bytes:
-    """What a commitment names of a payload: SHA-256 of its chunks' SHA-256s."""
+    """What a commitment names of a payload: SHA-256 of its pieces' SHA-256s."""
     return hashlib.sha256(b"".join(shas)).digest()
 
 
 def payload_sha(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> bytes:
-    """The hash a contributor signs of its payload (:func:`root` of :func:`payload_shas`)."""
-    return root(payload_shas(pieces, numel, codec, chunk))
+    """The hash a contributor signs of its payload (:func:`root` of :func:`contribution_shas`)."""
+    return root(contribution_shas(pieces, numel, codec, chunk))
 
 
 def commitment(run: str, key: str, phase: int, part: int, weight: float, numel: int, codec: str,
@@ -191,15 +242,15 @@ def _f64(data: bytes) -> torch.Tensor:
     return torch.tensor(struct.unpack(f"<{BUCKETS}d", data), dtype=torch.float64)
 
 
-def _chunking(chunk: Any, numel: Any, expect: int | None, most: int) -> None:
+def _chunking(chunk: Any, numel: Any, expect: int | None, most: int, codec: str) -> None:
     """Refuse (ValueError) a shown contribution's size and chunking that no honest member sends (another size than
     ``expect`` values, if given; more than ``most`` chunks): hashing it would cost what its sender chose."""
     if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0 or (expect is not None and numel != expect):
         raise ValueError(f"a contribution of {numel!r} values to a part of {expect} values")
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < MIN_CHUNK):
         raise ValueError(f"chunk of {chunk!r} values")
-    if chunk is not None and -(-numel // chunk) > most:
-        raise ValueError(f"{numel} values in chunks of {chunk}: more chunks than were shown")
+    if _grid_size(numel, codec, chunk) > most:
+        raise ValueError(f"{numel} values in pieces of {chunk}: more pieces than were shown")
 
 
 @dataclass
@@ -223,7 +274,7 @@ class Evidence:
     def __post_init__(self) -> None:
         if not self.shas:
             self.shas = raw_shas(self.raw, self.chunk) if self.raw is not None else \
-                payload_shas(self.pieces, self.numel, self.codec, self.chunk)
+                contribution_shas(self.pieces, self.numel, self.codec, self.chunk)
 
     @property
     def sha(self) -> bytes:
@@ -259,23 +310,24 @@ class Evidence:
                 "sig": self.sig, "pk": self.pk}
 
     def slice_wire(self, lo: int, hi: int) -> dict[str, Any]:
-        """What shows values ``lo:hi`` of this contribution (:class:`Slice`): the chunks that cover them, every
-        chunk's hash and the signature (ValueError for a range outside it)."""
+        """What shows values ``lo:hi`` of this contribution (:class:`Slice`): the pieces (:func:`hash_grid`) that
+        cover them, every piece's hash and the signature (ValueError for a range outside it)."""
         if not 0 <= lo < hi <= self.numel:
             raise ValueError(f"values {lo}:{hi} of a contribution of {self.numel}")
-        bounds = _bounds(self.numel, self.chunk)
+        codec = _codec(self.codec)
+        bounds = hash_grid(self.numel, codec, self.chunk)
         first = next(i for i, (_, b) in enumerate(bounds) if b > lo)
         last = next(i for i, (_, b) in enumerate(bounds) if b >= hi)
         if self.raw is not None:
             data = [raw_bytes(self.raw[a:b]) for a, b in bounds[first : last + 1]]
         elif len(self.pieces) == len(bounds):
             data = list(self.pieces[first : last + 1])
-        else:  # joined into one payload (evidence from the wire): cut it
-            codec, at, whole, data = _codec(self.codec), 0, memoryview(self.data), []
-            for i, (a, b) in enumerate(bounds[: last + 1]):
+        else:  # stored in other pieces (chunks, or one payload from the wire): cut the bytes out
+            at = sum(codec.encoded_size(b - a) for a, b in bounds[:first])
+            data = []
+            for a, b in bounds[first : last + 1]:
                 n = codec.encoded_size(b - a)
-                if i >= first:
-                    data.append(bytes(whole[at : at + n]))
+                data.append(_byte_range(self.pieces, at, at + n))
                 at += n
         return {"w": self.weight, "numel": self.numel, "codec": self.codec, "chunk": self.chunk, "sig": self.sig,
                 "pk": self.pk, "shas": list(self.shas), "first": first, "data": data}
@@ -286,7 +338,8 @@ class Evidence:
         data, sig, pk, chunk = m["data"], m["sig"], m.get("pk", b""), m.get("chunk")
         if not (isinstance(data, bytes) and isinstance(sig, bytes) and isinstance(pk, bytes)):
             raise TypeError("evidence fields must be bytes")
-        _chunking(chunk, m["numel"], numel, len(data) + 1)  # every chunk's payload has a byte at least
+        # every piece's payload has a byte at least (ValueError for an unknown codec)
+        _chunking(chunk, m["numel"], numel, len(data) + 1, str(m["codec"]))
         return cls((data,), float(m["w"]), int(m["numel"]), str(m["codec"]), chunk, sig, pk)
 
 
@@ -319,7 +372,7 @@ class Slice:
     def values(self, lo: int, hi: int) -> torch.Tensor:
         """Values ``lo:hi`` (ValueError if the chunks shown do not cover them, are not the ones hashed in
         :attr:`shas`, or do not decode)."""
-        bounds = _bounds(self.numel, self.chunk)
+        bounds = hash_grid(self.numel, self.codec, self.chunk)
         if len(self.shas) != len(bounds) or not 0 <= self.first or self.first + len(self.pieces) > len(bounds) \
                 or not self.pieces:
             raise ValueError("the chunks shown are not chunks of the contribution")
@@ -341,9 +394,10 @@ class Slice:
     def from_wire(cls, m: Mapping[str, Any], numel: int) -> Slice:
         """SCHEMA_ERRORS for anything malformed, or of another size than ``numel`` values."""
         sig, pk, chunk, shas, data = m["sig"], m.get("pk", b""), m.get("chunk"), m["shas"], m["data"]
-        _chunking(chunk, m["numel"], numel, len(shas) if isinstance(shas, list) else 0)
+        _chunking(chunk, m["numel"], numel, len(shas) if isinstance(shas, list) else 0, str(m["codec"]))
         if not (isinstance(sig, bytes) and isinstance(pk, bytes) and isinstance(shas, list)
-                and isinstance(data, list) and len(shas) == len(_bounds(numel, chunk)) and len(data) <= len(shas)
+                and isinstance(data, list) and len(shas) == _grid_size(numel, str(m["codec"]), chunk)
+                and len(data) <= len(shas)
                 and all(isinstance(h, bytes) and len(h) == 32 for h in shas)
                 and all(isinstance(p, bytes) for p in data)):
             raise TypeError("a slice of a contribution: signature, chunk hashes and payloads must be bytes")

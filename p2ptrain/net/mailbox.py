@@ -25,7 +25,7 @@ import torch
 
 from ..collective.codecs import get_codec
 from .chunks import Progress, Refused, receive_chunks
-from .claims import Entry, Evidence, commitment, parse_checks, payload_shas, root
+from .claims import Entry, Evidence, commitment, contribution_shas, parse_checks, root
 from .guard import Guard
 from .identity import verify_signature
 from .parts import wire_result
@@ -186,7 +186,7 @@ class Mailboxes:
             signed = (await msg["_trailer"]()) if streamed and "_trailer" in msg else msg
             sig, pk, own = signed.get("sig"), signed.get("pk", b""), msg.get("own")
             chunk = msg.get("chunk") if streamed else None
-            shas = await asyncio.to_thread(payload_shas, pieces, numel, codec, chunk)
+            shas = await asyncio.to_thread(contribution_shas, pieces, numel, codec, chunk)
             c = commitment(self.run_id, key, phase, part, float(msg["weight"]), numel, codec.name, chunk, root(shas))
             if not (isinstance(sig, bytes) and isinstance(pk, bytes) and verify_signature(sender, c, sig, pk)):
                 self.guard.strike(sender, "part without a valid signature of its sender")

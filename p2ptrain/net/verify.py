@@ -228,28 +228,43 @@ class Judge:
                        values=honest, liars=(*liars, owner) if blame else tuple(liars))
 
     async def audit(self, part: int, owner: str, res: Mapping[str, Any], values: torch.Tensor,
-                    slices: Sequence[tuple[int, int]], fetch: FetchSlice) -> str | None:
-        """A random audit of the result ``values`` of ``part`` on ``slices`` (chunks of the result, values lo:hi):
-        every contributor's signed contribution to them, shown by the owner, aggregated again exactly as an
-        honest owner would. Why the result fails it (a dispute follows: :meth:`settle` fetches everything and
-        decides who lied), or None if it holds. Each slice costs one chunk of every contribution, not the part."""
+                    slices: Sequence[tuple[int, int]], fetch: FetchSlice,
+                    held: Mapping[str, Callable[[int, int], tuple[float, torch.Tensor]]] | None = None) -> str | None:
+        """A random audit of the result ``values`` of ``part`` on ``slices`` (values lo:hi, each inside one chunk
+        of the result, from its start or a multiple of 1024 after it): every contributor's signed contribution to
+        them, shown by the owner, aggregated again exactly as an honest owner would. ``held``: contributions the
+        auditor holds itself (its own: what it signed is what it sent), by contributor, giving (weight, values
+        lo:hi); not fetched. Why the result fails it (a dispute follows: :meth:`settle` fetches everything and
+        decides who lied), or None if it holds. Each slice costs the pieces of each contribution that cover it,
+        not the part."""
         contributors = [str(p) for p in res.get("contributors") or []]
         if not contributors:
             return "the result names no contributor"
-        got = await asyncio.gather(*(fetch(p, a, b) for a, b in slices for p in contributors))
+        held = held or {}
+        asked = [(p, a, b) for a, b in slices for p in contributors if p not in held]
+        got = await asyncio.gather(*(fetch(p, a, b) for p, a, b in asked))
         self.evidence_bytes += sum(n for _, n in got)
-        shown = iter(got)
+        shown = {k: sl for k, (sl, _) in zip(asked, got, strict=True)}
         for a, b in slices:
-            pieces = [(p, next(shown)[0]) for p in contributors]
+            pieces = [(p, held[p] if p in held else shown[(p, a, b)]) for p in contributors]
             why = await asyncio.to_thread(self._audit_slice, part, owner, res, values, a, b, pieces)
             if why is not None:
                 return why
         return None
 
     def _audit_slice(self, part: int, owner: str, res: Mapping[str, Any], values: torch.Tensor, lo: int, hi: int,
-                     shown: Sequence[tuple[str, Slice | None]]) -> str | None:
+                     shown: Sequence[tuple[str, Slice | Callable[[int, int], tuple[float, torch.Tensor]] | None]]
+                     ) -> str | None:
         xs, ws = [], []
         for p, sl in shown:
+            if callable(sl):  # our own: not fetched
+                try:
+                    w, x = sl(lo, hi)
+                except ValueError as e:  # (fault injection: we sent a payload that does not decode)
+                    return f"our own contribution's values {lo}:{hi}: {e}"
+                xs.append(x)
+                ws.append(w)
+                continue
             if sl is None:
                 return f"the owner did not show {p[-8:]}'s values {lo}:{hi}"
             if not sl.signed_by(p, self.run, self.key, self.phase, part):

@@ -13,11 +13,22 @@ import torch
 
 from p2ptrain.collective.butterfly import chunk_bounds
 from p2ptrain.collective.codecs import get_codec
-from p2ptrain.net.claims import RAW, Evidence, Slice, payload_sha, raw_shas, root, sign_contribution
+from p2ptrain.net.claims import (
+    AUDIT_GRAIN,
+    RAW,
+    Evidence,
+    Slice,
+    hash_grid,
+    payload_sha,
+    raw_shas,
+    root,
+    sign_contribution,
+)
 from p2ptrain.net.identity import Identity
 from p2ptrain.net.verify import Judge
 
-N, CHUNK = 5000, 1024
+G = AUDIT_GRAIN
+N, CHUNK = 3 * G + 5000, 16 * 1024
 RUN, KEY = "run", "r0"
 
 
@@ -37,23 +48,28 @@ def _evidence(ident: Identity, x: torch.Tensor, codec: str, chunk: int | None, j
 @pytest.mark.parametrize("how", ["streamed", "joined", "unchunked"])
 @pytest.mark.parametrize("codec", ["fp32", "e3m0"])
 def test_a_slice_shows_the_signed_values_and_nothing_else(how: str, codec: str) -> None:
+    """fp32 (its bytes in value order) is hashed in pieces of AUDIT_GRAIN values whatever its chunks; e3m0 (block
+    headers first) in its chunks. A slice shows exactly the pieces that cover it."""
     ident = Identity.generate()
     x = _values(0)
     chunk = None if how == "unchunked" else CHUNK
     ev = _evidence(ident, x, codec, chunk, joined=how == "joined")
     assert ev.signed_by(ident.peer_id, RUN, KEY, 0, 0)
     whole = ev.values()
-    for lo, hi in [(0, 1024), (1024, 2048), (4096, 5000), (1000, 1100), (0, N)]:
+    c = get_codec(codec)
+    grid = hash_grid(N, c, chunk)
+    step = min(G, chunk or G) if codec == "fp32" else chunk  # (fp32's chunks here are smaller than the grain)
+    assert grid == (chunk_bounds(N, step) if step else [(0, N)])
+    for lo, hi in [(0, 1024), (G, G + 1024), (N - 1000, N), (1000, 1100), (G - 10, G + 10), (0, N)]:
         wire = ev.slice_wire(lo, hi)
         sl = Slice.from_wire(wire, N)
         assert sl.signed_by(ident.peer_id, RUN, KEY, 0, 0)
         assert torch.equal(sl.values(lo, hi), whole[lo:hi])
-        if chunk is not None and hi - lo <= CHUNK and lo % CHUNK == 0:  # one chunk shown, not the part
-            assert len(wire["data"]) == 1 and len(wire["data"][0]) == get_codec(codec).encoded_size(hi - lo)
-        covered = min(N, -(-hi // CHUNK) * CHUNK) if chunk is not None else N
-        if covered < N:  # values the chunks shown do not cover
+        cover = [(a, b) for a, b in grid if a < hi and b > lo]
+        assert [len(d) for d in wire["data"]] == [c.encoded_size(b - a) for a, b in cover]  # those pieces only
+        if cover[-1][1] < N:  # values the pieces shown do not cover
             with pytest.raises(ValueError, match="shown for"):
-                sl.values(lo, covered + 1)
+                sl.values(lo, cover[-1][1] + 1)
     with pytest.raises(ValueError):
         ev.slice_wire(10, 10)
     with pytest.raises(ValueError):
@@ -63,47 +79,49 @@ def test_a_slice_shows_the_signed_values_and_nothing_else(how: str, codec: str) 
 def test_an_owner_own_raw_share_is_shown_by_the_slice_as_signed() -> None:
     ident = Identity.generate()
     x = _values(1)
-    shas = raw_shas(x, CHUNK)
-    assert shas == [hashlib.sha256(get_codec("fp32").encode(x[a:b])).digest() for a, b in chunk_bounds(N, CHUNK)]
-    sig, _ = sign_contribution(ident, RUN, KEY, 0, 0, 2.0, N, RAW, CHUNK, root(shas))
-    ev = Evidence((), 2.0, N, RAW, CHUNK, sig, ident.public, shas=shas, raw=x)
-    sl = Slice.from_wire(ev.slice_wire(2048, 3072), N)
-    assert sl.signed_by(ident.peer_id, RUN, KEY, 0, 0) and torch.equal(sl.values(2048, 3072), x[2048:3072])
+    shas = raw_shas(x, 1 << 18)
+    assert shas == [hashlib.sha256(get_codec("fp32").encode(x[a:b])).digest() for a, b in chunk_bounds(N, G)]
+    assert len(raw_shas(x, 1024)) == -(-N // 1024)  # chunks smaller than the grain: pieces of a chunk
+    sig, _ = sign_contribution(ident, RUN, KEY, 0, 0, 2.0, N, RAW, 1 << 18, root(shas))
+    ev = Evidence((), 2.0, N, RAW, 1 << 18, sig, ident.public, shas=shas, raw=x)
+    wire = ev.slice_wire(2 * G, 3 * G)
+    assert [len(d) for d in wire["data"]] == [4 * G]  # the slice, not the part
+    sl = Slice.from_wire(wire, N)
+    assert sl.signed_by(ident.peer_id, RUN, KEY, 0, 0) and torch.equal(sl.values(2 * G, 3 * G), x[2 * G : 3 * G])
     # the whole of it, as a dispute fetches it, is the same commitment
     assert Evidence.from_wire(ev.to_wire(), N).signed_by(ident.peer_id, RUN, KEY, 0, 0)
 
 
 def test_a_slice_that_was_not_signed_or_not_hashed_is_refused() -> None:
     ident, other = Identity.generate(), Identity.generate()
-    ev = _evidence(ident, _values(2), "fp32", CHUNK)
-    wire = ev.slice_wire(1024, 2048)
-    # a chunk that is not the one hashed
-    bad = {**wire, "data": [get_codec("fp32").encode(torch.zeros(1024))]}
+    ev = _evidence(ident, _values(2), "fp32", 1 << 18)  # (chunks above the grain: pieces of G values)
+    wire = ev.slice_wire(G, 2 * G)
+    zeros = get_codec("fp32").encode(torch.zeros(G))
+    # a piece that is not the one hashed
     with pytest.raises(ValueError, match="not the one its hash names"):
-        Slice.from_wire(bad, N).values(1024, 2048)
-    # hashes made to fit another chunk: then the signature does not hold
-    forged = get_codec("fp32").encode(torch.zeros(1024))
+        Slice.from_wire({**wire, "data": [zeros]}, N).values(G, 2 * G)
+    # hashes made to fit another piece: then the signature does not hold
     shas = list(wire["shas"])
-    shas[1] = hashlib.sha256(forged).digest()
-    sl = Slice.from_wire({**wire, "data": [forged], "shas": shas}, N)
-    assert torch.equal(sl.values(1024, 2048), torch.zeros(1024))
+    shas[1] = hashlib.sha256(zeros).digest()
+    sl = Slice.from_wire({**wire, "data": [zeros], "shas": shas}, N)
+    assert torch.equal(sl.values(G, 2 * G), torch.zeros(G))
     assert not sl.signed_by(ident.peer_id, RUN, KEY, 0, 0)
     # another member's signature, another weight, another size
     assert not Slice.from_wire(wire, N).signed_by(other.peer_id, RUN, KEY, 0, 0)
     assert not Slice.from_wire({**wire, "w": 3.0}, N).signed_by(ident.peer_id, RUN, KEY, 0, 0)
     with pytest.raises(ValueError):
         Slice.from_wire(wire, N + 1)
-    # a chunking that would cost the auditor what the owner chose: tiny chunks, or more chunks than hashes
+    # a chunking that would cost the auditor what the owner chose: tiny chunks, or more pieces than hashes
     with pytest.raises(ValueError):
         Slice.from_wire({**wire, "chunk": 1}, N)
     with pytest.raises(ValueError):
         Slice.from_wire({**wire, "numel": 10**15}, None)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        Evidence.from_wire({**ev.to_wire(), "numel": 10**15, "chunk": 1024})
+        Evidence.from_wire({**ev.to_wire(), "numel": 10**15})
     with pytest.raises((TypeError, ValueError)):  # one hash short
         Slice.from_wire({**wire, "shas": wire["shas"][:-1]}, N)
-    with pytest.raises(ValueError):  # chunks past the last one
-        Slice.from_wire({**wire, "first": 4}, N).values(4096, 5000)
+    with pytest.raises(ValueError):  # pieces past the last one
+        Slice.from_wire({**wire, "first": 4}, N).values(3 * G, N)
 
 
 def _judge(members: list[str], owner_commit: bytes) -> Judge:
@@ -111,10 +129,12 @@ def _judge(members: list[str], owner_commit: bytes) -> Judge:
                  own_commits={members[0]: owner_commit}, checks={}, key_of=lambda j: [])
 
 
-@pytest.mark.parametrize("lie_at", [None, 1024, 4500])
-def test_an_audit_of_a_chunk_recomputes_it_exactly(lie_at: int | None) -> None:
+@pytest.mark.parametrize("held", [False, True], ids=["fetched", "ours held"])
+@pytest.mark.parametrize("lie_at", [None, 1024, N - 10])
+def test_an_audit_of_a_slice_recomputes_it_exactly(lie_at: int | None, held: bool) -> None:
     """Three contributors (the first the owner, its share raw): the owner's result with a lie of one value; an audit
-    of the chunk holding it fails, of any other chunk passes, and fetches one chunk of each contribution."""
+    of the slice holding it fails, of any other slice passes, and fetches the pieces of each contribution that cover
+    the slice (not the one the auditor holds itself: its own)."""
     ids = [Identity.generate() for _ in range(3)]
     members = [i.peer_id for i in ids]
     xs = [_values(10 + k) for k in range(3)]
@@ -127,17 +147,17 @@ def test_an_audit_of_a_chunk_recomputes_it_exactly(lie_at: int | None) -> None:
             evs[members[k]] = Evidence((), ws[k], N, RAW, CHUNK, sig, ident.public, shas=shas, raw=x)
             owner_commit = commit
         else:
-            c = get_codec("fp32")
-            pieces = [c.encode(x[a:b]) for a, b in chunk_bounds(N, CHUNK)]
-            sig, _ = sign_contribution(ident, RUN, KEY, 0, 0, ws[k], N, "fp32", CHUNK,
-                                       payload_sha(pieces, N, c, CHUNK))
-            evs[members[k]] = Evidence(tuple(pieces), ws[k], N, "fp32", CHUNK, sig, ident.public)
+            evs[members[k]] = _evidence(ident, x, "fp32", CHUNK)
+            evs[members[k]].weight = ws[k]
+            sig, _ = sign_contribution(ident, RUN, KEY, 0, 0, ws[k], N, "fp32", CHUNK, evs[members[k]].sha)
+            evs[members[k]].sig = sig
     want = (sum(w * x.double() for w, x in zip(ws, xs, strict=True)) / sum(ws)).float()
     result = want.clone()
     if lie_at is not None:
         result[lie_at] += 0.01
     res = {"contributors": members, "chunk": CHUNK}
     shown: list[tuple[str, int, int]] = []
+    mine = {members[2]: lambda lo, hi: (ws[2], xs[2][lo:hi])} if held else None
 
     async def fetch(who: str, lo: int, hi: int) -> tuple[Slice | None, int]:
         shown.append((who, lo, hi))
@@ -147,16 +167,17 @@ def test_an_audit_of_a_chunk_recomputes_it_exactly(lie_at: int | None) -> None:
     for lo, hi in chunk_bounds(N, CHUNK):
         shown.clear()
         judge = _judge(members, owner_commit)
-        why = asyncio.run(judge.audit(0, members[0], res, result, [(lo, hi)], fetch))
+        why = asyncio.run(judge.audit(0, members[0], res, result, [(lo, hi)], fetch, mine))
         if lie_at is not None and lo <= lie_at < hi:
             assert why is not None and "not the aggregate" in why
         else:
             assert why is None, (lo, why)
-        assert sorted(shown) == sorted((m, lo, hi) for m in members)
-        assert judge.evidence_bytes == 3 * 4 * (hi - lo)
+        asked = members[:2] if held else members
+        assert sorted(shown) == sorted((m, lo, hi) for m in asked)
+        assert judge.evidence_bytes == len(asked) * 4 * (hi - lo)  # the slice of each: fp32 and raw, by the piece
     # the owner's own share is not the one it announced: refused before any arithmetic
     judge = _judge(members, b"\0" * 32)
-    why = asyncio.run(judge.audit(0, members[0], res, want, [(0, CHUNK)], fetch))
+    why = asyncio.run(judge.audit(0, members[0], res, want, [(0, CHUNK)], fetch, mine))
     assert why is not None and "not the one it claimed" in why
 
 
