@@ -87,11 +87,11 @@ class Audit:
     (AUDIT_GRAIN values) the group audits exactly per round, on average, whatever the checks said: each member
     that judges a part audits ``audit_rate / (members − 1)`` random slices of it (the fraction by a draw), drawn
     on its own after the result came (the owner cannot know who will, nor which slices). An audit fetches every
-    contributor's signed values of the slice (each contribution's commitment names its chunks' hashes: the chunk
-    that covers the slice, or the slice itself of the owner's raw share) and aggregates them again, which catches what sketches cannot: a lie within a lossy codec's rounding, and an owner that passes
-    its lie off as its own share (whose commitment it announced before any result existed). A lie in a
-    fraction f of a part is caught with probability about f per audited slice: the likelier, the
-    more of the part it moves. An audit that fails begins a dispute over the whole part (Judge.settle).
+    other contributor's signed values of the slice (each contribution's commitment names the hashes of its pieces:
+    the piece that covers the slice, claims.hash_grid) and aggregates them again, which catches what sketches
+    cannot: a lie within a lossy codec's rounding, and an owner that passes its lie off as its own share (whose
+    commitment it announced before any result existed). A lie in a fraction f of a part is caught with
+    probability about f per audited slice: the likelier, the more of the part it moves. An audit that fails begins a dispute over the whole part (Judge.settle).
     CenteredClip is not coordinate-wise: its audits are of the whole part.
     """
 
@@ -113,7 +113,7 @@ class Audit:
         self.own_commit = b""
         self.tallies: Tallies | None = None  # the sums of each result as it arrives, once the run registers
         self.stats = AuditStats()
-        self.audit_per_part = max(0.0, audit_rate) / max(1, len(self.members) - 1)  # chunks, on average
+        self.audit_per_part = max(0.0, audit_rate) / max(1, len(self.members) - 1)  # slices, on average
         self._draw = random.Random(int.from_bytes(os.urandom(8), "big"))
 
     # ------------------------------------------------------------------ signing what leaves
