@@ -27,8 +27,6 @@ from ..collective.codec_base import all_finite
 from ..collective.codecs import Codec
 from .chunks import decode_chunked
 from .claims import (
-    AUDIT_GRAIN,
-    RAW,
     Entry,
     Evidence,
     Fetched,
@@ -36,13 +34,10 @@ from .claims import (
     entry_for,
     fetch_evidence,
     fetch_slice,
-    payload_sha,
-    raw_shas,
     result_bounds,
     result_commitment,
     result_digest,
     result_shas,
-    root,
     sign_contribution,
     sketch_bytes,
 )
@@ -50,6 +45,7 @@ from .guard import Guard
 from .identity import Identity, verify_signature
 from .mailbox import Mailbox
 from .parts import result_problem
+from .pieces import AUDIT_GRAIN, RAW, payload_sha, raw_shas, root
 from .tally import ChunkTally, Tallies
 from .verify import Judge, Verdict
 

@@ -1,54 +1,56 @@
 """What verified aggregation sends (net/verify.py): signed commitments, evidence, claims and their wire form.
 
-A contributor signs a *commitment* to each contribution it sends (run, round, phase, part, weight, size,
-codec, chunking and the payload's hash: SHA-256 of its chunks' SHA-256s, so that one chunk can be shown and
-checked on its own) with the key behind its peer id (net/identity.py); the part's owner keeps the payload and
-signature as :class:`Evidence`, and shows all of it (a dispute) or the chunks that cover a slice of the part
-(:class:`Slice`: a random audit). After the all-gather each member sends its
-*claims* (:class:`Entry`, one per part it contributed to) in a check message. Sketches travel as 32
-little-endian float64 values.
+A contributor signs a *commitment* to each contribution it sends (run, round, phase, part, weight, size, codec,
+chunking and the payload's hash, net/pieces.py: one piece can be shown and checked on its own) with the key behind
+its peer id (net/identity.py); the part's owner keeps the payload and signature as :class:`Evidence` and shows all
+of it (a dispute) or the pieces that cover a slice of the part (:class:`Slice`: a random audit). After the all-gather
+each member sends its *claims* (:class:`Entry`, one per part it contributed to) in a check message. Sketches travel
+as 32 little-endian float64 values.
 """
-
 from __future__ import annotations
 
 import hashlib
 import math
 import struct
-import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..collective.butterfly import MIN_CHUNK, chunk_bounds
 from ..collective.codec_base import Codec, all_finite
 from ..collective.codecs import get_codec
 from ..collective.sketch import BUCKETS, Key, clipped, seed, sketch
 from .chunks import decode_chunked
 from .identity import Identity, verify_signature
+from .pieces import (
+    RAW,
+    byte_range,
+    check_shown,
+    codec_of,
+    contribution_shas,
+    grid_size,
+    hash_grid,
+    payload_shas,
+    piece_bounds,
+    raw_bytes,
+    raw_shas,
+    root,
+)
 from .transport import RoundFailed
 from .wire import SCHEMA_ERRORS, encode_message
 
 __all__ = [
-    "AUDIT_GRAIN",
-    "RAW",
     "Entry",
     "Evidence",
     "Fetched",
     "Slice",
     "chunk_keys",
     "commitment",
-    "contribution_shas",
     "entry_for",
     "fetch_evidence",
     "fetch_slice",
-    "hash_grid",
     "parse_checks",
-    "payload_sha",
-    "payload_shas",
-    "raw_bytes",
-    "raw_shas",
     "result_bounds",
     "result_commitment",
     "result_digest",
@@ -59,118 +61,7 @@ __all__ = [
     "sketch_bytes",
 ]
 
-#: The codec name of an owner's own share of its part: float32 values as they are (never encoded).
-RAW = "raw"
-#: Values per random audit's slice (net/audit.py), and per hashed piece of an owner's raw share: a multiple of every
-#: codec's block (1024), so that a slice's average goes through the codec as it does inside its chunk. An audit
-#: fetches the slice of the raw share (128 kB) and the chunk of each other contribution that covers it.
-AUDIT_GRAIN = 1 << 15
 _SKETCH_BYTES = 8 * BUCKETS
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    """A raw share's payload: its float32 values, little-endian (the fp32 codec's layout)."""
-    return get_codec("fp32").encode(t)
-
-
-def raw_shas(t: torch.Tensor, chunk: int | None) -> list[bytes]:
-    """SHA-256 of each piece (:func:`hash_grid`) of :func:`raw_bytes` of ``t``, without copying ``t`` on a
-    little-endian host."""
-    bounds = hash_grid(t.numel(), RAW, chunk)
-    if sys.byteorder != "little":
-        data = raw_bytes(t)
-        return [hashlib.sha256(data[4 * a : 4 * b]).digest() for a, b in bounds]
-    view = memoryview(t.detach().float().contiguous().cpu().numpy().data).cast("B")
-    return [hashlib.sha256(view[4 * a : 4 * b]).digest() for a, b in bounds]
-
-
-def _bounds(numel: int, chunk: int | None) -> list[tuple[int, int]]:
-    """The chunks a payload of ``numel`` values is cut into (one, when it is not chunked)."""
-    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
-        return chunk_bounds(numel, chunk)
-    return [(0, numel)] if numel else []
-
-
-def _codec(name: str | Codec) -> Codec:
-    """A payload's codec (a raw share has fp32's layout); ValueError for an unknown name."""
-    if not isinstance(name, str):
-        return name
-    return get_codec("fp32" if name == RAW else name)
-
-
-def _step(codec: str | Codec, chunk: int | None) -> int | None:
-    if _codec(codec).value_bytes:
-        return min(AUDIT_GRAIN, chunk) if chunk else AUDIT_GRAIN
-    return chunk
-
-
-def hash_grid(numel: int, codec: str | Codec, chunk: int | None) -> list[tuple[int, int]]:
-    """The pieces a contribution's payload is hashed in (what an audit's slice fetches at least): for a codec whose
-    payload is its values' bytes in order (any range of values is a range of bytes: fp32, a raw share), pieces of
-    AUDIT_GRAIN values (or of its chunks, if smaller); its chunks otherwise (a chunk's block headers come first)."""
-    return _bounds(numel, _step(codec, chunk))
-
-
-def _grid_size(numel: int, codec: str | Codec, chunk: int | None) -> int:
-    """How many pieces :func:`hash_grid` cuts ``numel`` values into (without making them)."""
-    step = _step(codec, chunk)
-    return -(-numel // step) if step else (1 if numel else 0)
-
-
-def _hash_pieces(pieces: Sequence[bytes], sizes: Sequence[int]) -> list[bytes]:
-    """SHA-256 of consecutive byte ranges of ``sizes`` across ``pieces`` (never joined); [] if they do not fit."""
-    if [len(p) for p in pieces] == list(sizes):
-        return [hashlib.sha256(p).digest() for p in pieces]
-    if sum(len(p) for p in pieces) != sum(sizes):
-        return []
-    out, it, cur = [], iter(pieces), memoryview(b"")
-    for n in sizes:
-        h = hashlib.sha256()
-        while n:
-            while not cur:
-                cur = memoryview(next(it))
-            take = cur[:n]
-            h.update(take)
-            n -= len(take)
-            cur = cur[len(take):]
-        out.append(h.digest())
-    return out
-
-
-def _byte_range(pieces: Sequence[bytes], start: int, end: int) -> bytes:
-    """Bytes ``start:end`` of the concatenation of ``pieces`` (only the pieces they fall in are copied)."""
-    out, at = [], 0
-    for p in pieces:
-        lo, hi = max(start, at), min(end, at + len(p))
-        if lo < hi:
-            out.append(memoryview(p)[lo - at : hi - at])
-        at += len(p)
-        if at >= end:
-            break
-    return b"".join(out)
-
-
-def payload_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
-    """SHA-256 of each chunk's payload of ``numel`` values encoded by ``codec`` in chunks of ``chunk`` values,
-    however the payload came (chunk by chunk, or joined into one); [] if it does not fit its chunks."""
-    c = _codec(codec)
-    return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in _bounds(numel, chunk)])
-
-
-def contribution_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
-    """SHA-256 of each piece (:func:`hash_grid`) of a contribution's payload; [] if it does not fit."""
-    c = _codec(codec)
-    return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in hash_grid(numel, c, chunk)])
-
-
-def root(shas: Sequence[bytes]) -> bytes:
-    """What a commitment names of a payload: SHA-256 of its pieces' SHA-256s."""
-    return hashlib.sha256(b"".join(shas)).digest()
-
-
-def payload_sha(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> bytes:
-    """The hash a contributor signs of its payload (:func:`root` of :func:`contribution_shas`)."""
-    return root(contribution_shas(pieces, numel, codec, chunk))
 
 
 def commitment(run: str, key: str, phase: int, part: int, weight: float, numel: int, codec: str,
@@ -208,7 +99,7 @@ def result_header(res: Mapping[str, Any]) -> bytes:
 
 def result_bounds(res: Mapping[str, Any], numel: int) -> list[tuple[int, int]]:
     """The chunks a result's payload is cut into (one, unless it names its ``chunk`` size)."""
-    return _bounds(numel, res.get("chunk"))
+    return piece_bounds(numel, res.get("chunk"))
 
 
 def result_shas(res: Mapping[str, Any], numel: int, codec: Codec) -> list[bytes]:
@@ -240,17 +131,6 @@ def sketch_bytes(t: torch.Tensor) -> bytes:
 
 def _f64(data: bytes) -> torch.Tensor:
     return torch.tensor(struct.unpack(f"<{BUCKETS}d", data), dtype=torch.float64)
-
-
-def _chunking(chunk: Any, numel: Any, expect: int | None, most: int, codec: str) -> None:
-    """Refuse (ValueError) a shown contribution's size and chunking that no honest member sends (another size than
-    ``expect`` values, if given; more than ``most`` chunks): hashing it would cost what its sender chose."""
-    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0 or (expect is not None and numel != expect):
-        raise ValueError(f"a contribution of {numel!r} values to a part of {expect} values")
-    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < MIN_CHUNK):
-        raise ValueError(f"chunk of {chunk!r} values")
-    if _grid_size(numel, codec, chunk) > most:
-        raise ValueError(f"{numel} values in pieces of {chunk}: more pieces than were shown")
 
 
 @dataclass
@@ -314,7 +194,7 @@ class Evidence:
         cover them, every piece's hash and the signature (ValueError for a range outside it)."""
         if not 0 <= lo < hi <= self.numel:
             raise ValueError(f"values {lo}:{hi} of a contribution of {self.numel}")
-        codec = _codec(self.codec)
+        codec = codec_of(self.codec)
         bounds = hash_grid(self.numel, codec, self.chunk)
         first = next(i for i, (_, b) in enumerate(bounds) if b > lo)
         last = next(i for i, (_, b) in enumerate(bounds) if b >= hi)
@@ -327,7 +207,7 @@ class Evidence:
             data = []
             for a, b in bounds[first : last + 1]:
                 n = codec.encoded_size(b - a)
-                data.append(_byte_range(self.pieces, at, at + n))
+                data.append(byte_range(self.pieces, at, at + n))
                 at += n
         return {"w": self.weight, "numel": self.numel, "codec": self.codec, "chunk": self.chunk, "sig": self.sig,
                 "pk": self.pk, "shas": list(self.shas), "first": first, "data": data}
@@ -339,7 +219,7 @@ class Evidence:
         if not (isinstance(data, bytes) and isinstance(sig, bytes) and isinstance(pk, bytes)):
             raise TypeError("evidence fields must be bytes")
         # every piece's payload has a byte at least (ValueError for an unknown codec)
-        _chunking(chunk, m["numel"], numel, len(data) + 1, str(m["codec"]))
+        check_shown(chunk, m["numel"], numel, len(data) + 1, str(m["codec"]))
         return cls((data,), float(m["w"]), int(m["numel"]), str(m["codec"]), chunk, sig, pk)
 
 
@@ -379,7 +259,7 @@ class Slice:
         a, b = bounds[self.first][0], bounds[self.first + len(self.pieces) - 1][1]
         if not a <= lo < hi <= b:
             raise ValueError(f"chunks of values {a}:{b} shown for values {lo}:{hi}")
-        codec, out = _codec(self.codec), []
+        codec, out = codec_of(self.codec), []
         for i, p in enumerate(self.pieces, self.first):
             if hashlib.sha256(p).digest() != self.shas[i]:
                 raise ValueError(f"chunk {i} is not the one its hash names")
@@ -394,9 +274,9 @@ class Slice:
     def from_wire(cls, m: Mapping[str, Any], numel: int) -> Slice:
         """SCHEMA_ERRORS for anything malformed, or of another size than ``numel`` values."""
         sig, pk, chunk, shas, data = m["sig"], m.get("pk", b""), m.get("chunk"), m["shas"], m["data"]
-        _chunking(chunk, m["numel"], numel, len(shas) if isinstance(shas, list) else 0, str(m["codec"]))
+        check_shown(chunk, m["numel"], numel, len(shas) if isinstance(shas, list) else 0, str(m["codec"]))
         if not (isinstance(sig, bytes) and isinstance(pk, bytes) and isinstance(shas, list)
-                and isinstance(data, list) and len(shas) == _grid_size(numel, str(m["codec"]), chunk)
+                and isinstance(data, list) and len(shas) == grid_size(numel, str(m["codec"]), chunk)
                 and len(data) <= len(shas)
                 and all(isinstance(h, bytes) and len(h) == 32 for h in shas)
                 and all(isinstance(p, bytes) for p in data)):

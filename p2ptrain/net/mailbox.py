@@ -25,10 +25,11 @@ import torch
 
 from ..collective.codecs import get_codec
 from .chunks import Progress, Refused, receive_chunks
-from .claims import Entry, Evidence, commitment, contribution_shas, parse_checks, root
+from .claims import Entry, Evidence, commitment, parse_checks
 from .guard import Guard
 from .identity import verify_signature
 from .parts import wire_result
+from .pieces import contribution_shas, root
 from .tally import ChunkTally
 
 __all__ = ["Contribution", "Mailbox", "Mailboxes"]

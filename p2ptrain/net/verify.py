@@ -47,7 +47,8 @@ from ..collective.aggregate import aggregate
 from ..collective.butterfly import chunk_bounds
 from ..collective.codecs import Codec
 from ..collective.sketch import BUCKETS, Key, mean_residual, passes, sketch
-from .claims import RAW, Entry, Evidence, Fetched, Slice
+from .claims import Entry, Evidence, Fetched, Slice
+from .pieces import RAW
 from .tally import F32_ROUND, ChunkTally
 
 __all__ = ["FetchEvidence", "FetchSlice", "Judge", "Verdict", "error_bound"]

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from p2ptrain.checkpoint import CheckpointError, state_from_bytes
 from p2ptrain.collective.codecs import CODECS, get_codec
-from p2ptrain.net.claims import Entry, Evidence, payload_sha, sign_contribution
+from p2ptrain.net.claims import Entry, Evidence, sign_contribution
 from p2ptrain.net.identity import Identity
+from p2ptrain.net.pieces import payload_sha
 from p2ptrain.net.state_transfer import StateServer, fetch_chunked
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 from p2ptrain.net.transport import MAX_SKIPPED, Group, JoinRequest, PeerInfo, RoundFailed

@@ -13,18 +13,9 @@ import torch
 
 from p2ptrain.collective.butterfly import chunk_bounds
 from p2ptrain.collective.codecs import get_codec
-from p2ptrain.net.claims import (
-    AUDIT_GRAIN,
-    RAW,
-    Evidence,
-    Slice,
-    hash_grid,
-    payload_sha,
-    raw_shas,
-    root,
-    sign_contribution,
-)
+from p2ptrain.net.claims import Evidence, Slice, sign_contribution
 from p2ptrain.net.identity import Identity
+from p2ptrain.net.pieces import AUDIT_GRAIN, RAW, hash_grid, payload_sha, raw_shas, root
 from p2ptrain.net.verify import Judge
 
 G = AUDIT_GRAIN

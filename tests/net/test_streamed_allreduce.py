@@ -11,7 +11,8 @@ import torch
 from p2ptrain.collective.butterfly import chunk_bounds
 from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.auth import SwarmKey
-from p2ptrain.net.claims import payload_sha, sign_contribution
+from p2ptrain.net.claims import sign_contribution
+from p2ptrain.net.pieces import payload_sha
 from p2ptrain.net.transport import JoinRequest, RoundFailed
 
 from .peers import announce_and_wait

@@ -1,0 +1,159 @@
+"""How a payload is cut into pieces and hashed (net/claims.py's commitments name the result): a contributor signs
+the SHA-256 of its pieces' SHA-256s (:func:`root`), so that the owner can show one piece and an auditor check it
+against the signature alone (claims.Slice). A payload whose bytes are its values in order (fp32, fp16, bf16, an
+owner's raw share) is hashed in pieces of :data:`AUDIT_GRAIN` values (or of its chunks, if smaller); a codec with
+block headers first, in its chunks. Results are hashed in their chunks (:func:`payload_shas`), as they arrive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..collective.butterfly import MIN_CHUNK, chunk_bounds
+from ..collective.codec_base import Codec
+from ..collective.codecs import get_codec
+
+__all__ = [
+    "AUDIT_GRAIN",
+    "RAW",
+    "byte_range",
+    "check_shown",
+    "codec_of",
+    "contribution_shas",
+    "grid_size",
+    "hash_grid",
+    "payload_sha",
+    "payload_shas",
+    "piece_bounds",
+    "raw_bytes",
+    "raw_shas",
+    "root",
+]
+
+#: The codec name of an owner's own share of its part: float32 values as they are (never encoded).
+RAW = "raw"
+#: Values per random audit's slice (net/audit.py), and per hashed piece of an owner's raw share: a multiple of every
+#: codec's block (1024), so that a slice's average goes through the codec as it does inside its chunk. An audit
+#: fetches the slice of the raw share (128 kB) and the chunk of each other contribution that covers it.
+AUDIT_GRAIN = 1 << 15
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A raw share's payload: its float32 values, little-endian (the fp32 codec's layout)."""
+    return get_codec("fp32").encode(t)
+
+
+def raw_shas(t: torch.Tensor, chunk: int | None) -> list[bytes]:
+    """SHA-256 of each piece (:func:`hash_grid`) of :func:`raw_bytes` of ``t``, without copying ``t`` on a
+    little-endian host."""
+    bounds = hash_grid(t.numel(), RAW, chunk)
+    if sys.byteorder != "little":
+        data = raw_bytes(t)
+        return [hashlib.sha256(data[4 * a : 4 * b]).digest() for a, b in bounds]
+    view = memoryview(t.detach().float().contiguous().cpu().numpy().data).cast("B")
+    return [hashlib.sha256(view[4 * a : 4 * b]).digest() for a, b in bounds]
+
+
+def piece_bounds(numel: int, chunk: int | None) -> list[tuple[int, int]]:
+    """The chunks a payload of ``numel`` values is cut into (one, when it is not chunked)."""
+    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
+        return chunk_bounds(numel, chunk)
+    return [(0, numel)] if numel else []
+
+
+def codec_of(name: str | Codec) -> Codec:
+    """A payload's codec (a raw share has fp32's layout); ValueError for an unknown name."""
+    if not isinstance(name, str):
+        return name
+    return get_codec("fp32" if name == RAW else name)
+
+
+def _step(codec: str | Codec, chunk: int | None) -> int | None:
+    if codec_of(codec).value_bytes:
+        return min(AUDIT_GRAIN, chunk) if chunk else AUDIT_GRAIN
+    return chunk
+
+
+def hash_grid(numel: int, codec: str | Codec, chunk: int | None) -> list[tuple[int, int]]:
+    """The pieces a contribution's payload is hashed in (what an audit's slice fetches at least): for a codec whose
+    payload is its values' bytes in order (any range of values is a range of bytes: fp32, a raw share), pieces of
+    AUDIT_GRAIN values (or of its chunks, if smaller); its chunks otherwise (a chunk's block headers come first)."""
+    return piece_bounds(numel, _step(codec, chunk))
+
+
+def grid_size(numel: int, codec: str | Codec, chunk: int | None) -> int:
+    """How many pieces :func:`hash_grid` cuts ``numel`` values into (without making them)."""
+    step = _step(codec, chunk)
+    return -(-numel // step) if step else (1 if numel else 0)
+
+
+def _hash_pieces(pieces: Sequence[bytes], sizes: Sequence[int]) -> list[bytes]:
+    """SHA-256 of consecutive byte ranges of ``sizes`` across ``pieces`` (never joined); [] if they do not fit."""
+    if [len(p) for p in pieces] == list(sizes):
+        return [hashlib.sha256(p).digest() for p in pieces]
+    if sum(len(p) for p in pieces) != sum(sizes):
+        return []
+    out, it, cur = [], iter(pieces), memoryview(b"")
+    for n in sizes:
+        h = hashlib.sha256()
+        while n:
+            while not cur:
+                cur = memoryview(next(it))
+            take = cur[:n]
+            h.update(take)
+            n -= len(take)
+            cur = cur[len(take):]
+        out.append(h.digest())
+    return out
+
+
+def byte_range(pieces: Sequence[bytes], start: int, end: int) -> bytes:
+    """Bytes ``start:end`` of the concatenation of ``pieces`` (only the pieces they fall in are copied)."""
+    out, at = [], 0
+    for p in pieces:
+        lo, hi = max(start, at), min(end, at + len(p))
+        if lo < hi:
+            out.append(memoryview(p)[lo - at : hi - at])
+        at += len(p)
+        if at >= end:
+            break
+    return b"".join(out)
+
+
+def payload_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
+    """SHA-256 of each chunk's payload of ``numel`` values encoded by ``codec`` in chunks of ``chunk`` values,
+    however the payload came (chunk by chunk, or joined into one); [] if it does not fit its chunks."""
+    c = codec_of(codec)
+    return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in piece_bounds(numel, chunk)])
+
+
+def contribution_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
+    """SHA-256 of each piece (:func:`hash_grid`) of a contribution's payload; [] if it does not fit."""
+    c = codec_of(codec)
+    return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in hash_grid(numel, c, chunk)])
+
+
+def root(shas: Sequence[bytes]) -> bytes:
+    """What a commitment names of a payload: SHA-256 of its pieces' SHA-256s."""
+    return hashlib.sha256(b"".join(shas)).digest()
+
+
+def payload_sha(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> bytes:
+    """The hash a contributor signs of its payload (:func:`root` of :func:`contribution_shas`)."""
+    return root(contribution_shas(pieces, numel, codec, chunk))
+
+
+def check_shown(chunk: Any, numel: Any, expect: int | None, most: int, codec: str) -> None:
+    """Refuse (ValueError) a shown contribution's size and chunking that no honest member sends (another size than
+    ``expect`` values, if given; more than ``most`` chunks): hashing it would cost what its sender chose."""
+    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0 or (expect is not None and numel != expect):
+        raise ValueError(f"a contribution of {numel!r} values to a part of {expect} values")
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < MIN_CHUNK):
+        raise ValueError(f"chunk of {chunk!r} values")
+    if grid_size(numel, codec, chunk) > most:
+        raise ValueError(f"{numel} values in pieces of {chunk}: more pieces than were shown")
