@@ -45,7 +45,7 @@ from .guard import Guard
 from .identity import Identity, verify_signature
 from .mailbox import Mailbox
 from .parts import result_problem
-from .pieces import AUDIT_GRAIN, RAW, payload_sha, raw_shas, root
+from .pieces import AUDIT_GRAIN, RAW, payload_sha, piece_bounds, raw_shas, root
 from .tally import ChunkTally, Tallies
 from .verify import Judge, Verdict
 
@@ -415,7 +415,7 @@ class Audit:
         if s.values is not None:
             return s.values[lo:hi]
         a, b = self.bounds[j]
-        bounds = result_bounds({"chunk": s.chunk}, b - a)  # the chunks we encoded it in
+        bounds = piece_bounds(b - a, s.chunk)  # the chunks we encoded it in
         if len(s.pieces) != len(bounds):
             return decode_chunked(self.codec, b"".join(s.pieces), b - a, s.chunk)[lo:hi]
         out = []

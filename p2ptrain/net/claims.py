@@ -225,9 +225,9 @@ class Evidence:
 
 @dataclass
 class Slice:
-    """Values ``lo:hi`` of a member's signed contribution, as the part's owner shows them for a random audit: the
-    chunks that cover them (``first`` is the index of the first), every chunk's hash (their :func:`root` is what
-    the contributor signed) and the signature. :meth:`values` checks the chunks against their hashes."""
+    """Values ``lo:hi`` of a member's signed contribution as the owner shows them for a random audit: the pieces
+    (:func:`hash_grid`) covering them (``first``: the first's index), every piece's hash (their :func:`root` is
+    what the contributor signed), the signature. :meth:`values` checks the pieces against their hashes."""
 
     weight: float
     numel: int
@@ -250,7 +250,7 @@ class Slice:
         return verify_signature(peer, self.commit(run, key, phase, part), self.sig, self.pk)
 
     def values(self, lo: int, hi: int) -> torch.Tensor:
-        """Values ``lo:hi`` (ValueError if the chunks shown do not cover them, are not the ones hashed in
+        """Values ``lo:hi`` (ValueError if the pieces shown do not cover them, are not the ones hashed in
         :attr:`shas`, or do not decode)."""
         bounds = hash_grid(self.numel, self.codec, self.chunk)
         if len(self.shas) != len(bounds) or not 0 <= self.first or self.first + len(self.pieces) > len(bounds) \
