@@ -227,10 +227,8 @@ class OuterDriver:
         """Forget rounds that are no longer live; an aborted one's tokens count toward its fragment's next send
         (unless a later send of the fragment already moved the mark on)."""
         for r in self.in_flight:
-            if r.state is RoundState.ABORTED and (mark := self._marks.pop(r.key, None)) is not None:
-                fragment, before, after = mark
-                if self.tokens_at_send[fragment] == after:
-                    self.tokens_at_send[fragment] = before
+            if r.state is RoundState.ABORTED:
+                self._give_back(r.key)
         self.in_flight = [r for r in self.in_flight if r.live]
 
     def _send(self, fragment: int, step: int, request: RoundRequest) -> Round:
@@ -251,6 +249,7 @@ class OuterDriver:
         return rnd
 
     def _apply(self, rnd: Round, step: int) -> None:
+        mine = self._own_progress(rnd)
         if rnd.divergent and not self.hooks.repair(rnd):
             self._refuse(rnd, "divergent θ, no repair")
             return
@@ -259,15 +258,39 @@ class OuterDriver:
             return
         self.hooks.before_apply(rnd)
         with self.lock:
-            rep = self.outer.finish(rnd, step, self.params)
+            if mine is not None and rnd.compressor.withdraw():
+                # Outvoted: our Δ is in no average. Our progress is kept on the majority's θ, and its tokens go
+                # into the fragment's next round with it (a repair used to drop both: a peer cut off for a minute
+                # lost that minute's work on every fragment).
+                rep = self.outer.finish_outvoted(rnd, step, self.params, *mine)
+                self._give_back(rnd.key)
+            else:
+                rep = self.outer.finish(rnd, step, self.params)
+                self._marks.pop(rnd.key, None)
             self.in_flight.remove(rnd)
-            self._marks.pop(rnd.key, None)
             self.hooks.after_apply(rnd, rep)
         self.applied += 1
         self.stats.history.append((step, "apply", rnd.fragment))
         self.stats.max_delay = max(self.stats.max_delay, rep.delay)
         if rep.correction_norm:
             self.stats.corrections.append(rep.correction_norm)
+
+    def _own_progress(self, rnd: Round) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """(θ^(p), local fragment) now, for a round that arrived without our Δ (outvoted) under rules whose local
+        model still holds what it sent; None otherwise."""
+        o = self.outer
+        if not rnd.divergent or rnd.counted or o.restarts_each_round or not o.shared_theta:
+            return None
+        with self.lock:
+            return list(o.theta(rnd.fragment)), self.params.snapshot(o.fragments[rnd.fragment].names)
+
+    def _give_back(self, key: str) -> None:
+        """The tokens a round was sent with go into its fragment's next round (unless a later send of the
+        fragment already moved the mark on)."""
+        if (mark := self._marks.pop(key, None)) is not None:
+            fragment, before, after = mark
+            if self.tokens_at_send[fragment] == after:
+                self.tokens_at_send[fragment] = before
 
     def _refuse(self, rnd: Round, reason: str) -> None:
         log.warning("event=apply_refused key=%s fragment=%d reason=%s", rnd.key, rnd.fragment, reason)

@@ -274,6 +274,7 @@ class RoundRunner:
                 if res.agreed is not None:
                     rnd.agreed = res.agreed
                 rnd.contributors = res.contributors
+                rnd.counted = self.transport.peer_id in res.contributors
                 payload = await asyncio.to_thread(rnd.receive, res.tensors, total_weight=res.total_weight,
                                                   members=len(res.contributors))
                 phase += 1

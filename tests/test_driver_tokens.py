@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from p2ptrain.algo.fragments import make_fragments
 from p2ptrain.algo.methods import DiLoCoConfig, OuterLoop
 from p2ptrain.algo.rounds import Round
@@ -104,3 +106,90 @@ def test_a_divergent_round_without_repair_is_not_applied() -> None:
         peer.step()
         assert driver.advance(s)
     assert net.weights == [20, 20, 40] and driver.applied == 2 and driver.in_flight == []
+
+
+class Outvoted(Scripted):
+    """Rounds arrive with the majority's average ``avg`` and this peer outvoted (``counted`` False) while
+    ``outvote`` is set; the hooks' repair takes the majority's θ ``theta`` (momentum zero) as a replica does."""
+
+    def __init__(self, avg: float) -> None:
+        super().__init__()
+        self.avg, self.outvote, self.counted = avg, False, False
+
+    def launch(self, rnd: Round, request: Any) -> None:
+        self.weights.append(rnd.weight)
+        if not self.outvote:
+            rnd.receive(list(rnd.payload or []), total_weight=rnd.weight, members=1)
+            return
+        rnd.receive([torch.full_like(t, self.avg) for t in rnd.payload or []], total_weight=3 * rnd.weight,
+                    members=2)
+        rnd.divergent, rnd.counted = True, self.counted
+
+
+def _outvoted_run(counted: bool) -> tuple[FakePeer, OuterLoop, Outvoted, dict[str, torch.Tensor],
+                                          dict[str, torch.Tensor], list[torch.Tensor]]:
+    """DiLoCo (τ = 0) on one fragment: round 1 alone, round 2 outvoted; returns the peer, its outer loop, the
+    collective, the local model and θ^(p) just before round 2 was applied, and the majority's θ it repaired to."""
+    from p2ptrain.driver import DriverHooks
+
+    peer = FakePeer(0)
+    outer = OuterLoop(DiLoCoConfig(H=2, codec="fp32"), make_fragments(UNITS, 1))
+    outer.init(peer)
+    names = outer.fragments[0].names
+    majority = [torch.full_like(t, 0.5) for t in outer.theta(0)]
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+
+    class Repair(DriverHooks):
+        def repair(self, rnd: Round) -> bool:
+            seen["local"] = {n: peer.x[n].clone() for n in names}
+            seen["theta"] = dict(zip(names, outer.theta(0), strict=True))
+            outer.overwrite(0, majority, [torch.zeros_like(t) for t in majority])
+            peer.apply_outer(names, majority)  # what a replica's repair does to the local model
+            return True
+
+    net = Outvoted(avg=0.25)
+    net.counted = counted
+    driver = OuterDriver(outer, peer, net, hooks=Repair())  # type: ignore[arg-type]
+    for s in (1, 2):
+        peer.step()
+        assert driver.advance(s)
+    net.outvote = True
+    for s in (3, 4):
+        peer.step()
+        assert driver.advance(s)
+    net.outvote = False
+    for s in (5, 6):
+        peer.step()
+        assert driver.advance(s)
+    return peer, outer, net, seen["local"], seen["theta"], majority
+
+
+def test_an_outvoted_peer_keeps_its_progress_and_its_tokens() -> None:
+    """Outvoted (our θ left the majority's, so our Δ is in no average), the repaired peer steps the majority's θ
+    with the round's average and keeps everything it trained since its own θ, rebased on the new θ; the round's
+    tokens go into the fragment's next round with that progress (a repair used to drop both)."""
+    eta, mu = 0.7, 0.9  # DiLoCo's defaults
+    peer, outer, net, local, theta, majority = _outvoted_run(counted=False)
+    assert net.weights == [20, 20, 40]  # round 3 carries round 2's tokens: its progress was kept
+    # By hand, in float64: θ after round 2 = θ_maj − η·(A + μ·(μ·0 + A)); the local model after it stands at
+    # θ + (local − θ_mine). Round 3 (steps 5-6, alone) then moves both again: compare the state after round 2
+    # through round 3's Δ, which is θ_after2 − local at send = −(local − θ_mine) − (steps 5-6's progress).
+    names = outer.fragments[0].names
+    for i, n in enumerate(names):
+        after2 = majority[i].double() - eta * (0.25 + mu * 0.25)
+        kept = local[n].double() - theta[n].double()
+        x = after2 + kept
+        for _ in range(2):  # steps 5 and 6 from there
+            x = x - 0.1 * (x - peer.c[n].double())
+        delta = after2 - x  # round 3's Δ (alone: its own average)
+        m = mu * (mu * 0.0 + 0.25) + delta  # momentum after round 2 was μ·0 + A
+        want = after2 - eta * (delta + mu * m)
+        assert torch.allclose(outer.theta(0)[i].double(), want, atol=1e-5), n
+        assert torch.allclose(peer.x[n].double(), want, atol=1e-5), n  # DiLoCo restarts the local model at θ
+
+
+def test_an_outvoted_round_that_still_counted_us_drops_the_progress_it_holds() -> None:
+    """A divergent round whose average did hold our Δ (counted in most of its parts) is applied as before: the
+    progress it averaged is not kept a second time, and its tokens are not given back."""
+    net = _outvoted_run(counted=True)[2]
+    assert net.weights == [20, 20, 20]

@@ -77,6 +77,13 @@ class Compressor(ABC):
     def abort(self) -> None:
         """Abandon an unfinished round (a failed all-reduce): nothing of it is kept."""
 
+    def withdraw(self) -> bool:
+        """The latest round arrived without this peer's own input in its average (its θ was outvoted): put back
+        this peer's own state from before that round's :meth:`begin`, so that the progress it sent, kept in the
+        local model, is sent again and counted once. True if that was done (a stateless compressor has nothing
+        to put back); False if it cannot be (the caller must then drop that progress instead)."""
+        return self.stateless
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint: tensors, ints, floats and lists only (an unfinished round is not included)."""

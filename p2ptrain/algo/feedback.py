@@ -110,6 +110,13 @@ class ErrorFeedback(Compressor):
             self._error = self._before
         self._open = max(0, self._open - 1)
 
+    def withdraw(self) -> bool:
+        """Put back the buffer from before the latest round, if no round began since (False otherwise)."""
+        if self._open:
+            return False
+        self._error = self._before
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """``error``: [the flat buffer] (a CPU copy), or [] before the first round."""
         return {"error": [] if self._error is None else [self._error.clone()]}

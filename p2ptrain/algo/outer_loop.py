@@ -285,6 +285,25 @@ class OuterLoop:
         rnd.state = RoundState.APPLIED
         return ApplyReport(rnd.fragment, rnd.seq, step - rnd.send_step, correction, rnd.members)
 
+    @torch.no_grad()
+    def finish_outvoted(self, rnd: Round, step: int, params: LocalParams, theta_before: Sequence[torch.Tensor],
+                        local_before: Sequence[torch.Tensor]) -> ApplyReport:
+        """Apply a round whose average does not hold this peer's Δ (its θ^(p) was outvoted and has just been
+        replaced by the majority's): the outer step on θ^(p), and the local fragment keeps all of its progress
+        since ``theta_before`` (θ^(p) before the replacement; ``local_before`` the local fragment then), rebased
+        on the new θ^(p). That progress, the Δ this peer sent included, is in no average yet: it goes into the
+        fragment's next round, as an aborted round's progress does. The caller has withdrawn the round from the
+        compressor (:meth:`~p2ptrain.algo.compress.Compressor.withdraw`). Not for the rules that restart from
+        θ^(p) each round or hold a θ of their own (eager): their local model no longer holds what they sent."""
+        if self.rules.restarts_each_round or self.rules.eager:
+            raise ValueError(f"{self.cfg.name}: its local model does not keep the progress it sent")
+        frag, st = self.fragments[rnd.fragment], self._state[rnd.fragment]
+        st.theta, st.momentum = self._stepped(rnd)
+        params.apply_outer(frag.names, [t + (x - o) for t, x, o in zip(st.theta, local_before, theta_before,
+                                                                         strict=True)])
+        rnd.state = RoundState.APPLIED
+        return ApplyReport(rnd.fragment, rnd.seq, step - rnd.send_step, 0.0, rnd.members)
+
     # -- state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Per-fragment θ, momentum, counters and compressor state (in-flight rounds are not kept:

@@ -61,6 +61,7 @@ class Round:
     divergent: bool = False  # this peer's θ^(p) disagreed with the round's majority (repair before apply)
     agreed: tuple[float, ...] | None = None  # the fingerprint of the majority's θ^(p) (what a repair must take)
     contributors: tuple[str, ...] = ()
+    counted: bool = True  # this peer's own Δ is in the arrived average (False: outvoted, its θ diverged)
     theta: list[torch.Tensor] = field(default_factory=list)  # θ^(p) at send time (never written in place)
 
     @property

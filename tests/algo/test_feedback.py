@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from p2ptrain.algo.compress import Identity
 from p2ptrain.algo.feedback import ErrorFeedback
 from p2ptrain.algo.fragments import make_fragments
 from p2ptrain.algo.methods import CoCoDCConfig, DiLoCoConfig, OuterLoop, StreamingConfig
@@ -113,6 +114,20 @@ def test_abort_puts_the_buffer_back_and_state_round_trips() -> None:
         other.begin([torch.randn(10)])
     with pytest.raises(RuntimeError):
         _ef("topk2").receive([torch.zeros(3)])
+
+
+def test_an_outvoted_round_is_withdrawn_from_the_buffer() -> None:
+    """A round that arrived without our input (outvoted) is withdrawn: the buffer is as before its send, since the
+    local model keeps the whole progress it sent; not once another round began (its buffer builds on this one)."""
+    ef = _ef("topk2")
+    _send(ef, torch.randn(3000))
+    saved = ef.error.clone()  # type: ignore[union-attr]
+    _send(ef, torch.randn(3000))
+    assert not torch.equal(ef.error, saved)  # type: ignore[arg-type]
+    assert ef.withdraw() and torch.equal(ef.error, saved)  # type: ignore[arg-type]
+    ef.begin([torch.randn(3000)])
+    assert not ef.withdraw()  # a round is open: nothing is put back
+    assert Identity().withdraw()  # nothing to put back
 
 
 @pytest.mark.parametrize("cfg", [
