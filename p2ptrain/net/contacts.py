@@ -5,6 +5,11 @@ records were stored and are read within each half). With a round quorum (net/gro
 averages. A leader whose group closed without peers its view shows live says hello to them; a peer that gets a
 hello, or a join from a peer its view lacks, counts that peer live for one ``ttl``. Their next rounds then
 pick the same leader: the views merge by the rounds' own traffic, not only through the DHT.
+
+:class:`Addresses`: the addresses each peer announced, for dialing it again (a stream's dial, the re-pings that
+heal a split); a peer not seen live for ``forget_after`` seconds, or that announced its departure, is forgotten.
+Kept forever, a swarm under churn re-pinged every id it ever saw (a killed peer restarts under a new one) every
+few seconds, one after the other, for as long as it ran.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["Contacts"]
+__all__ = ["Addresses", "Contacts"]
 
 
 class Contacts:
@@ -48,3 +53,31 @@ class Contacts:
     def forget(self, peer: str) -> None:
         """``peer`` left or was banned."""
         self._heard.pop(peer, None)
+
+
+class Addresses:
+    """The addresses each peer announced, and when a view last showed it live. ``clock``: monotonic seconds."""
+
+    def __init__(self, forget_after: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.forget_after, self.clock = forget_after, clock
+        self._addrs: dict[str, list[str]] = {}
+        self._seen: dict[str, float] = {}
+
+    def seen(self, peer: str, addrs: list[str]) -> None:
+        """A view showed ``peer`` live, announcing ``addrs``."""
+        self._addrs[peer], self._seen[peer] = list(addrs), self.clock()
+
+    def get(self, peer: str) -> list[str]:
+        return list(self._addrs.get(peer, []))
+
+    def forget(self, peer: str) -> None:
+        """``peer`` announced its departure (or was banned)."""
+        self._addrs.pop(peer, None)
+        self._seen.pop(peer, None)
+
+    def current(self) -> dict[str, list[str]]:
+        """peer -> addresses (copies) of every peer seen live within ``forget_after``; older ones are forgotten."""
+        now = self.clock()
+        for p in [p for p, t in self._seen.items() if now - t > self.forget_after]:
+            self.forget(p)
+        return {p: list(a) for p, a in self._addrs.items()}

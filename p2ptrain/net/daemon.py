@@ -67,6 +67,8 @@ class SwarmConfig:
             restarted peer with a new id must not count twice). 0: the quorum is of the current view only.
         connect_attempts, connect_backoff: retries when initial peers are unreachable.
         recontact_every: seconds between re-pings of known peers (heals splits).
+        forget_after: seconds after which a peer no view showed live is no longer re-pinged nor dialed (its
+            addresses are forgotten; a split that lasts longer heals through the initial peers).
         max_message: the largest frame accepted from the network, bytes.
         chunk_values: a part of the all-reduce larger than this many values is streamed in chunks of this
             size, so that encoding, transfer and decoding overlap (at least 1024).
@@ -110,6 +112,7 @@ class SwarmConfig:
     connect_attempts: int = 5
     connect_backoff: float = 1.0
     recontact_every: float = 10.0
+    forget_after: float = 600.0
     max_message: int = MAX_FRAME
     chunk_values: int = 1 << 18
     state_chunk: int = DEFAULT_CHUNK
@@ -131,6 +134,8 @@ class SwarmConfig:
             raise ValueError(f"unknown muxer {self.muxer!r}: choose one of {', '.join(MUXERS)}")
         if not 0.0 <= self.quorum_memory:
             raise ValueError(f"quorum_memory must be at least 0, got {self.quorum_memory}")
+        if not self.forget_after > 0.0:
+            raise ValueError(f"forget_after must be positive, got {self.forget_after}")
         if not 0.0 <= self.audit_rate:
             raise ValueError(f"audit_rate must be at least 0, got {self.audit_rate}")
         if self.chunk_values < MIN_CHUNK:

@@ -48,7 +48,7 @@ from .allreduce import ButterflyRun
 from .audit import Audit
 from .auth import MAC_FIELD
 from .bandwidth import LinkMeter
-from .contacts import Contacts
+from .contacts import Addresses, Contacts
 from .daemon import SwarmConfig, SwarmError, dial, start_p2p
 from .direct import Direct
 from .groups import Forming, alone_check, leader_of, membership_check
@@ -76,6 +76,9 @@ __all__ = ["HivemindTransport", "SwarmConfig", "SwarmError", "start_p2p"]
 
 log = logging.getLogger(__name__)
 
+#: Re-pings of known peers in flight at once (a sweep over dozens of peers takes seconds, not minutes).
+RECONTACT_AT_ONCE = 8
+
 
 class HivemindTransport(Transport):
     """A :class:`Transport` over hivemind's P2P daemon and DHT (create with :meth:`create`)."""
@@ -89,7 +92,7 @@ class HivemindTransport(Transport):
         self._region = ""  # the region this peer announces
         self._seen_at: dict[str, tuple[float, str]] = {}  # peer -> (when a view last showed it live, its region)
         self._live_at = -math.inf  # never read yet (monotonic() starts near 0 after a boot)
-        self._maddrs: dict[str, list[str]] = {}
+        self._maddrs = Addresses(cfg.forget_after)
         self._states = StateServer(cfg.state_chunk, offers=self.offers)
         self.guard = Guard(cfg.guard)
         self.blocked: set[str] = set()  # fault injection: peers this one cannot reach (a partition)
@@ -238,6 +241,7 @@ class HivemindTransport(Transport):
         for sub, (value, exp) in (await self._records("peers")).items():
             if value.get("left"):
                 self._left.add(sub)
+                self._maddrs.forget(sub)
                 continue
             if value.get("peer") != sub or sub in self.blocked:
                 continue
@@ -248,7 +252,7 @@ class HivemindTransport(Transport):
                 continue
             info.last_seen = max(0.0, now - (exp - self.cfg.ttl))
             infos.append(info)
-            self._maddrs[info.peer_id] = info.maddrs
+            self._maddrs.seen(info.peer_id, info.maddrs)
         self._live, self._live_at = infos, time.monotonic()
         for i in infos:
             self._seen_at[i.peer_id] = (self._live_at, i.region)
@@ -289,29 +293,35 @@ class HivemindTransport(Transport):
     async def _recontact(self) -> None:
         """Re-ping known peers and bootstrap nodes now and then: after a network split heals, the DHT
         does not find its lost half by itself."""
-        from hivemind.p2p import PeerID
         from hivemind.utils.multiaddr import Multiaddr
 
         while not self._stop.is_set():  # (checked too: a swallowed cancellation must not keep it looping)
             await asyncio.sleep(self.cfg.recontact_every)
-            targets = {p: list(a) for p, a in self._maddrs.items()}  # copies: the known addresses stay as they are
+            targets = self._maddrs.current()  # copies: the known addresses stay as they are
             for maddr in self.cfg.initial_peers:
                 try:
                     targets.setdefault(Multiaddr(maddr)["p2p"], []).append(maddr)
                 except Exception:
                     continue
-            for peer, addrs in targets.items():
-                if self._stop.is_set():
-                    return
-                if peer == self.peer_id:
-                    continue
-                try:
+            targets.pop(self.peer_id, None)
+            gate = asyncio.Semaphore(RECONTACT_AT_ONCE)
+            # At once (a few at a time), not one after the other: a sweep takes seconds, not 5 s per dead peer.
+            await asyncio.gather(*(self._ping(p, a, gate) for p, a in targets.items()))
+
+    async def _ping(self, peer: str, addrs: list[str], gate: asyncio.Semaphore) -> None:
+        """Dial ``peer`` at ``addrs`` and ping it (5 s at most; a failure is only logged)."""
+        from hivemind.p2p import PeerID
+
+        async with gate:
+            if self._stop.is_set():
+                return
+            try:
+                async with asyncio.timeout(5):
                     if addrs:
                         await dial(self.p2p, peer, addrs)
-                    async with asyncio.timeout(5):
-                        await self.node.protocol.call_ping(PeerID.from_base58(peer))
-                except Exception as e:
-                    log.debug("event=recontact_failed peer=%s reason=%s", peer, e)
+                    await self.node.protocol.call_ping(PeerID.from_base58(peer))
+            except Exception as e:
+                log.debug("event=recontact_failed peer=%s reason=%s", peer, e)
 
     async def _addresses(self, peer: str) -> list[str]:
         """The multiaddrs ``peer`` announced (the DHT is read again if we know none)."""
@@ -320,7 +330,7 @@ class HivemindTransport(Transport):
                 await asyncio.wait_for(self.peers(), 5)
             except TimeoutError:
                 return []
-        return list(self._maddrs.get(peer, []))
+        return self._maddrs.get(peer)
 
     # ------------------------------------------------------------------ streams
     async def _call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
