@@ -10,7 +10,8 @@ A group that would close without a quorum (below) stays open for up to one more 
 joins bring it one: closed then, its round would certainly fail, and a peer that restarted or thawed a moment
 ago is often only a few seconds late.
 
-Quorum: a group that holds no more than half of the peers its leader saw live when it closed averages
+Quorum: a group that holds no more than half of the peers its leader saw live when it closed (and of the peers
+its members count beyond their views, see :meth:`Forming.reported`) averages
 nothing (every joiner gets RoundFailed, the progress stays in θ − θ_i). Two leaders whose views of who is
 live disagree can each close a group for one round key; both applying would fork θ, and two disjoint
 groups cannot each hold more than half of one view. A cut-off minority (a region partitioned away) waits
@@ -65,6 +66,17 @@ class Forming:
         if decide is not None:
             self.decides[request.peer_id] = decide
 
+    def reported(self, leader: str | None = None) -> set[str]:
+        """The peers the joiners count toward a quorum beyond their views (``JoinRequest.known``: a region gone
+        dark), that the leader counts too: a leader that joined while its region was cut off never saw the
+        others, and alone would find a quorum in its region (measured: a cut region applied a round of its own,
+        led by a peer that had joined it during the cut). An id counts when two joiners name it, or the only
+        joiner besides the leader: one peer naming made-up ids cannot keep a larger group from its quorum."""
+        others = [r for p, r in self.requests.items() if p != leader]
+        counts = Counter(p for r in others for p in set(r.known))
+        need = min(2, len(others))
+        return {p for p, n in counts.items() if n >= need} if need else set()
+
     def everyone_joined(self, live: Collection[str]) -> bool:
         return set(live) <= set(self.requests)
 
@@ -109,7 +121,7 @@ class Forming:
                 break  # closed by another join while we looked at who is live: never close twice
             wait = self.window_left()
             if self.everyone_joined(now_live) or wait <= 0 or self.clock() >= deadline:
-                everyone = set(now_live) | set(known() if known is not None else ())
+                everyone = set(now_live) | set(known() if known is not None else ()) | self.reported(leader)
                 wait = self.grace_left()
                 short = quorum_problem(self.key, set(self.requests) - set(drop), everyone - set(drop)) is not None
                 if not short or wait <= 0 or self.clock() >= deadline:

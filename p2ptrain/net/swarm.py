@@ -59,6 +59,7 @@ from .offers import Offers
 from .state_transfer import StateServer, fetch_chunked
 from .streams import ChunkSource, Streams, Trailer
 from .transport import (
+    MAX_KNOWN,
     MAX_SKIPPED,
     Decide,
     Group,
@@ -355,7 +356,8 @@ class HivemindTransport(Transport):
                     # Name the leaders we found unreachable: a peer whose view still shows one of them as the
                     # smallest would otherwise send us back to it (when the smallest peer dies, the next one's
                     # own join may not have found that out yet).
-                    wire = dataclasses.replace(request, skipped=tuple(sorted(skipped))[:MAX_SKIPPED]).to_wire()
+                    wire = dataclasses.replace(request, skipped=tuple(sorted(skipped))[:MAX_SKIPPED],
+                                               known=tuple(sorted(self._known()))[:MAX_KNOWN]).to_wire()
                     reply, _ = await self._call(leader, "join", wire,
                                                 timeout=min(deadline - time.monotonic(), self._window_max() + 10))
                 except RoundFailed as e:

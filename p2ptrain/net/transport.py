@@ -58,6 +58,8 @@ class StateMismatch(RoundFailed):
 
 #: At most this many unreachable leaders named in one join request (a longer list is cut, not trusted further).
 MAX_SKIPPED = 16
+#: At most this many peers a join request says it counts toward the quorum beyond the view, each id this long.
+MAX_KNOWN, MAX_ID = 4096, 128
 
 
 @dataclass
@@ -83,12 +85,15 @@ class JoinRequest:
     sends: int | None = None
     region: str = ""  # the region the peer announces (hierarchical rounds group members by it)
     skipped: tuple[str, ...] = ()  # leaders this peer found unreachable for this round (not to be named again)
+    # peers this one counts toward a quorum beyond the live view (a region gone dark: net/groups.py): a leader
+    # that joined while its region was cut off never saw the others, its members did
+    known: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "peer": self.peer_id, "weight": self.weight, "fragment": self.fragment,
                 "scores": self.scores, "busy": self.busy, "last_sent": self.last_sent, "step": self.step,
                 "abstain": self.abstain, "sig": self.signature, "sends": self.sends, "region": self.region,
-                "skipped": list(self.skipped)}
+                "skipped": list(self.skipped), "known": list(self.known)}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> JoinRequest:
@@ -98,7 +103,13 @@ class JoinRequest:
                    busy=[int(x) for x in m.get("busy", [])], last_sent=[int(x) for x in m.get("last_sent", [])],
                    step=int(m.get("step", 0)), abstain=bool(m.get("abstain", False)), signature=str(m.get("sig", "")),
                    sends=None if m.get("sends") is None else int(m["sends"]), region=str(m.get("region", "")),
-                   skipped=tuple(str(p) for p in m.get("skipped", ())[:MAX_SKIPPED]))
+                   skipped=tuple(str(p) for p in m.get("skipped", ())[:MAX_SKIPPED]),
+                   known=tuple(str(p)[:MAX_ID] for p in _listed(m.get("known"))[:MAX_KNOWN]))
+
+
+def _listed(v: Any) -> list[Any]:
+    """``v`` if it is a list (a wire field that should be one), else empty."""
+    return v if isinstance(v, list) else []
 
 
 @dataclass(frozen=True)

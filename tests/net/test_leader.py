@@ -96,6 +96,49 @@ def test_a_group_short_of_a_quorum_stays_open_one_more_window_for_a_late_joiner(
     asyncio.run(go())
 
 
+def test_a_leader_counts_the_peers_its_joiners_know_beyond_its_view() -> None:
+    """A peer that joined while its region was cut off saw only its region, and led it: its group held all it
+    could see, and the region applied a round of its own (churn: 6 of 6 in view, of 16). Its joiners had seen the
+    others: the ids two joiners name (or the only joiner besides the leader) count toward the quorum; one joiner
+    naming made-up ids cannot keep a larger group from its quorum."""
+    from p2ptrain.net.groups import Forming
+    from p2ptrain.net.transport import RoundFailed
+
+    dark = tuple(f"x{i}" for i in range(10))
+
+    async def region(fresh: bool) -> list[str]:
+        return ["a", "b", "c", "d", "e", "f"]
+
+    async def go() -> None:
+        f = Forming("cut", window=0.2)
+        f.join(JoinRequest(key="cut", peer_id="a", weight=1.0))  # the leader, new: it knows nobody else
+        for p in "bcdef":
+            f.join(JoinRequest(key="cut", peer_id=p, weight=1.0, known=dark))
+        assert f.reported("a") == set(dark)
+        with pytest.raises(RoundFailed, match="6 of 16"):
+            await asyncio.wait_for(f.until_closed(region, leader="a"), 5)
+
+        g = Forming("liar", window=0.2)
+        g.join(JoinRequest(key="liar", peer_id="a", weight=1.0))
+        g.join(JoinRequest(key="liar", peer_id="b", weight=1.0, known=dark))  # one joiner of five names them
+        for p in "cdef":
+            g.join(JoinRequest(key="liar", peer_id=p, weight=1.0))
+        assert g.reported("a") == set()
+        assert (await asyncio.wait_for(g.until_closed(region, leader="a"), 5)).members == tuple("abcdef")
+
+        h = Forming("two", window=0.2)  # a cut side of two: the old peer's memory is the only one there is
+        h.join(JoinRequest(key="two", peer_id="a", weight=1.0))
+        h.join(JoinRequest(key="two", peer_id="b", weight=1.0, known=dark[:3]))
+        assert h.reported("a") == set(dark[:3])
+
+    asyncio.run(go())
+    wire = JoinRequest(key="k", peer_id="b", weight=1.0, known=dark).to_wire()
+    assert JoinRequest.from_wire(wire).known == dark
+    assert JoinRequest.from_wire({**wire, "known": 7}).known == ()  # not a list: nothing
+    assert len(JoinRequest.from_wire({**wire, "known": ["y" * 500] * 10_000}).known[0]) <= 128
+    assert len(JoinRequest.from_wire({**wire, "known": ["y"] * 10_000}).known) <= 4096
+
+
 def test_forming_closes_once_when_everyone_joined_or_the_window_expired() -> None:
     """The rules both transports use (groups.Forming): early close on a fresh view, close on the window's
     end otherwise, one group for every caller, a late join refused."""
