@@ -6,10 +6,6 @@ live) or the join window, counted from the first join, expired, whichever comes 
 closed once: a join that arrives later is refused, and a join that was still looking at who is live
 when another one closed the group takes that group instead of closing it again.
 
-A group that would close without a quorum (below) stays open for up to one more window, and closes as soon as
-joins bring it one: closed then, its round would certainly fail, and a peer that restarted or thawed a moment
-ago is often only a few seconds late.
-
 Quorum: a group that holds no more than half of the peers its leader saw live when it closed (and of the peers
 its members count beyond their views, see :meth:`Forming.reported`) averages
 nothing (every joiner gets RoundFailed, the progress stays in θ − θ_i). Two leaders whose views of who is
@@ -28,7 +24,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 from .transport import Decide, Decision, Group, JoinRequest, RoundFailed, StateMismatch
 
-__all__ = ["QUORUM_GRACE", "Forming", "LiveView", "agreed_fragment", "agreed_print", "alone_check", "close_group", "fingerprints_match",
+__all__ = ["Forming", "LiveView", "agreed_fragment", "agreed_print", "alone_check", "close_group", "fingerprints_match",
            "half_or_less", "leader_of", "majority_fingerprint", "members_by_signature", "membership_check",
            "quorum_problem"]
 
@@ -50,7 +46,6 @@ class Forming:
         self.first = 0.0
         self.created = clock()
         self.closed = asyncio.Event()
-        self.joined = asyncio.Event()  # set by every join (a leader waiting for a quorum looks again)
         self.group: Group | None = None
         self.refusal: str | None = None  # why the closed group averages nothing (no quorum), or None
 
@@ -62,7 +57,6 @@ class Forming:
         if not self.requests:
             self.first = self.clock()
         self.requests[request.peer_id] = request
-        self.joined.set()
         if decide is not None:
             self.decides[request.peer_id] = decide
 
@@ -83,10 +77,6 @@ class Forming:
     def window_left(self) -> float:
         """Seconds until the join window (from the first join) expires; 0 once it has."""
         return max(0.0, self.first + self.window - self.clock())
-
-    def grace_left(self) -> float:
-        """Seconds until the window's extension for a group still short of a quorum expires; 0 once it has."""
-        return max(0.0, self.first + (1.0 + QUORUM_GRACE) * self.window - self.clock())
 
     def close(self, leader: str | None = None, *, drop: Collection[str] = (),
               live: Collection[str] | None = None) -> Group:
@@ -119,29 +109,18 @@ class Forming:
                 now_live = await live(True)  # closing early: on a fresh view only
             if self.group is not None:
                 break  # closed by another join while we looked at who is live: never close twice
-            wait = self.window_left()
-            if self.everyone_joined(now_live) or wait <= 0 or self.clock() >= deadline:
-                everyone = set(now_live) | set(known() if known is not None else ()) | self.reported(leader)
-                wait = self.grace_left()
-                short = quorum_problem(self.key, set(self.requests) - set(drop), everyone - set(drop)) is not None
-                if not short or wait <= 0 or self.clock() >= deadline:
-                    self.close(leader, drop=drop, live=everyone)
-                    break
-            self.joined.clear()
-            waits = [asyncio.ensure_future(self.closed.wait()), asyncio.ensure_future(self.joined.wait())]
+            if self.everyone_joined(now_live) or self.window_left() <= 0 or self.clock() >= deadline:
+                self.close(leader, drop=drop, live=set(now_live) | set(known() if known is not None else ())
+                           | self.reported(leader))
+                break
             try:
-                await asyncio.wait(waits, timeout=min(poll, wait, max(0.0, deadline - self.clock())),
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+                await asyncio.wait_for(self.closed.wait(), min(poll, self.window_left(),
+                                                               max(0.0, deadline - self.clock())))
+            except TimeoutError:
+                pass
         if self.refusal is not None:
             raise RoundFailed(self.refusal)
         return self.group
-
-
-#: Windows a group short of a quorum stays open beyond its join window (see the module docstring).
-QUORUM_GRACE = 1.0
 
 
 def half_or_less(count: int, of: int) -> bool:

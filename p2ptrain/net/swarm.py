@@ -51,7 +51,7 @@ from .bandwidth import LinkMeter
 from .contacts import Addresses, Contacts
 from .daemon import SwarmConfig, SwarmError, dial, start_p2p
 from .direct import Direct
-from .groups import QUORUM_GRACE, Forming, alone_check, leader_of, membership_check
+from .groups import Forming, alone_check, leader_of, membership_check
 from .guard import Guard
 from .identity import Identity
 from .mailbox import Mailbox, Mailboxes
@@ -359,7 +359,7 @@ class HivemindTransport(Transport):
                     wire = dataclasses.replace(request, skipped=tuple(sorted(skipped))[:MAX_SKIPPED],
                                                known=tuple(sorted(self._known()))[:MAX_KNOWN]).to_wire()
                     reply, _ = await self._call(leader, "join", wire,
-                                                timeout=min(deadline - time.monotonic(), self._window_max() + 10))
+                                                timeout=min(deadline - time.monotonic(), self.cfg.join_window + 10))
                 except RoundFailed as e:
                     log.info("event=leader_unreachable leader=%s reason=%s", leader[-8:], e)
                     if leader == hinted:  # the leader the others follow is out of our reach: sit this one out
@@ -426,10 +426,6 @@ class HivemindTransport(Transport):
         self._contacts.heard(sender)
         return {"ok": True}
 
-    def _window_max(self) -> float:
-        """The longest a group stays open: its join window and, short of a quorum, the grace after it."""
-        return (1.0 + QUORUM_GRACE) * self.cfg.join_window
-
     async def _on_join(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         req = JoinRequest.from_wire(msg)
         if req.peer_id != sender:
@@ -442,7 +438,7 @@ class HivemindTransport(Transport):
             # one the joiner found unreachable is not named: we lead if we are the next, as the quorum allows).
             return {"error": f"not the leader of round {req.key}", "leader": smaller}
         try:
-            group = await self._lead(req, None, time.monotonic() + self._window_max() + 5)
+            group = await self._lead(req, None, time.monotonic() + self.cfg.join_window + 5)
         except RoundFailed as e:
             return {"error": str(e)}
         return {"group": group.to_wire()}
