@@ -616,7 +616,9 @@ class Report:
         out: dict[str, Any] = {"args": vars(self.a) | {"out": str(self.a.out)},
                                "phases": {p.name: p.to_json() for p in self.phases}}
         figs = {p.name: p.figures() for p in self.phases if not math.isnan(p.t0)}
-        if "faults" in figs and "baseline" in figs and figs["baseline"]["tokens_in_theta"]:
+        # (a phase stopped early is no ratio's side: a 2-minute baseline once made a goodput of 12)
+        ended = all(p.ended for p in self.phases if p.name in ("faults", "baseline"))
+        if ended and "faults" in figs and "baseline" in figs and figs["baseline"]["tokens_in_theta"]:
             out["goodput"] = figs["faults"]["tokens_in_theta"] / figs["baseline"]["tokens_in_theta"]
             if figs["baseline"]["tokens_trained"]:
                 out["tokens_trained_ratio"] = figs["faults"]["tokens_trained"] / figs["baseline"]["tokens_trained"]
@@ -813,6 +815,8 @@ def _markdown(payload: dict[str, Any]) -> str:
                      f"(+{f['stuck_rounds_when_leaving']} when leaving) | {f['tokens_in_theta'] / 1e6:.2f} | "
                      f"{f['tokens_trained'] / 1e6:.2f} | {f['rss_mb_median'] or 0:.0f} | "
                      f"{'-' if g1 is None else f'{g1:+.2f}'} / {'-' if g2 is None else f'{g2:+.2f}'} |")
+    if payload.get("baseline_from"):
+        lines += ["", f"The fault-free phase is {payload['baseline_from']}."]
     if "goodput" in payload:
         lines += ["", f"Goodput (tokens that reached θ, faults / fault-free): **{payload['goodput']:.3f}**; "
                       f"tokens trained, faults / fault-free: {payload.get('tokens_trained_ratio', math.nan):.3f}."]
