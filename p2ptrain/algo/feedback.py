@@ -111,7 +111,9 @@ class ErrorFeedback(Compressor):
         self._open = max(0, self._open - 1)
 
     def withdraw(self) -> bool:
-        """Put back the buffer from before the latest round, if no round began since (False otherwise)."""
+        """Put back the buffer from before the latest round, if no round is open (False otherwise). The round
+        withdrawn must be the latest begun: true where it is used (rules whose rounds of one fragment never
+        overlap: a fragment in flight is not sent again; eager, whose rounds do, keeps its progress otherwise)."""
         if self._open:
             return False
         self._error = self._before
