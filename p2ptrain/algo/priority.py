@@ -100,6 +100,6 @@ def choose_merged(*, step: int, H: int, last_sent: Sequence[Sequence[int]], busy
     flying = set().union(*[set(b) for b in busy]) if busy else set()
     given = [s for s in scores if s is not None and len(s) == n]
     summed = [sum(col) for col in zip(*given, strict=True)] if given else None
-    if summed is None and all(m is not None for m in merged):
-        summed = [0.0] * n  # no scores at all: fall back to the lowest free index
+    if summed is None:  # no scores at all: among free fragments all sent, fall back to the lowest index (a
+        summed = [0.0] * n  # fragment never sent may still be in flight, so "all sent" is about the free ones)
     return choose_fragment(step=step, H=H, last_sent=merged, in_flight=flying, scores=summed)

@@ -17,12 +17,15 @@ instead of training a θ of its own.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 from .transport import Decide, Decision, Group, JoinRequest, RoundFailed, StateMismatch
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Forming", "LiveView", "agreed_fragment", "agreed_print", "alone_check", "close_group", "fingerprints_match",
            "half_or_less", "leader_of", "majority_fingerprint", "members_by_signature", "membership_check",
@@ -164,7 +167,11 @@ def close_group(key: str, requests: Mapping[str, JoinRequest], leader: str, deci
     reqs = [requests[m] for m in members]
     decision = Decision(agreed_fragment(reqs))
     if decision.fragment is None and decide is not None and reqs:
-        d = decide(reqs)
+        try:
+            d = decide(reqs)
+        except Exception:  # the leader's own failure: the group closes without a fragment (this slot sends
+            log.exception("event=decide_failed key=%s", key)  # nothing) rather than striking its joiners
+            d = Decision(None)
         decision = d if isinstance(d, Decision) else Decision(d)
     return Group(key, members, leader, decision.fragment, reqs[0].signature if reqs else "", decision.schedule,
                  tuple(r.region for r in reqs) if any(r.region for r in reqs) else ())

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from p2ptrain.algo.fragments import make_fragments, model_units
-from p2ptrain.algo.priority import choose_fragment, drift_score, is_send_slot, send_interval, sends_per_window
+from p2ptrain.algo.priority import (
+    choose_fragment,
+    choose_merged,
+    drift_score,
+    is_send_slot,
+    send_interval,
+    sends_per_window,
+)
 from p2ptrain.algo.schedule import streaming_offsets, streaming_sends
 from p2ptrain.model import GPT, ModelConfig
 
@@ -77,6 +84,15 @@ def test_choose_fragment_rules() -> None:
     assert choose_fragment(step=20, H=10, last_sent=[12, 14, 16], in_flight={1}, scores=[1, 3, 2]) == 2
     assert choose_fragment(step=20, H=10, last_sent=[12, 14, 16], in_flight={0, 1, 2}, scores=[1, 3, 2]) is None
 
+
+def test_a_leader_without_scores_chooses_although_a_never_sent_fragment_is_in_flight() -> None:
+    # Fragment 2 was never sent and is in flight (assigned at an earlier slot); 0 and 1 are free and were sent
+    # 14 and 12 steps ago (< H = 20, not stale). Nobody sent drift scores: the lowest free index, not an error
+    # (an error here was raised on the leader's stream handler and struck the joiner as malformed).
+    views = [[6, 8, -1], [5, 8, -1]]
+    assert choose_merged(step=20, H=20, last_sent=views, busy=[[2], []], scores=[None, None]) == 0
+    # with scores, the larger summed drift among the free ones
+    assert choose_merged(step=20, H=20, last_sent=views, busy=[[2], []], scores=[[1.0, 2.0, 9.0], [0.5, 1.0, 9.0]]) == 1
 
 def test_drift_score() -> None:
     theta = [torch.zeros(4), torch.zeros(2)]

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from p2ptrain.net.groups import close_group
 from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
 from p2ptrain.net.transport import Decision, JoinRequest, PeerInfo, RoundFailed
 
@@ -45,6 +46,19 @@ def test_a_group_is_closed_once_when_joins_interleave_with_the_live_view() -> No
 
     asyncio.run(go())
 
+
+def test_a_leader_whose_decision_fails_closes_the_group_without_a_fragment(caplog: pytest.LogCaptureFixture) -> None:
+    """The leader's decide runs inside a joiner's stream handler: an error there was reported as the joiner's
+    malformed message (a strike against an honest peer) and failed the group. It is the leader's: logged, and
+    the slot sends nothing."""
+    reqs = {p: JoinRequest(key="slot.L7", peer_id=p, weight=1.0, step=7) for p in ("a", "b")}
+
+    def decide(views: Sequence[JoinRequest]) -> Decision:
+        raise ValueError("a bug in the leader")
+
+    group = close_group("slot.L7", reqs, "a", decide)
+    assert group.members == ("a", "b") and group.fragment is None
+    assert any("decide_failed" in r.getMessage() for r in caplog.records)
 
 def test_quorum_is_more_than_half_of_who_the_leader_saw_live() -> None:
     from p2ptrain.net.groups import quorum_problem

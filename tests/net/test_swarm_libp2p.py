@@ -104,6 +104,8 @@ def test_a_slower_peer_does_not_slow_the_others(corpus: Corpus, factor: int) -> 
     assert not base.errors and not mixed.errors, (base.errors, mixed.errors)
     fast_base = sum(base.step_rates[:2]) / 2
     fast_mixed = sum(mixed.step_rates[:2]) / 2
-    assert mixed.step_rates[2] < 0.5 * fast_mixed  # the slow peer really is slow
+    # the slow peer really is slow: its sleep adds (factor − 1)·step to each step beyond a fast peer's (compared
+    # as seconds per step: on a loaded machine every peer's compute grows, and a ratio of rates shrinks with it)
+    assert 1 / mixed.step_rates[2] - 1 / fast_mixed > 0.5 * (factor - 1) * step, (mixed.step_rates, fast_mixed)
     assert fast_mixed >= 0.9 * fast_base, (fast_base, fast_mixed)
     assert all(r is not None and r.rounds_complete + r.rounds_partial > 0 for r in mixed.results)
