@@ -147,6 +147,12 @@ class ButterflyRun:
             if len(eg.exceptions) == 1:
                 raise eg.exceptions[0] from None
             raise
+        if self.audit is not None and self.audit.unsettled:
+            # A part whose owner fell silent when our audit or missing claims needed its evidence: not proven wrong,
+            # so the members that drew no audit of it use it. Leaving it out here would apply another θ than
+            # theirs; applying nothing leaves us a round behind, which the next round's vote repairs.
+            j, why = min(self.audit.unsettled.items())
+            raise RoundFailed(f"round {self.group.key} phase {self.phase}: part {j} could not be verified ({why})")
         return await self._assemble(sent)
 
     async def _exchange(self) -> int:

@@ -102,6 +102,9 @@ class Audit:
         self.sent: dict[int, _Sent] = {}
         # Parts we proved wrong and recomputed: the digest of what we held, and its owner's signature on it.
         self.replaced: dict[int, tuple[bytes, Any]] = {}
+        # Parts we could neither use nor prove wrong (their owner fell silent): part -> why. The others use them
+        # (they drew no audit of them), so we must not apply without them: the run fails here (ButterflyRun.run).
+        self.unsettled: dict[int, str] = {}
         # part -> (the result object, its digest, its chunks' hashes)
         self._digests: dict[int, tuple[Any, bytes, list[bytes]]] = {}
         self._decoded: dict[int, tuple[Any, torch.Tensor]] = {}  # part -> (the result object, its values)
@@ -323,6 +326,8 @@ class Audit:
             elif v.action == "skip":
                 self.box.results.pop(j, None)
                 self.stats.skipped += 1
+                if not v.liars:
+                    self.unsettled[j] = v.reason
             for p in v.liars:
                 if p != self.me_id and not self.guard.is_banned(p):
                     self.guard.ban(p, f"lied in round {self.key} phase {self.phase} ({v.reason})")

@@ -258,3 +258,39 @@ def test_one_audited_slice_of_each_part_catches_a_forged_lie_and_costs_a_slice_n
         await _forged_shift_is_caught(1, "slice-liar", float(N - 1), chunk=1024)
 
     asyncio.run(go())
+
+
+def test_an_auditor_that_cannot_settle_a_part_applies_nothing_rather_than_another_theta(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner sends its (honest) result to everyone, then falls silent (it answers no request for evidence: a
+    peer killed or cut off after its sends). Only one member audits (the others' rate is 0): its audit cannot
+    settle the part. It used to leave the part out (zero) and apply; the others used it: two θ after one round,
+    flagged by nobody. Now the auditor's round fails (it repairs from the next round's vote) and every member
+    that applies holds the same, exact mean."""
+    from p2ptrain.net.mailbox import Mailboxes
+
+    silent: set[int] = set()
+    show = Mailboxes.show_evidence
+
+    async def maybe_silent(self: Mailboxes, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        if id(self) in silent:
+            await asyncio.sleep(60)  # longer than the round: the asker's request times out
+        return await show(self, sender, msg)
+
+    monkeypatch.setattr(Mailboxes, "show_evidence", maybe_silent)
+    owner, auditor = 1, 3
+
+    async def go() -> None:
+        async with swarm(FaultPlan(), owner, run="silent-owner",
+                         audit_rate=[100.0 if i == auditor else 0.0 for i in range(N)]) as ts:
+            silent.add(id(ts[owner].mailboxes))
+            [res] = await rounds(ts, 1, timeout=12.0)
+            failed = res[auditor]
+            assert isinstance(failed, Exception) and "could not be verified" in str(failed), failed
+            applied = [x for i, x in enumerate(res) if i != auditor]
+            assert all(not isinstance(x, BaseException) for x in applied), applied
+            for x in applied:
+                assert torch.allclose(x.tensors[0].double(), weighted(list(range(N))), rtol=0, atol=1e-6)
+            assert not any(t.guard.banned for t in ts)  # silence proves nothing
+
+    asyncio.run(go())
