@@ -19,6 +19,7 @@ from ..collective.codecs import Codec
 from ..net.region import DEFAULT_NEAR, pick_region
 from ..net.transport import PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 from ..sync import NetLoop, RoundRunner
+from .census import census_every, run_census
 from .config import PeerConfig
 
 __all__ = ["SwarmLink"]
@@ -60,8 +61,12 @@ class SwarmLink:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.runner.serve())
             hb = tg.create_task(self._heartbeat(info, on_live))
+            every = census_every()
+            census = tg.create_task(run_census(every)) if every > 0 else None
             await self._stopping.wait()
             hb.cancel()
+            if census is not None:
+                census.cancel()
             await self.runner.stop()
 
     async def _heartbeat(self, info: Callable[[], PeerInfo], on_live: Callable[[int], None]) -> None:
