@@ -10,10 +10,18 @@ Payload layouts (little-endian; ``n`` values; blocks of ``B`` values, the last o
 codec           layout                                                                       bytes
 ==============  ===========================================================================  ======================
 ``2bit``        per block of 128: absmax bf16; then ``n`` 2-bit codes, 4 per byte            ``2*nb + ceil(n/4)``
-``topk2``       per block of 1024 (``K = 10`` slots, ``min(K, L)`` for a last block of       ``4*nb + ceil(10*S/8)
-``topk2:0.03``  ``L`` values): (lo, hi) bf16; then the ``S`` slot indices, 10 bits each,     + ceil(S/4)``
-                packed; then ``S`` 2-bit codes, 4 per byte (3%: ``K = 31``)
+``topk2``       per block of 1024 (``K = 10`` slots, ``min(K, L)`` for a last block of       ``4*nb + ceil(l*S/8)
+``topk2:0.03``  ``L`` values): (lo, hi) bf16; then the ``S`` slot indices in Elias–Fano form:   + ceil(Σ_b h_b/8)
+                their low ``l`` bits, packed; then each block's high bitvector of            + ceil(S/4)``
+                ``h_b = k_b + ceil(L_b / 2^l)`` bits; then ``S`` 2-bit codes, 4 per byte
+                (3%: ``K = 31``)
 ==============  ===========================================================================  ======================
+
+Indices (Elias–Fano, per block): with ``l = ⌊log2(1024 / K)⌋`` (6 for 1%, 5 for 3%), a slot's index ``i`` is
+sent as its low ``l`` bits and its high part ``i >> l``; a block's high parts, nondecreasing, are one bitvector
+in which slot ``j``'s bit ``(i_j >> l) + j`` is set: ``K + 1024 / 2^l`` bits, about 2 bits a slot. With the low
+bits that is ``l + 2`` bits an index instead of 10 (7 for 3%: a payload 1.3× smaller; 8.6 for 1%), all of it
+encoded and decoded with tensor operations, no loop over the values.
 
 A 2-bit code is ``sign << 1 | level`` (bit 0 the level, bit 1 the sign; the earliest value in the lowest bits
 of a byte). ``2bit``'s levels are ``absmax·{1/3, 1}`` (uniform, symmetric); ``topk2``'s are the block's
@@ -22,8 +30,9 @@ to the same payload again (block by block), so error feedback measured on one pe
 the owner of a part receives, provided the part starts on a block boundary of the sender's layout.
 
 Hostile payloads are refused (ValueError): a header that is not finite or has ``lo > hi`` or a negative
-scale, an index outside its block, indices of a block that are not strictly increasing (so duplicates too),
-nonzero padding bits, a length other than ``encoded_size`` (so an oversized index set).
+scale, a high bitvector without exactly one set bit per slot, an index outside its block, indices of a block that
+are not strictly increasing (so duplicates too), nonzero padding bits, a length other than ``encoded_size`` (so an
+oversized index set).
 """
 
 from __future__ import annotations
@@ -121,26 +130,31 @@ class TwoBitCodec(Codec):
 
 
 class TopK2Codec(Codec):
-    """Top-k per block of 1024 values, the k largest magnitudes sent at 2 bits with their packed indices.
+    """Top-k per block of 1024 values, the k largest magnitudes sent at 2 bits with their indices.
 
     ``K = round(fraction·1024)`` slots per block (10 for 1%), ``min(K, L)`` for a last block of ``L`` values.
     The selected magnitudes are quantised to the block's smallest and largest one, ``lo`` and ``hi`` (each
     rounded to bfloat16), whichever is nearer; the rest of the block decodes to 0. Per value: an entry not
     selected had ``|x| <= lo``; a selected one is off by at most ``(hi − lo)/2`` (plus bfloat16's rounding).
-    Indices are 10-bit offsets within the block, strictly increasing. With ``K`` selected of 1024 the payload
-    is ``(K·12 + 32)/1024`` bits per value: 0.148 for 1% (216× less than fp32), 0.395 for 3% (81×).
+    Indices are offsets within the block, strictly increasing, in Elias–Fano form (the module docstring). With
+    ``K`` selected of 1024 the payload is ``(K·(l + 3) + 1024/2^l + 32)/1024`` bits per value: 0.135 for 1%
+    (237× less than fp32; 216× with plain 10-bit indices), 0.305 for 3% (105×; was 81×).
     """
 
     name: ClassVar[str] = "topk2"
     error_feedback: ClassVar[bool] = True
     BLOCK: ClassVar[int] = 1024
-    INDEX_BITS: ClassVar[int] = 10  # log2(BLOCK)
     FRACTION: ClassVar[float] = 0.01
 
     @classmethod
     def slots(cls) -> int:
         """K, the slots of a full block."""
         return max(1, round(cls.FRACTION * cls.BLOCK))
+
+    @classmethod
+    def low_bits(cls) -> int:
+        """l = ⌊log2(BLOCK / K)⌋: the bits of an index sent as they are (the rest: the high bitvector)."""
+        return (cls.BLOCK // cls.slots()).bit_length() - 1
 
     def _slot_counts(self, numel: int) -> tuple[int, int, int]:
         """(blocks, slots in total, length of the last block)."""
@@ -149,54 +163,79 @@ class TopK2Codec(Codec):
         k = self.slots()
         return nb, (nb - 1) * k + min(k, last) if nb else 0, last
 
+    def _high_bits(self, nb: int, last: int) -> tuple[int, int]:
+        """(bits of a full block's high bitvector, bits of the last block's), for ``nb`` blocks."""
+        k, nl = self.slots(), self.low_bits()
+        full = k + (self.BLOCK >> nl)
+        return full, (min(k, last) + ((last + (1 << nl) - 1) >> nl)) if nb else 0
+
     def encoded_size(self, numel: int) -> int:
-        nb, s, _ = self._slot_counts(_check_numel(numel))
-        return 4 * nb + (s * self.INDEX_BITS + 7) // 8 + (s + 3) // 4
+        nb, s, last = self._slot_counts(_check_numel(numel))
+        full, tail = self._high_bits(nb, last)
+        high = (nb - 1) * full + tail if nb else 0
+        return 4 * nb + (s * self.low_bits() + 7) // 8 + (high + 7) // 8 + (s + 3) // 4
 
     def _encode(self, x: torch.Tensor) -> bytes:
         n = x.numel()
         nb, _, last = self._slot_counts(n)
-        k = self.slots()
+        k, nl = self.slots(), self.low_bits()
         full = (nb - 1) if last < self.BLOCK else nb
-        idx_parts: list[torch.Tensor] = []
-        val_parts: list[torch.Tensor] = []
+        rows_of: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (indices, values, block length) of each kind
         if full:
             xb = x[: full * self.BLOCK].view(full, self.BLOCK)
             idx = xb.abs().topk(k, dim=1).indices.sort(dim=1).values  # (full, K) int64
-            idx_parts.append(idx)
-            val_parts.append(xb.gather(1, idx))
+            rows_of.append((idx, xb.gather(1, idx), self.BLOCK))
         if full < nb:  # a shorter last block
             tail = x[full * self.BLOCK :]
             idx = tail.abs().topk(min(k, last)).indices.sort().values.unsqueeze(0)
-            idx_parts.append(idx)
-            val_parts.append(tail[idx[0]].unsqueeze(0))
-        los, his, codes, offsets = [], [], [], []
-        for idx, vals in zip(idx_parts, val_parts, strict=True):
+            rows_of.append((idx, tail[idx[0]].unsqueeze(0), last))
+        los, his, codes, lows, highs = [], [], [], [], []
+        for idx, vals, length in rows_of:
             mags = vals.abs()  # (rows, k) f32
             lo_b, hi_b = _bf16(mags.amin(dim=1)), _bf16(mags.amax(dim=1))  # (rows,)
             level = (mags * 2.0 >= (lo_b + hi_b).unsqueeze(1)) & (hi_b > lo_b).unsqueeze(1)
             level |= (lo_b == hi_b).unsqueeze(1) & (hi_b > 0).unsqueeze(1)  # one level: code it as hi
             codes.append((level.to(torch.uint8) | ((vals < 0) & (mags > 0)).to(torch.uint8) << 1).reshape(-1))
-            offsets.append(idx.reshape(-1))
+            lows.append((idx & ((1 << nl) - 1)).reshape(-1))
+            rows, kk = idx.shape
+            bits = torch.zeros(rows, kk + ((length + (1 << nl) - 1) >> nl), dtype=torch.int64)
+            bits.scatter_(1, (idx >> nl) + torch.arange(kk, dtype=torch.int64), 1)  # slot j's bit: (i_j >> l) + j
+            highs.append(bits.reshape(-1))
             los.append(lo_b)
             his.append(hi_b)
         header = torch.stack([torch.cat(los), torch.cat(his)], dim=1).reshape(-1)  # lo0, hi0, lo1, hi1, ...
-        return _to_bytes(header.to(torch.bfloat16).view(torch.int16),
-                         pack_bits(torch.cat(offsets), self.INDEX_BITS), pack_bits(torch.cat(codes), 2))
+        return _to_bytes(header.to(torch.bfloat16).view(torch.int16), pack_bits(torch.cat(lows), nl),
+                         pack_bits(torch.cat(highs), 1), pack_bits(torch.cat(codes), 2))
 
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
         nb, s, last = self._slot_counts(numel)
-        k = self.slots()
+        k, nl = self.slots(), self.low_bits()
         header = _read(buf, torch.int16, 0, 2 * nb).view(torch.bfloat16).to(torch.float32).view(nb, 2)
         lo, hi = header[:, 0], header[:, 1]
         if not bool(torch.isfinite(header).all()) or bool((lo < 0).any()) or bool((lo > hi).any()):
             raise ValueError(f"{self.name}: invalid block header (non-finite, negative or lo > hi)")
         pos = 4 * nb
-        ib = (s * self.INDEX_BITS + 7) // 8
-        idx, clean_i = unpack_bits(_read_u8(buf, pos, ib), s, self.INDEX_BITS)
-        codes, clean_c = unpack_bits(_read_u8(buf, pos + ib, (s + 3) // 4), s, 2)
-        if not (clean_i and clean_c):
+        lb = (s * nl + 7) // 8
+        low, clean_l = unpack_bits(_read_u8(buf, pos, lb), s, nl)
+        pos += lb
+        full_w, tail_w = self._high_bits(nb, last)
+        hbits = (nb - 1) * full_w + tail_w if nb else 0
+        high, clean_h = unpack_bits(_read_u8(buf, pos, (hbits + 7) // 8), hbits, 1)
+        pos += (hbits + 7) // 8
+        codes, clean_c = unpack_bits(_read_u8(buf, pos, (s + 3) // 4), s, 2)
+        if not (clean_l and clean_h and clean_c):
             raise ValueError(f"{self.name}: nonzero padding bits")
+        # Each block's high parts from its bitvector: slot j's set bit at (i_j >> l) + j.
+        parts = [(nb - 1, full_w, k), (1, tail_w, min(k, last))] if nb else []
+        his_idx, at = [], 0
+        for rows, width, kk in parts:
+            bits = high[at : at + rows * width].view(rows, width)
+            at += rows * width
+            if rows and not bool((bits.sum(dim=1) == kk).all()):
+                raise ValueError(f"{self.name}: a block's high bitvector does not hold one set bit per slot")
+            cols = bits.nonzero()[:, 1].view(rows, kk)
+            his_idx.append((cols - torch.arange(kk, dtype=torch.int64)).reshape(-1))
+        idx = (torch.cat(his_idx) << nl | low) if nb else low
         # Block of each slot, and the length of that block (the last one may be shorter).
         block = torch.arange(nb, dtype=torch.int64).repeat_interleave(
             torch.tensor([k] * (nb - 1) + [min(k, last)], dtype=torch.int64))

@@ -31,10 +31,34 @@ def _data(n: int, seed: int, kind: int = 0) -> torch.Tensor:
 def _size(name: str, n: int) -> int:
     if name == "2bit":
         return 2 * math.ceil(n / 128) + math.ceil(n / 4)
-    k = {"topk2": 10, "topk2:0.03": 31}[name]
+    k, low = {"topk2": (10, 6), "topk2:0.03": (31, 5)}[name]  # low bits: ⌊log2(1024 / K)⌋
     nb = math.ceil(n / 1024)
-    s = (nb - 1) * k + min(k, n - (nb - 1) * 1024) if nb else 0
-    return 4 * nb + math.ceil(10 * s / 8) + math.ceil(s / 4)
+    last = n - (nb - 1) * 1024 if nb else 0
+    s = (nb - 1) * k + min(k, last) if nb else 0
+    high = (nb - 1) * (k + 1024 // 2**low) + min(k, last) + math.ceil(last / 2**low) if nb else 0
+    return 4 * nb + math.ceil(low * s / 8) + math.ceil(high / 8) + math.ceil(s / 4)
+
+
+def _bits_to_bytes(bits: list[int]) -> bytes:
+    """LSB first, zero padding (a plain loop: the reference of pack_bits for a list of 0/1)."""
+    out = bytearray(math.ceil(len(bits) / 8))
+    for i, b in enumerate(bits):
+        out[i // 8] |= b << (i % 8)
+    return bytes(out)
+
+
+def elias_fano(blocks: list[tuple[int, list[int]]], low: int) -> bytes:
+    """The index section of a topk2 payload for ``blocks`` of (length, indices), by hand: every index's low ``low``
+    bits (LSB first), then each block's high bitvector (slot j sets bit (i_j >> low) + j), each section padded to a
+    byte. The indices are taken as given (sorted or not): the decoder must judge them."""
+    lows = [(i >> b) & 1 for _, idx in blocks for i in idx for b in range(low)]
+    highs: list[int] = []
+    for length, idx in blocks:
+        vec = [0] * (len(idx) + math.ceil(length / 2**low))
+        for j, i in enumerate(idx):
+            vec[(i >> low) + j] = 1
+        highs += vec
+    return _bits_to_bytes(lows) + _bits_to_bytes(highs)
 
 
 @pytest.mark.parametrize("name", LOWBIT)
@@ -47,8 +71,8 @@ def test_byte_counts(name: str, n: int) -> None:
 
 def test_payload_ratios() -> None:
     n = 1 << 20
-    assert 4 * n / get_codec("topk2").encoded_size(n) > 215  # (10·12 + 32) bits per 1024 values
-    assert 4 * n / get_codec("topk2:0.03").encoded_size(n) > 81
+    assert 4 * n / get_codec("topk2").encoded_size(n) > 237  # (10·(6 + 3) + 16 + 32) bits per 1024 values
+    assert 4 * n / get_codec("topk2:0.03").encoded_size(n) > 105  # (31·(5 + 3) + 32 + 32)
     assert 4 * n / get_codec("2bit").encoded_size(n) > 15
 
 
@@ -72,8 +96,12 @@ def test_topk2_hand_computed() -> None:
     data = codec.encode(x)
     header = torch.frombuffer(bytearray(data[:4]), dtype=torch.int16).view(torch.bfloat16).float().tolist()
     assert header == [1.0, 8.0]
-    idx, clean = unpack_bits(torch.frombuffer(bytearray(data[4:4 + 13]), dtype=torch.uint8), 10, 10)
+    # indices 1, 2, 3, 4, 6, 7, 8, 9, 10, 11: low 6 bits are the indices themselves (60 bits: 8 bytes); all high
+    # parts 0, so slot j sets bit j of an 11-bit vector (10 slots + ⌈12 / 64⌉ bucket): 0x3FF (2 bytes)
+    idx, clean = unpack_bits(torch.frombuffer(bytearray(data[4:4 + 8]), dtype=torch.uint8), 10, 6)
     assert clean and idx.tolist() == [1, 2, 3, 4, 6, 7, 8, 9, 10, 11]
+    assert data[12:14] == bytes([0xFF, 0x03]) and len(data) == 4 + 8 + 2 + 3
+    assert data[4:14] == elias_fano([(12, [1, 2, 3, 4, 6, 7, 8, 9, 10, 11])], 6)
 
 
 def _reference_topk2(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -148,7 +176,7 @@ def test_pack_bits_round_trips() -> None:
 def topk2_payload(lo: float, hi: float, indices: list[int], codes: list[int], extra: bytes = b"") -> bytes:
     """A one-block topk2 payload built by hand (whatever the indices: the decoder must judge them)."""
     header = torch.tensor([lo, hi], dtype=torch.bfloat16).view(torch.int16)
-    return (header.numpy().tobytes() + pack_bits(torch.tensor(indices), 10).numpy().tobytes()
+    return (header.numpy().tobytes() + elias_fano([(13, indices)], 6)
             + pack_bits(torch.tensor(codes), 2).numpy().tobytes() + extra)
 
 
@@ -182,6 +210,21 @@ def test_oversized_and_malformed_headers_are_refused() -> None:
     data[-1] |= 0xF0  # padding bits after the 10 codes (20 bits: 4 padding bits in the last byte)
     with pytest.raises(ValueError, match="padding"):
         codec.decode(bytes(data), 13)
+
+
+def test_a_high_bitvector_without_one_set_bit_per_slot_is_refused() -> None:
+    codec = get_codec("topk2")
+    good = topk2_payload(1.0, 2.0, [0, 3, 5, 6, 7, 8, 9, 10, 11, 12], [0] * 10)
+    assert codec.decode(good, 13).count_nonzero() == 10
+    high = 4 + 8  # the 11-bit high vector: bits 0..9 set (every high part 0), bit 10 clear
+    for byte, flip in ((high + 1, 0x04), (high, 0x01)):  # an 11th set bit; a slot without one
+        data = bytearray(good)
+        data[byte] ^= flip
+        with pytest.raises(ValueError, match="one set bit per slot"):
+            codec.decode(bytes(data), 13)
+    # a high part of 1 (index 64 + low bits) is past a 13-value block
+    with pytest.raises(ValueError, match="outside its block"):
+        codec.decode(topk2_payload(1.0, 2.0, [0, 3, 5, 6, 7, 8, 9, 10, 11, 64], [0] * 10), 13)
 
 
 def test_two_bit_refuses_bad_scales_and_padding() -> None:

@@ -234,8 +234,10 @@ def _topk2_payload(indices: list[int], codes: int = 10) -> bytes:
     """A one-block topk2 payload for 13 values (lo 1, hi 2) with the given index set."""
     from p2ptrain.collective.lowbit import pack_bits
 
+    from ..collective.test_lowbit import elias_fano
+
     header = torch.tensor([1.0, 2.0], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
-    return (header + pack_bits(torch.tensor(indices), 10).numpy().tobytes()
+    return (header + elias_fano([(13, indices)], 6)
             + pack_bits(torch.zeros(codes, dtype=torch.int64), 2).numpy().tobytes())
 
 
