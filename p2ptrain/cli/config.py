@@ -32,7 +32,12 @@ if TYPE_CHECKING:
     from ..sim.runner import RunSpec, SimConfig
     from ..stages import StagePlan
 
-__all__ = ["JoinRun", "SimulateRun", "Stages", "TrainRun", "join_config", "log_targets", "model_and_trainer", "open_init_from",
+#: The peer's key in its checkpoint folder when ``--identity`` is not given: a peer restarted with ``--resume`` is the
+#: same peer (the same id), not a new one beside the ghost of the old, which the others count live until its
+#: announcement expires (bench/churn.py: 1 to 3 such ghosts in a swarm of 16 raised every round's quorum).
+IDENTITY_FILE = "identity.key"
+
+__all__ = ["IDENTITY_FILE", "JoinRun", "SimulateRun", "Stages", "TrainRun", "join_config", "log_targets", "model_and_trainer", "open_init_from",
            "simulate_config", "steps_of", "train_config"]
 
 F = TypeVar("F")
@@ -339,7 +344,8 @@ def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> J
         initial_peers(peer_file.get("initial_peers", []), "[peer] initial_peers"),
         host_maddrs=host_maddrs(f.host_maddrs) or ["/ip4/127.0.0.1/tcp/0"],
         announce_maddrs=host_maddrs(f.announce_maddrs, announce=True),
-        identity_path=str(f.identity) if f.identity else None, client_mode=f.client_mode,
+        identity_path=str(f.identity) if f.identity else str(Path(checkpoints) / IDENTITY_FILE) if checkpoints else None,
+        client_mode=f.client_mode,
         use_relay=not f.no_relay, use_auto_relay=f.use_auto_relay, join_window=peer_cfg.join_window, ttl=peer_cfg.ttl,
         direct=not f.no_direct, direct_port=f.direct_port, direct_announce=f.direct_announce,
         quorum_memory=peer_cfg.quorum_memory,

@@ -123,7 +123,7 @@ class JoinFlags:
     device: DeviceOpt = None
     host_maddrs: Annotated[list[str] | None, typer.Option("--host-maddrs", show_default="/ip4/127.0.0.1/tcp/0", help="Listen address(es); /ip4/0.0.0.0/tcp/PORT to be reached from other machines.")] = None
     announce_maddrs: AnnounceMaddrs = None
-    identity: Annotated[Path | None, typer.Option("--identity", help="Private key file: a stable peer id and address.")] = None
+    identity: Annotated[Path | None, typer.Option("--identity", help="Private key file: a stable peer id and address (default with --checkpoint-dir: identity.key there).")] = None
     client_mode: Annotated[bool, typer.Option("--client-mode", help="Behind NAT: dial out only, reached through relays.")] = False
     use_auto_relay: Annotated[bool, typer.Option("--use-auto-relay", help="Look for libp2p relays to become reachable.")] = False
     no_relay: Annotated[bool, typer.Option("--no-relay", help="Disable libp2p circuit relays.")] = False

@@ -130,7 +130,7 @@ def host_maddrs(values: Iterable[str] | None, *, announce: bool = False) -> list
 
 def check_identity(path: Path | None) -> None:
     """An ``--identity`` file that exists must hold a key p2ptrain can sign with; one that does not is made
-    by the daemon, so its folder must exist. ValueError naming the file and what is wrong."""
+    at start (an ed25519 key), so its folder must exist. ValueError naming the file and what is wrong."""
     if path is None:
         return
     if not path.exists():

@@ -185,7 +185,9 @@ async def _create_p2p(cfg: SwarmConfig, identity: Identity | None) -> Any:
         announce_maddrs=cfg.announce_maddrs or None, dht_mode="client" if cfg.client_mode else "server",
         use_relay=cfg.use_relay, use_auto_relay=cfg.use_auto_relay, startup_timeout=30)
     if identity is None:
-        return await P2P.create(identity_path=cfg.identity_path, **kwargs)
+        # hivemind's check that nobody else runs as this key reads RSA keys only (it fails on an Ed25519 one)
+        rsa = bool(_load_identity(str(cfg.identity_path)).public) if cfg.identity_path else False
+        return await P2P.create(identity_path=cfg.identity_path, check_if_identity_free=rsa, **kwargs)
     with identity.as_file() as path:
         # A key drawn a moment ago is nobody else's: hivemind's check of that reads RSA keys only.
         return await P2P.create(identity_path=path, check_if_identity_free=False, **kwargs)
@@ -210,12 +212,15 @@ async def start_p2p(cfg: SwarmConfig) -> tuple[Any, Any, Identity]:
     drawn = None if path is not None else Identity.generate()
     if path is not None and Path(path).exists():  # noqa: ASYNC240 (a local file, once, at start)
         _load_identity(path)  # a broken file is said as such, not blamed on the initial peers
+    elif path is not None:  # made here, an ed25519 key as drawn ones are (the daemon would make an RSA one); the
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # default's folder (a new checkpoint folder) may not
+        Identity.generate().save(path)  # exist yet
     delay, last = cfg.connect_backoff, ""
     for attempt in range(1, max(1, cfg.connect_attempts) + 1):
         p2p = None
         try:
             p2p = await _create_p2p(cfg, drawn)
-            identity = drawn if drawn is not None else _load_identity(str(path))  # hivemind made it if missing
+            identity = drawn if drawn is not None else _load_identity(str(path))
             if identity.peer_id != str(p2p.peer_id):
                 raise SwarmError(f"the daemon runs as {p2p.peer_id}, not as the identity's {identity.peer_id}")
             node = await DHTNode.create(p2p=p2p, initial_peers=cfg.initial_peers or None,

@@ -126,6 +126,13 @@ class Identity:
         finally:
             Path(path).unlink(missing_ok=True)
 
+    def save(self, path: str | Path) -> None:
+        """Write the key to a new file ``path``, readable by its owner only (FileExistsError if there is one:
+        a key is never overwritten)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.private_pb())
+
     def sign(self, data: bytes) -> bytes:
         if isinstance(self._key, ed25519.Ed25519PrivateKey):
             return self._key.sign(data)

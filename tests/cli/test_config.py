@@ -103,6 +103,10 @@ def test_join_flags_override_the_file() -> None:
     assert resumed.peer.checkpoint_dir == "old" and resumed.resume == Path("old")  # resume keeps writing there
     assert join_config({"peer": {"checkpoint_dir": "rec"}}, {"resume": True}).resume == Path("rec")
     assert join_config({}, {"checkpoint_dir": Path("new")}).resume is None
+    # a peer keeps its key in its checkpoint folder (a restart is the same peer), unless --identity says otherwise
+    assert resumed.swarm.identity_path == str(Path("old") / "identity.key")
+    assert join_config({}, {"checkpoint_dir": Path("new"), "identity": Path("k.key")}).swarm.identity_path == "k.key"
+    assert join_config({}, {}).swarm.identity_path is None
     assert join_config({}, {}).method.name == "streaming"
 
 

@@ -57,7 +57,7 @@ def test_what_each_flag_needs() -> None:
 
 def test_identity_files(tmp_path: Path) -> None:
     check_identity(None)
-    check_identity(tmp_path / "new.key")  # made by the daemon
+    check_identity(tmp_path / "new.key")  # made at start
     good = tmp_path / "good.key"
     good.write_bytes(Identity.generate().private_pb())
     check_identity(good)

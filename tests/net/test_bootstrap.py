@@ -129,3 +129,24 @@ def test_a_stock_hivemind_dht_node_works_as_bootstrap(tmp_path: Path) -> None:
         asyncio.run(go())
     finally:
         _stop(proc)
+
+
+def test_a_peer_started_again_with_its_key_file_is_the_same_peer(tmp_path: Path) -> None:
+    """A key file that does not exist yet (in a folder not made yet: a new checkpoint folder) is made at start, an
+    ed25519 key (12D3KooW… ids, as drawn keys are; the daemon would make RSA), owner-readable only; started again
+    with it, the peer has the same id: a restart with ``--resume`` leaves no ghost id that the others count live."""
+    from p2ptrain.net.identity import Identity
+
+    key = tmp_path / "ck" / "identity.key"
+
+    async def once() -> str:
+        t = await HivemindTransport.create(SwarmConfig(run_id="same", identity_path=str(key)))
+        try:
+            return t.peer_id
+        finally:
+            await t.aclose()
+
+    first = asyncio.run(once())
+    assert first.startswith("12D3KooW") and Identity.load(key).peer_id == first
+    assert key.stat().st_mode & 0o077 == 0
+    assert asyncio.run(once()) == first
