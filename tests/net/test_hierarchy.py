@@ -209,7 +209,7 @@ def test_regions_cut_apart_in_the_cross_step_apply_nothing_rather_than_each_its_
     its own cell alone (its region's mean: what a carrier whose audit of the other cell's part failed, or that
     lost the other carrier, holds). No member can reach the other region's carrier for its digest, so nothing is
     checked: each region used to apply its own mean, two θ after one round. A shard averaged by half of the cells
-    or fewer, confirmed by nobody of another region, now fails the round on every member."""
+    or fewer now fails the round on every member."""
     async def go() -> None:
         swarm = MemorySwarm(join_window=WINDOW, ttl=30)
         async with memory_swarm(4, swarm) as ts:
