@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from p2ptrain.peer.census import ENV, census_every, count_types, grown, run_census
+from p2ptrain.peer.census import ENV, census_every, count_types, grown, heap_mb, run_census
 
 
 class Kept:
@@ -37,16 +37,36 @@ def test_a_type_that_is_kept_shows_in_the_census(caplog: pytest.LogCaptureFixtur
     kept.extend(Kept() for _ in range(500))
     assert count_types()[name] == before + 500
 
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "event=census" in r.getMessage()]
+
     async def go() -> None:
         task = asyncio.create_task(run_census(0.01))
-        await asyncio.sleep(0.05)
+        for _ in range(1000):  # the first census (the baseline) may take a while on a loaded machine
+            if lines():
+                break
+            await asyncio.sleep(0.01)
         kept.extend(Kept() for _ in range(1000))
-        await asyncio.sleep(0.3)
+        for _ in range(1000):
+            if f"{name}:+1000" in lines()[-1]:
+                break
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     with caplog.at_level(logging.INFO, logger="p2ptrain.peer.census"):
         asyncio.run(go())
-    lines = [r.getMessage() for r in caplog.records if "event=census" in r.getMessage()]
-    assert len(lines) >= 2 and f"{name}:+1000" in lines[-1], lines[-3:]
+    seen = lines()
+    assert len(seen) >= 2 and f"{name}:+1000" in seen[-1] and "rss_mb=" in seen[-1], seen[-3:]
+
+def test_heap_figures_see_a_large_allocation() -> None:
+    first = heap_mb()
+    if first is None:
+        pytest.skip("no glibc mallinfo2 here")
+    rss, used, free = first
+    assert rss > 0 and used > 0 and free >= 0
+    block = bytearray(64 * 1024 * 1024)  # 64 MB: glibc maps it, counted as handed out
+    after = heap_mb()
+    assert after is not None and after[1] - used >= 60
+    del block
