@@ -30,9 +30,7 @@ contribution there); a trimmed mean of cells is not the trimmed mean of peers.
 Failures: a member whose cell step fails fails the round (as in a flat round); a shard whose carrier in this cell
 never offers it is fetched from another cell's carrier (cross-cell bytes, but the same values); a shard no carrier
 delivers fails the round. A shard averaged without some cell (its carrier dropped) makes the round partial: every
-member still ends with the same bytes for it, if more than half of the cells are in it; a shard averaged by half of
-the cells or fewer fails the round: regions cut apart mid-round each end the cross step with their own cells, and
-at most one side holds more than half.
+member still ends with the same bytes for it.
 """
 
 from __future__ import annotations
@@ -315,14 +313,6 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         if len(offer) < _HEADER.size:
             raise RoundFailed(f"{_offer_name(group, phase, s)}: a truncated offer")
         total, count = _HEADER.unpack_from(offer)
-        if 2 * count <= cells:
-            # No more than half of the cells are in it: regions cut apart mid-round each end their shards with their
-            # own cells, and a digest checked against another carrier does not tell (both may hold one cell's
-            # mean, or the carrier asked may be on our side). At most one side holds more than half of the cells:
-            # the rule of parts.Assembly, for cells. (A churn run applied shards of 1 of 3 cells on some members
-            # while the others failed on them: three θ after one round.)
-            raise RoundFailed(f"{_offer_name(group, phase, s)}: averaged by {count} of {cells} cells (half or "
-                              f"less: the other side of a cut may hold another average)")
         out[lo:hi] = await asyncio.to_thread(codec.decode, offer[_HEADER.size:], hi - lo)
         totals.add(total)
         partial |= count < cells

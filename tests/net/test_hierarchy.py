@@ -204,36 +204,6 @@ def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_
     run(go())
 
 
-def test_regions_cut_apart_in_the_cross_step_apply_nothing_rather_than_each_its_own_mean() -> None:
-    """2 regions × 2; the regions are cut apart as the cross step starts, and each carrier's cross step ends with
-    its own cell alone (its region's mean: what a carrier whose audit of the other cell's part failed, or that
-    lost the other carrier, holds). No member can reach the other region's carrier for its digest, so nothing is
-    checked: each region used to apply its own mean, two θ after one round. A shard averaged by half of the cells
-    or fewer now fails the round on every member."""
-    async def go() -> None:
-        swarm = MemorySwarm(join_window=WINDOW, ttl=30)
-        async with memory_swarm(4, swarm) as ts:
-            regions = ["a", "a", "b", "b"]
-            groups = await _form(ts, regions, "hcut")
-            for t in ts:
-                step = t.allreduce
-
-                async def alone(group: Group, phase: int, tensors: Any, weight: float, *args: Any,
-                                step: Any = step, me: str = t.peer_id, **kw: Any) -> ReduceResult:
-                    if "#s" not in group.key:
-                        return await step(group, phase, tensors, weight, *args, **kw)
-                    swarm.partition(["peer0", "peer1"], ["peer2", "peer3"])
-                    return ReduceResult([x.clone() for x in tensors], weight, group.members, (me,), partial=True)
-
-                t.allreduce = alone  # type: ignore[method-assign]
-            xs = [[torch.full((8,), float(i))] for i in range(4)]
-            out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=3.0)
-                                         for t, g, x in zip(ts, groups, xs, strict=True)), return_exceptions=True)
-            assert all(isinstance(r, RoundFailed) for r in out), out
-            assert all("cells" in str(r) or "disagree" in str(r) for r in out), out
-
-    run(go())
-
 @pytest.mark.parametrize("digest", ["honest", "of the lie"])
 def test_a_carrier_that_lies_to_its_region_fails_the_round_there_and_poisons_no_one(digest: str) -> None:
     """A carrier serves its region a shard of ×100 values. Told the honest digest, the other region's members
