@@ -10,14 +10,11 @@ import pytest
 
 from p2ptrain.peer.census import (
     ENV,
-    TRIM_ENV,
-    TRIM_EVERY,
     census_every,
     count_types,
     grown,
     heap_mb,
     run_census,
-    trim_heap,
 )
 
 
@@ -28,8 +25,6 @@ class Kept:
 def test_census_setting_is_off_by_default_and_refuses_nonsense() -> None:
     assert census_every({}) == 0.0 and census_every({ENV: " "}) == 0.0
     assert census_every({ENV: "120"}) == 120.0
-    assert census_every({}, name=TRIM_ENV, default=TRIM_EVERY) == 60.0  # the trim is on unless told otherwise
-    assert census_every({TRIM_ENV: "0"}, name=TRIM_ENV, default=TRIM_EVERY) == 0.0
     for bad in ("soon", "-1", "nan"):
         with pytest.raises(ValueError, match=ENV):
             census_every({ENV: bad})
@@ -83,18 +78,3 @@ def test_heap_figures_see_a_large_allocation() -> None:
     assert after is not None and after[1] - used >= 60
     del block
 
-
-def test_trimming_gives_freed_heap_pages_back() -> None:
-    """200 MB of 4 KB buffers, all freed but the last (which pins the heap's top: glibc cannot shrink it and keeps
-    the rest): resident memory stays up until the trim gives the free pages back."""
-    if heap_mb() is None:
-        pytest.skip("no glibc mallinfo2 here")
-    bufs = [bytearray(4000) for _ in range(50_000)]
-    last = bufs[-1]
-    del bufs
-    before = heap_mb()
-    assert before is not None and before[2] > 150  # held free, not handed out
-    assert trim_heap()
-    after = heap_mb()
-    assert after is not None and before[0] - after[0] > 100, (before, after)  # resident MB given back
-    del last

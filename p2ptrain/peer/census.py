@@ -18,24 +18,24 @@ import logging
 import os
 from collections import Counter
 
-__all__ = ["ENV", "TRIM_ENV", "TRIM_EVERY", "census_every", "count_types", "grown", "heap_mb", "run_census", "run_trim", "trim_heap"]
+__all__ = ["ENV", "census_every", "count_types", "grown", "heap_mb", "run_census"]
 
 log = logging.getLogger(__name__)
 ENV = "P2PTRAIN_CENSUS_SECONDS"
 
 
-def census_every(env: dict[str, str] | None = None, name: str = ENV, default: float = 0.0) -> float:
-    """Seconds from the variable ``name`` (``P2PTRAIN_CENSUS_SECONDS``: between two censuses, 0 and the default
-    off), ``default`` when it is not set. ValueError for a value that is not a non-negative number."""
-    raw = (os.environ if env is None else env).get(name, "").strip()
+def census_every(env: dict[str, str] | None = None) -> float:
+    """Seconds between two censuses from ``P2PTRAIN_CENSUS_SECONDS`` (0: off). ValueError for a value that is
+    not a non-negative number."""
+    raw = (os.environ if env is None else env).get(ENV, "").strip()
     if not raw:
-        return default
+        return 0.0
     try:
         every = float(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+        raise ValueError(f"{ENV} must be a number of seconds, got {raw!r}") from None
     if not every >= 0:
-        raise ValueError(f"{name} must be at least 0, got {raw!r}")
+        raise ValueError(f"{ENV} must be at least 0, got {raw!r}")
     return every
 
 
@@ -69,34 +69,6 @@ def heap_mb() -> tuple[float, float, float] | None:
         return None
     mb = 1024.0 * 1024.0
     return rss / mb, (info.uordblks + info.hblkhd) / mb, info.fordblks / mb
-
-
-#: Seconds between two trims of the C heap (:func:`run_trim`); ``P2PTRAIN_TRIM_SECONDS`` sets it (0: never).
-TRIM_EVERY = 60.0
-TRIM_ENV = "P2PTRAIN_TRIM_SECONDS"
-
-
-def trim_heap() -> bool:
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim(0)``, every arena); False where
-    there is no such call. A peer frees and allocates buffers of many sizes every round (parts, results, payloads,
-    decoded tensors) from several threads: glibc kept the freed memory, and a peer's resident memory grew by about
-    a megabyte a minute under churn while what the heap handed out stayed flat (bench/churn.py with the census: in
-    30 minutes, +72 MB resident, +13 MB in use, +76 MB held free)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    return True
-
-
-async def run_trim(every: float = TRIM_EVERY) -> None:
-    """Trim the C heap every ``every`` seconds, on a worker thread, until cancelled (its owner's TaskGroup)."""
-    while True:
-        await asyncio.sleep(every)
-        if not await asyncio.to_thread(trim_heap):
-            return  # not glibc: nothing to do
 
 
 async def run_census(every: float) -> None:

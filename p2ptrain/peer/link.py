@@ -19,7 +19,7 @@ from ..collective.codecs import Codec
 from ..net.region import DEFAULT_NEAR, pick_region
 from ..net.transport import PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 from ..sync import NetLoop, RoundRunner
-from .census import TRIM_ENV, TRIM_EVERY, census_every, run_census, run_trim
+from .census import census_every, run_census
 from .config import PeerConfig
 
 __all__ = ["SwarmLink"]
@@ -61,13 +61,12 @@ class SwarmLink:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.runner.serve())
             hb = tg.create_task(self._heartbeat(info, on_live))
-            every, trim = census_every(), census_every(name=TRIM_ENV, default=TRIM_EVERY)
-            side = ([tg.create_task(run_trim(trim))] if trim > 0 else []) + \
-                ([tg.create_task(run_census(every))] if every > 0 else [])
+            every = census_every()
+            census = tg.create_task(run_census(every)) if every > 0 else None
             await self._stopping.wait()
             hb.cancel()
-            for task in side:
-                task.cancel()
+            if census is not None:
+                census.cancel()
             await self.runner.stop()
 
     async def _heartbeat(self, info: Callable[[], PeerInfo], on_live: Callable[[int], None]) -> None:
