@@ -30,7 +30,9 @@ contribution there); a trimmed mean of cells is not the trimmed mean of peers.
 Failures: a member whose cell step fails fails the round (as in a flat round); a shard whose carrier in this cell
 never offers it is fetched from another cell's carrier (cross-cell bytes, but the same values); a shard no carrier
 delivers fails the round. A shard averaged without some cell (its carrier dropped) makes the round partial: every
-member still ends with the same bytes for it.
+member still ends with the same bytes for it. A cell whose θ loses a shard's vote across cells repairs onto the
+winners' θ when a strict majority of the cells beat it; when the vote is closer (a tie among the cells heard, one
+cut off), its members fail the round rather than apply it onto a θ the winners do not hold.
 """
 
 from __future__ import annotations
@@ -154,11 +156,12 @@ async def _poll(transport: Transport, peer: str, name: str, deadline: float) -> 
 
 
 async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: int, s: int, me: str,
-                       deadline: float, crossed_by: float = 0.0) -> tuple[bytes, int]:
+                       deadline: float, crossed_by: float = 0.0) -> tuple[bytes, int, bool]:
     """Shard ``s``'s offer as this member's region's carrier serves it, checked against a carrier of another
     region (the digest of its offer); from another region's carrier when ours does not deliver by 3/4 of the time
     left, or halfway from ``crossed_by`` (when the cross step ends at the latest) to the deadline if that is later.
-    Returns (offer, bytes fetched). RoundFailed if carriers disagree or none delivers."""
+    Returns (offer, bytes fetched, whether our cell's carrier served it). RoundFailed if carriers disagree or none
+    delivers."""
     name = _offer_name(group, phase, s)
     holder = plan.holder[s]
     others = [c for c in plan.carriers[s] if c != holder]
@@ -198,17 +201,17 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
                     digest = e
             if not isinstance(digest, bytes):  # no other region answers: nothing to check against
                 log.warning("event=shard_unchecked name=%s holder=%s", name, holder[-8:])
-                return data, len(data)
+                return data, len(data), True
             if hashlib.sha256(data).hexdigest().encode() != digest:
                 raise RoundFailed(f"{name}: the region's carrier {holder[-8:]} and another region's disagree on it")
-            return data, len(data) + len(digest)
+            return data, len(data) + len(digest), True
     fetched = 0
     if holder != me:
         log.info("event=shard_from_other_cell name=%s holder=%s", name, holder[-8:])
     for other in others:  # our region's carrier is gone or late: the same bytes from across the regions
         try:
             data = await _poll(transport, other, name, deadline)
-            return data, fetched + len(data)
+            return data, fetched + len(data), False
         except RoundFailed:
             continue
     raise RoundFailed(f"{name}: no carrier delivered it")
@@ -239,9 +242,16 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         # on any shard, so no cell is outvoted on one shard and the winner on another. Or, of two cells, by the
         # other's in a tie: a shard's step then needs both carriers (a part heard from one of two is left out),
         # and a tie between the same two versions of θ goes the same way on every shard (groups.majority_
-        # fingerprint). Ties among more cells: nobody repairs.
+        # fingerprint). Ties among more cells: nobody repairs, and the cells that lost fail (tied() below).
         winners = len(res.contributors)
         return res.divergent and not local.divergent and (2 * winners > cells or (cells == 2 and winners == 1))
+
+    def tied(res: ReduceResult) -> bool:
+        # Our cell's θ lost this shard's vote without a strict majority of the cells against it (a tie among the
+        # cells heard, a third cell cut off): nobody repairs, so applying the round here would step our θ while
+        # the winners step theirs, two θ from one round. Such a member fails the round instead (its progress rides
+        # on the next round, whose vote settles θ; churn benchmark, f3.L598554270).
+        return res.divergent and not local.divergent and not lost(res)
 
     async def carry(s: int) -> tuple[int, ReduceResult, bytes]:
         lo, hi = bounds[s]
@@ -260,9 +270,12 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         # The other regions' carriers outvoted this region's θ (this carrier was excluded as divergent): the
         # region's members learn it with the shard, whom to take θ from (not the region's own members), and the
         # fingerprint of the θ that won (what a repair must take).
-        div = {"by": list(res.contributors), "print": None if res.agreed is None else list(res.agreed)} \
-            if lost(res) else {"by": [], "print": None}
-        transport.offers.put(name + "#div", encode_message(div), ttl=OFFER_TTL)
+        # (the winners' print also with a tie: a member outvoted elsewhere may still apply, see below)
+        div = {"by": list(res.contributors) if lost(res) else [], "tied": tied(res),
+               "print": None if res.agreed is None or not (lost(res) or tied(res)) else list(res.agreed)}
+        # (wanted as the shard is: a member that fetched the shard from us does not apply without the note)
+        transport.offers.put(name + "#div", encode_message(div), ttl=OFFER_TTL, wanted=len(plan.local.members) - 1,
+                             needed_until=deadline)
         return s, res, offer
 
     carried = await asyncio.gather(*(carry(s) for s in plan.carried), return_exceptions=True)
@@ -282,29 +295,52 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
                            for m in c[1].contributors]
     won: list[tuple[float, ...]] = [c[1].agreed for c in carried
                                     if not isinstance(c, BaseException) and lost(c[1]) and c[1].agreed is not None]
+    ties: list[tuple[int, tuple[float, ...] | None]] = [(s, c[1].agreed) for s, c in zip(plan.carried, carried,
+                                                                                       strict=True)
+                                                        if not isinstance(c, BaseException) and tied(c[1])]
 
     async def fetch(s: int) -> None:
         nonlocal fetched
-        offers[s], n = await _shard_bytes(transport, plan, group, phase, s, me, deadline, t0 + CROSS_SHARE * timeout)
-        fetched += n
-        if plan.holder[s] != me:
-            try:  # whether our region's carrier of s was outvoted (absent: it was not, or it is gone)
-                said = await _poll(transport, plan.holder[s], _offer_name(group, phase, s) + "#div",
-                                   min(deadline, time.monotonic() + 2.0))
-            except RoundFailed:
-                return
+        holder = plan.holder[s]
+        name = _offer_name(group, phase, s) + "#div"
+        # How our cell's carrier of s came out of the shard's vote: asked for beside the shard (it is offered with
+        # it), so that a slow link costs one wait, not two.
+        note = asyncio.ensure_future(_poll(transport, holder, name, deadline)) if holder != me else None
+        try:
+            offers[s], n, ours = await _shard_bytes(transport, plan, group, phase, s, me, deadline,
+                                                    t0 + CROSS_SHARE * timeout)
+            fetched += n
+            if note is None or not ours:
+                return  # our cell's carrier failed its shard: our cell cast no vote on it
             try:
-                div = decode_message(said, max_size=64 * 1024)
-            except FrameError:  # a malformed note from our own carrier: as if it said nothing
-                return
-            by, print_ = div.get("by"), div.get("print")
-            if isinstance(by, list):
-                outvoted.extend(m for m in by if isinstance(m, str) and m in group.members)
-            if by and print_ is not None and not print_problem(print_):
-                won.append(tuple(float(v) for v in print_))
+                div = decode_message(await note, max_size=64 * 1024)
+            except (RoundFailed, FrameError) as e:
+                # It served the shard, and the note with it: a member that cannot read the note cannot tell
+                # whether its θ lost the vote, and applying a lost round would fork θ.
+                raise RoundFailed(f"{name}: our cell's carrier {holder[-8:]} did not say how the shard's vote went "
+                                  f"({e})") from None
+        finally:
+            if note is not None:
+                note.cancel()
+                if note.done() and not note.cancelled():
+                    note.exception()  # (retrieved: a note not needed may have failed)
+        by, print_ = div.get("by"), div.get("print")
+        winner = tuple(float(v) for v in print_) if print_ is not None and not print_problem(print_) else None
+        if div.get("tied") is True:
+            ties.append((s, winner))
+        if isinstance(by, list):
+            outvoted.extend(m for m in by if isinstance(m, str) and m in group.members)
+        if by and winner is not None:
+            won.append(winner)
 
     await asyncio.gather(*(fetch(s) for s in range(plan.shards) if s not in offers))
     timeline["gathered"] = time.monotonic() - t0
+    # The θ a repair takes (the most common winner of the shards our cell lost outright), if any.
+    target = min(set(won), key=lambda p: (-won.count(p), p)) if outvoted and won else None
+    if any(won_tie is None or won_tie != target for _, won_tie in ties):
+        # (our own shards are offered already: the other cells still fetch them)
+        raise RoundFailed(f"round {group.key}: our cell's θ lost the vote on shard(s) {sorted(s for s, _ in ties)} "
+                          f"without a majority of the {cells} cells against it (applying would fork θ)")
     out = torch.empty_like(mean)
     totals: set[float] = set()
     partial = local.partial or any(isinstance(c, BaseException) for c in carried)
@@ -332,8 +368,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
                         bytes_received=local.bytes_received + sum(r.bytes_received for r in crossed) + fetched,
                         seconds=time.monotonic() - t0,
                         divergent=local.divergent or bool(outvoted),
-                        agreed=(min(set(won), key=lambda p: (-won.count(p), p)) if won else None)
-                        if outvoted else local.agreed,
+                        agreed=target if outvoted else local.agreed,
                         verify_bytes=local.verify_bytes + sum(r.verify_bytes for r in crossed),
                         liars=tuple(sorted(set(local.liars) | {m for r in crossed for m in r.liars})),
                         timeline={**timeline, "assembled": time.monotonic() - t0})

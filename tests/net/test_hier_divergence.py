@@ -153,3 +153,40 @@ def test_two_regions_on_two_versions_of_theta_settle_on_one_over_libp2p() -> Non
             assert all(set(r.contributors[:2]) <= {ts[0].peer_id, ts[1].peer_id} for r in out[2:])  # repair from eu
 
     asyncio.run(go())
+
+
+def test_a_tie_across_cells_with_a_cell_cut_off_forks_no_one() -> None:
+    """Churn benchmark (churn_trim), round f3.L598554270: eu was cut off mid-round, so every shard's vote across
+    cells was us against ap. us (two members on two versions of θ, its tie settled for X) voted X, ap voted Y: a
+    tie in every shard that u0 carried, settled for X. With a third cell on the roll, a tie is no strict majority
+    of the cells, so nobody was outvoted: ap applied the round onto Y and us onto X, two θ from one round. A cell
+    that loses a shard's vote without a strict majority against it must not apply the round (it fails; its
+    progress rides on the next round, whose vote settles θ)."""
+    holds = {"a0": Y, "a1": Y, "a2": Y, "e0": Y, "e1": Y, "e2": Y, "u0": X, "u1": Y}
+    regions = {p: {"a": "ap", "e": "eu", "u": "us"}[p[0]] for p in holds}
+
+    async def go() -> dict[str, ReduceResult | BaseException]:
+        swarm = MemorySwarm(join_window=0.1, ttl=60)
+        ts = {p: swarm.transport(p) for p in holds}
+        for t in ts.values():
+            await t.announce(PeerInfo(peer_id=t.peer_id))
+        g = _group(list(holds), [regions[p] for p in holds])
+        present = [p for p in holds if regions[p] != "eu"]  # eu is cut off: it never takes part
+
+        async def one(p: str) -> ReduceResult:
+            plan = plan_for(g, p)
+            assert plan is not None
+            x = [torch.full((12,), float(sorted(holds).index(p)))]
+            return await hierarchical_allreduce(ts[p], g, plan, 0, x, 1.0, get_codec("fp32"), timeout=6.0,
+                                                fingerprint=holds[p])
+
+        out = await asyncio.gather(*(one(p) for p in present), return_exceptions=True)
+        return dict(zip(present, out, strict=True))
+
+    res = asyncio.run(go())
+    applied = {p: r for p, r in res.items() if isinstance(r, ReduceResult)}
+    assert applied, res  # somebody applies the round
+    assert len({tuple(r.tensors[0].tolist()) for r in applied.values()}) == 1
+    final = _after_repair(holds, applied)
+    sides = {p: "X" if final[p] == X else "Y" for p in applied}
+    assert len(set(sides.values())) == 1, f"members apply the round onto two versions of θ: {sides}"
