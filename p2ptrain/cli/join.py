@@ -29,9 +29,11 @@ __all__ = ["join", "run_peer"]
 @flags_command(app, JoinFlags)
 def join(file: dict[str, Any], flags: JoinFlags) -> None:
     """Join a swarm (or start one, with no --initial-peers) and train until --steps."""
+    from ..peer.malloc import mmap_threshold, pin_mmap_threshold
     from .config import join_config
 
     with failing():
+        pin_mmap_threshold(mmap_threshold())  # before the run allocates: see peer/malloc.py
         run = join_config(file, flags)
     if run.stages is None:
         run_peer(run)
