@@ -156,11 +156,12 @@ async def _poll(transport: Transport, peer: str, name: str, deadline: float) -> 
 
 
 async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: int, s: int, me: str,
-                       deadline: float, crossed_by: float = 0.0) -> tuple[bytes, int, bool]:
+                       deadline: float, crossed_by: float = 0.0) -> tuple[bytes, int, str]:
     """Shard ``s``'s offer as this member's region's carrier serves it, checked against a carrier of another
     region (the digest of its offer); from another region's carrier when ours does not deliver by 3/4 of the time
     left, or halfway from ``crossed_by`` (when the cross step ends at the latest) to the deadline if that is later.
-    Returns (offer, bytes fetched, whether our cell's carrier served it). RoundFailed if carriers disagree or none
+    Returns (offer, bytes fetched, where from: ``h`` our cell's carrier, checked; ``u`` our cell's carrier, with no
+    other cell's digest to check it against; ``o`` another cell's carrier). RoundFailed if carriers disagree or none
     delivers."""
     name = _offer_name(group, phase, s)
     holder = plan.holder[s]
@@ -201,17 +202,17 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
                     digest = e
             if not isinstance(digest, bytes):  # no other region answers: nothing to check against
                 log.warning("event=shard_unchecked name=%s holder=%s", name, holder[-8:])
-                return data, len(data), True
+                return data, len(data), "u"
             if hashlib.sha256(data).hexdigest().encode() != digest:
                 raise RoundFailed(f"{name}: the region's carrier {holder[-8:]} and another region's disagree on it")
-            return data, len(data) + len(digest), True
+            return data, len(data) + len(digest), "h"
     fetched = 0
     if holder != me:
         log.info("event=shard_from_other_cell name=%s holder=%s", name, holder[-8:])
     for other in others:  # our region's carrier is gone or late: the same bytes from across the regions
         try:
             data = await _poll(transport, other, name, deadline)
-            return data, fetched + len(data), False
+            return data, fetched + len(data), "o"
         except RoundFailed:
             continue
     raise RoundFailed(f"{name}: no carrier delivered it")
@@ -299,6 +300,8 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
                                                                                        strict=True)
                                                         if not isinstance(c, BaseException) and tied(c[1])]
 
+    source = dict.fromkeys(offers, "c")  # where each shard came from (carried: c; see _shard_bytes)
+
     async def fetch(s: int) -> None:
         nonlocal fetched
         holder = plan.holder[s]
@@ -307,10 +310,10 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         # it), so that a slow link costs one wait, not two.
         note = asyncio.ensure_future(_poll(transport, holder, name, deadline)) if holder != me else None
         try:
-            offers[s], n, ours = await _shard_bytes(transport, plan, group, phase, s, me, deadline,
-                                                    t0 + CROSS_SHARE * timeout)
+            offers[s], n, source[s] = await _shard_bytes(transport, plan, group, phase, s, me, deadline,
+                                                         t0 + CROSS_SHARE * timeout)
             fetched += n
-            if note is None or not ours:
+            if note is None or source[s] == "o":
                 return  # our cell's carrier failed its shard: our cell cast no vote on it
             try:
                 div = decode_message(await note, max_size=64 * 1024)
@@ -335,6 +338,13 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
 
     await asyncio.gather(*(fetch(s) for s in range(plan.shards) if s not in offers))
     timeline["gathered"] = time.monotonic() - t0
+    # What each shard was and where from, for comparing members' logs after a round: its source, the crc32 of its
+    # offer's first 4 KiB (two averages differ from the first values on) and its contributors count.
+    log.info("event=shards key=%s phase=%d local=%d/%d shards=%s", group.key, phase, len(local.contributors),
+             len(plan.local.members), ",".join(
+                 f"s{s}:{source.get(s, '-')}:{zlib.crc32(offers[s][:4096]):08x}:"
+                 f"{_HEADER.unpack_from(offers[s])[1] if len(offers[s]) >= _HEADER.size else '?'}"
+                 for s in sorted(offers)))
     # The θ a repair takes (the most common winner of the shards our cell lost outright), if any.
     target = min(set(won), key=lambda p: (-won.count(p), p)) if outvoted and won else None
     if any(won_tie is None or won_tie != target for _, won_tie in ties):
