@@ -116,6 +116,7 @@ class ButterflyRun:
         self.results_at, self.relays_at, self.claims_at = VERIFIED if audit is not None else PLAIN
         self.own_commit: bytes | None = None
         self.part_sends: dict[int, asyncio.Task[int | Exception]] = {}  # our share of part j on its way to j
+        self.doubtful: set[int] = set()  # parts missing here that another member may still use (_fetch_missing)
         self.timeline: dict[str, float] = {}
 
     def _mark(self, step: str) -> None:
@@ -454,33 +455,50 @@ class ButterflyRun:
         member whose own send failed ends with the result every other member ends with."""
         pause = 0.1
         while missing := [j for j in range(len(self.members)) if j not in self.box.results]:
-            expected = await asyncio.gather(*(self._ask_for(j) for j in missing))
-            if not any(expected) or self._left(self.relays_at) <= 0:
+            answers = await asyncio.gather(*(self._ask_for(j) for j in missing))
+            # A part another member may still end with: left out here, it would be in that member's average
+            # and zero in ours (two θ from one round). Its owner's own view is not asked for: an owner that
+            # none of us hears from holds a minority of the parts unless it heard from us.
+            for j, (_, doubt) in zip(missing, answers, strict=True):
+                if doubt is not None:  # (None: not asked, the relay deadline had passed: the last word stands)
+                    self.doubtful = self.doubtful - {j} | ({j} if doubt else set())
+            if not any(expected for expected, _ in answers) or self._left(self.relays_at) <= 0:
                 return
             await self.box.wait(min(self._until(self.relays_at), time.monotonic() + pause))
             pause = min(1.0, pause * 2)
 
-    async def _ask_for(self, j: int) -> bool:
-        """One pass over the members for part ``j``'s result (filed if one has it); whether it is still
-        expected somewhere."""
+    async def _ask_for(self, j: int) -> tuple[bool, bool | None]:
+        """One pass over the members for part ``j``'s result (filed if one has it): (whether another member
+        still expects it; whether another member may end with it: the owner did not say it has none, and another
+        member expects it, or one that has not left or fallen unreachable did not answer; None when the relay
+        deadline passed before anyone was asked). An owner that answers without the result has not averaged its
+        part: nobody holds it (one that averages it later still forks θ: not ruled out here)."""
         owner = self.members[j]
-        expected = False
-        for other in [owner, *(m for m in self.members if m not in (owner, self.me_id))]:
-            if j in self.box.results or self._left(self.relays_at) <= 0:
-                return False
+        expected = doubt = owner_has_none = False
+        for i, other in enumerate([owner, *(m for m in self.members if m not in (owner, self.me_id))]):
+            if j in self.box.results:
+                return False, False
+            if self._left(self.relays_at) <= 0:
+                return expected, None if i == 0 else doubt
             try:
                 reply, _ = await self.call(other, "getpart",
                                            {"key": self.group.key, "phase": self.phase, "part": j, "owner": owner},
                                            timeout=max(0.1, self._left(self.relays_at)))
             except RoundFailed:
+                doubt |= i > 0 and not owner_has_none and other not in self.gone()
                 continue
             if isinstance(reply.get("result"), dict):
                 relayed = {k: v for k, v in reply["result"].items() if not (isinstance(k, str) and k.startswith("_"))}
                 self.box.results.setdefault(j, {**relayed, "_from": other})  # relayed (or pulled from its owner)
                 self.box.poke()
-                return False
-            expected |= reply.get("expects") is True
-        return expected
+                return False, False
+            expects = reply.get("expects") is True
+            expected |= expects
+            if i == 0:
+                owner_has_none = True
+            else:
+                doubt |= expects and not owner_has_none
+        return expected, doubt
 
     # 5. verified aggregation
     async def _verify(self, tg: asyncio.TaskGroup) -> None:
@@ -527,6 +545,9 @@ class ButterflyRun:
         for j, (a, b) in enumerate(self.bounds):
             res = self.box.results.get(j)
             if res is None:
+                if j in self.doubtful:
+                    raise RoundFailed(f"round {self.group.key} phase {self.phase}: part {j}'s result did not reach "
+                                      f"us, and another member may use it (left out here, it would fork θ)")
                 out.skip()
                 continue
             problem = result_problem(res, j, b - a, self.codec, self.members, self.me_id)

@@ -33,6 +33,10 @@ delivers fails the round. A shard averaged without some cell (its carrier droppe
 member still ends with the same bytes for it. A cell whose θ loses a shard's vote across cells repairs onto the
 winners' θ when a strict majority of the cells beat it; when the vote is closer (a tie among the cells heard, one
 cut off), its members fail the round rather than apply it onto a θ the winners do not hold.
+
+Why it is long: the three steps share one round's state (the cell's mean, the shards' offers, who was outvoted on
+which shard), and the rules that keep every member on one θ under faults are read together here; fetching a shard
+with its witness is a function of its own (``_shard_bytes``).
 """
 
 from __future__ import annotations
@@ -306,27 +310,43 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         nonlocal fetched
         holder = plan.holder[s]
         name = _offer_name(group, phase, s) + "#div"
+
+        async def note_of() -> bytes | RoundFailed:  # never raises: silence is an answer
+            try:
+                return await _poll(transport, holder, name, deadline)
+            except RoundFailed as e:
+                return e
+
         # How our cell's carrier of s came out of the shard's vote: asked for beside the shard (it is offered with
         # it), so that a slow link costs one wait, not two.
-        note = asyncio.ensure_future(_poll(transport, holder, name, deadline)) if holder != me else None
-        try:
-            offers[s], n, source[s] = await _shard_bytes(transport, plan, group, phase, s, me, deadline,
-                                                         t0 + CROSS_SHARE * timeout)
-            fetched += n
-            if note is None or source[s] == "o":
-                return  # our cell's carrier failed its shard: our cell cast no vote on it
+        said: bytes | RoundFailed | None = None
+        async with asyncio.TaskGroup() as tg:  # (no child raises: the group owns and awaits the note's task)
+            note = tg.create_task(note_of()) if holder != me else None
             try:
-                div = decode_message(await note, max_size=64 * 1024)
-            except (RoundFailed, FrameError) as e:
-                # It served the shard, and the note with it: a member that cannot read the note cannot tell
-                # whether its θ lost the vote, and applying a lost round would fork θ.
-                raise RoundFailed(f"{name}: our cell's carrier {holder[-8:]} did not say how the shard's vote went "
-                                  f"({e})") from None
-        finally:
+                got: tuple[bytes, int, str] | RoundFailed = await _shard_bytes(
+                    transport, plan, group, phase, s, me, deadline, t0 + CROSS_SHARE * timeout)
+            except RoundFailed as e:
+                got = e
             if note is not None:
-                note.cancel()
-                if note.done() and not note.cancelled():
-                    note.exception()  # (retrieved: a note not needed may have failed)
+                if isinstance(got, RoundFailed) or got[2] == "o":
+                    note.cancel()  # our cell's carrier failed its shard: our cell cast no vote on it
+                else:
+                    said = await note
+        if isinstance(got, RoundFailed):
+            raise got
+        offers[s], n, source[s] = got
+        fetched += n
+        if said is None:
+            return
+        try:
+            if isinstance(said, RoundFailed):
+                raise said
+            div = decode_message(said, max_size=64 * 1024)
+        except (RoundFailed, FrameError) as e:
+            # It served the shard, and the note with it: a member that cannot read the note cannot tell whether
+            # its θ lost the vote, and applying a lost round would fork θ.
+            raise RoundFailed(f"{name}: our cell's carrier {holder[-8:]} did not say how the shard's vote went "
+                              f"({e})") from None
         by, print_ = div.get("by"), div.get("print")
         winner = tuple(float(v) for v in print_) if print_ is not None and not print_problem(print_) else None
         if div.get("tied") is True:
