@@ -7,46 +7,25 @@ still end with it; otherwise it fails its round."""
 from __future__ import annotations
 
 import asyncio
-import os
-from typing import Any
 
 import pytest
 import torch
 
 from p2ptrain.collective.codecs import get_codec
+from p2ptrain.faults import FaultPlan
 from p2ptrain.net.allreduce import ButterflyRun
-from p2ptrain.net.transport import JoinRequest, PeerInfo, ReduceResult, RoundFailed
+from p2ptrain.net.transport import JoinRequest, ReduceResult, RoundFailed
+
+from .test_pipelined import _swarm
 
 pytestmark = [pytest.mark.net, pytest.mark.timeout(120)]
-
-
-async def _swarm(n: int) -> list[Any]:
-    from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
-
-    ts: list[Any] = []
-    try:
-        for _ in range(n):
-            initial = await ts[0].visible_maddrs() if ts else []
-            ts.append(await HivemindTransport.create(SwarmConfig(run_id=f"doubt-{os.getpid()}", initial_peers=initial,
-                                                                 join_window=2.0, ttl=30)))
-        for t in ts:
-            await t.announce(PeerInfo(peer_id=t.peer_id))
-        for t in ts:
-            for _ in range(200):
-                if len(await t.peers()) >= n:
-                    break
-                await asyncio.sleep(0.1)
-        return ts
-    except BaseException:
-        await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
-        raise
 
 
 def test_a_part_one_member_gets_late_is_not_left_zero_by_another(monkeypatch: pytest.MonkeyPatch) -> None:
     """b and c cannot reach each other; c's result reaches a only after b's round (3 s, a's and c's 12 s) is over.
     b asked a for it until then, and a still expected it: b must not end with c's part zero while a ends with it."""
     async def go() -> list[ReduceResult | BaseException]:
-        ts = await _swarm(3)
+        ts = await _swarm(3, [FaultPlan() for _ in range(3)], pipeline=False)
         try:
             groups = await asyncio.gather(*(t.form_group(JoinRequest(key="d", peer_id=t.peer_id, weight=1.0,
                                                                      fragment=0), None, timeout=30) for t in ts))
