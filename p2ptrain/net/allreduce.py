@@ -270,6 +270,13 @@ class ButterflyRun:
     async def _aggregate(self, tg: asyncio.TaskGroup) -> None:
         """Aggregate the contributions to our part that fit, into :attr:`own` (None if none was accepted);
         a large part starts being encoded for every member at once (a task of ``tg``)."""
+        if self._left(self.results_at) <= 0:
+            # Too late to publish (a peer frozen mid-round wakes with every deadline passed): a member whose relay
+            # deadline has passed left our part out, and one whose deadlines are later would average it in. Kept
+            # from everyone, the part is left out everywhere alike.
+            log.info("event=part_withheld key=%s phase=%d reason=averaged after the results deadline",
+                     self.group.key, self.phase)
+            return
         lo, hi = self.bounds[self.me]
         sel = select_contributions(self.box.contribs, self.members, self.me, hi - lo)
         for p, n in sel.dropped.items():

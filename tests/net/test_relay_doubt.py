@@ -56,3 +56,40 @@ def test_a_part_one_member_gets_late_is_not_left_zero_by_another(monkeypatch: py
     assert isinstance(out[0], ReduceResult), out[0]  # a: every part, c's late
     assert isinstance(out[1], RoundFailed) and "another member may use it" in str(out[1]), out[1]  # b: not zero
     assert all(torch.equal(r.tensors[0], done[0].tensors[0]) for r in done)  # whoever applies, applies one average
+
+
+def test_an_owner_that_averages_after_its_results_deadline_keeps_its_part_from_everyone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """c stalls in its gather until its round (3 s) is over (a peer frozen mid-round wakes with every deadline
+    passed). So is b's, which left c's part out; a's (12 s) would still take it, and used to. c must not publish
+    it: a and b end with the same bytes."""
+    async def go() -> list[ReduceResult | BaseException]:
+        ts = await _swarm(3, [FaultPlan() for _ in range(3)], pipeline=False)
+        try:
+            groups = await asyncio.gather(*(t.form_group(JoinRequest(key="w", peer_id=t.peer_id, weight=1.0,
+                                                                     fragment=0), None, timeout=30) for t in ts))
+            members = list(groups[0].members)
+            a, b, c = members
+            by_id = {t.peer_id: t for t in ts}
+            gather = ButterflyRun._gather
+
+            async def stalled(self: ButterflyRun) -> None:
+                await gather(self)
+                if self.me_id == c:
+                    await asyncio.sleep(max(0.0, self._left(1.0)) + 0.5)  # past b's whole round
+
+            monkeypatch.setattr(ButterflyRun, "_gather", stalled)
+            xs = {p: torch.full((300,), float(i + 1)) for i, p in enumerate(members)}
+            timeouts = {a: 12.0, b: 3.0, c: 3.0}
+            return list(await asyncio.gather(*(
+                by_id[p].allreduce(groups[0], 0, [xs[p]], 1.0, get_codec("fp32"), timeout=timeouts[p])
+                for p in members), return_exceptions=True))
+        finally:
+            await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
+
+    out = asyncio.run(go())
+    assert not any(isinstance(r, BaseException) and not isinstance(r, RoundFailed) for r in out), out
+    done = [r for r in out[:2] if isinstance(r, ReduceResult)]
+    assert len(done) == 2, out  # a and b both end the round
+    assert torch.equal(done[0].tensors[0], done[1].tensors[0])  # without c's part, both
+    assert bool((done[0].tensors[0][200:] == 0).all())  # c's part (the last third) left out
