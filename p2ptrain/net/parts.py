@@ -192,8 +192,11 @@ class Assembly:
         self.partial |= len(who) < len(self.members)
         if self.check_agree and self.members[self.me] not in {str(p) for p in res["agree"]}:
             self.divergent = True
-        if part == self.me or self.total_weight == 0.0:
-            self.total_weight = float(res["total"])
+        # The largest total of the parts used, the same at every member that used the same parts (our own part's
+        # total, as it was, differs between members when owners heard different contributors: a hierarchical
+        # shard's carriers then put different totals in their offers' headers, and members refused the shard
+        # as if a carrier had lied).
+        self.total_weight = max(self.total_weight, float(res["total"]))
         if res.get("print") is not None:
             self.prints[tuple(float(v) for v in res["print"])] += 1
 

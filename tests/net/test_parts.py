@@ -142,3 +142,20 @@ def test_a_part_voted_down_to_half_but_heard_from_more_is_used() -> None:
     for heard in (["a", "b"], ["a", "b", "x", "y"], "abcd", None):
         with pytest.raises(RoundFailed, match="half or less"):
             assemble(heard).result(group, 0, [torch.zeros(8)], sent=0, seconds=0.0)
+
+
+def test_every_member_that_uses_the_same_parts_reports_the_same_total() -> None:
+    """Parts averaged from different contributors carry different totals. Each member used to report its own
+    part's: a hierarchical shard's carriers then put different totals in their offers, and the members refused the
+    shard as a carrier's lie (churn benchmark, churn_arena2 f2.L598557860: three carriers, three offers)."""
+    group = Group("k", MEMBERS, "a", 0)
+    parts = [(0, 0, 2, {"contributors": ["a", "b", "c"], "agree": ["a", "b", "c"], "total": 3.0}),
+             (1, 2, 4, {"contributors": ["a", "b"], "agree": ["a", "b"], "total": 2.0}),
+             (2, 4, 6, {"contributors": ["b", "c"], "agree": ["b", "c"], "total": 2.5})]
+    totals = set()
+    for me in range(3):
+        asm = Assembly(6, MEMBERS, me, check_agree=False)
+        for j, lo, hi, res in parts[me:] + parts[:me]:  # in another order at each member
+            asm.add(j, lo, hi, torch.full((2,), float(j)), res)
+        totals.add(asm.result(group, 0, [torch.zeros(6)], sent=0, seconds=0.1).total_weight)
+    assert totals == {3.0}
