@@ -356,7 +356,24 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         if by and winner is not None:
             won.append(winner)
 
-    await asyncio.gather(*(fetch(s) for s in range(plan.shards) if s not in offers))
+    async def check_own(s: int) -> None:
+        # Our own carried shard, against another cell's carrier of it (as our cell's members check what they fetch
+        # from us): a carrier that applied its own bytes while the others hold other bytes was a fork its members
+        # could not see (churn_arena2 f2.L598557860). No other carrier answering: unchecked, as for members.
+        name = _offer_name(group, phase, s) + "#sha"
+        mine = hashlib.sha256(offers[s]).hexdigest().encode()
+        for other in (c for c in plan.carriers[s] if c != me):
+            try:
+                digest = await _poll(transport, other, name, min(deadline, time.monotonic() + 5.0))
+            except RoundFailed:
+                continue
+            if digest != mine:
+                raise RoundFailed(f"{name[:-4]}: our carry and {other[-8:]}'s disagree on it")
+            return
+        log.warning("event=shard_unchecked name=%s holder=%s", name[:-4], me[-8:])
+
+    await asyncio.gather(*(fetch(s) for s in range(plan.shards) if s not in offers),
+                         *(check_own(s) for s in list(offers)))
     timeline["gathered"] = time.monotonic() - t0
     # What each shard was and where from, for comparing members' logs after a round: its source, the crc32 of its
     # offer's first 4 KiB (two averages differ from the first values on) and its contributors count.

@@ -204,6 +204,32 @@ def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_
     run(go())
 
 
+def test_a_carrier_whose_shard_differs_from_the_other_regions_carrier_does_not_apply_it() -> None:
+    """A carrier ends its shard's cross step with other values than the other region's carrier of it (churn
+    benchmark, churn_arena2 f2.L598557860). Every member that fetches the shard refuses it (the digests differ);
+    the carriers used to apply their own bytes each, two θ that nobody could see. Now nobody applies the round."""
+    async def go() -> None:
+        async with memory_swarm(4) as ts:
+            regions = ["a", "a", "b", "b"]
+            groups = await _form(ts, regions, "hd")
+            odd = ts[1]  # carries shard 1 of region a
+            step = odd.allreduce
+
+            async def off_by_one(group: Group, *args: Any, **kw: Any) -> ReduceResult:
+                res = await step(group, *args, **kw)
+                if "#s" in group.key:
+                    res.tensors = [t + 1.0 for t in res.tensors]
+                return res
+
+            odd.allreduce = off_by_one  # type: ignore[method-assign]
+            xs = [[torch.full((10,), float(i))] for i in range(4)]
+            out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=6.0)
+                                         for t, g, x in zip(ts, groups, xs, strict=True)), return_exceptions=True)
+            assert all(isinstance(r, RoundFailed) for r in out), out
+
+    run(go())
+
+
 @pytest.mark.parametrize("digest", ["honest", "of the lie"])
 def test_a_carrier_that_lies_to_its_region_fails_the_round_there_and_poisons_no_one(digest: str) -> None:
     """A carrier serves its region a shard of ×100 values. Told the honest digest, the other region's members
