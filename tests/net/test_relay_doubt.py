@@ -7,6 +7,8 @@ still end with it; otherwise it fails its round."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -21,36 +23,46 @@ from .test_pipelined import _swarm
 pytestmark = [pytest.mark.net, pytest.mark.timeout(120)]
 
 
-def test_a_part_one_member_gets_late_is_not_left_zero_by_another(monkeypatch: pytest.MonkeyPatch) -> None:
-    """b and c cannot reach each other; c's result reaches a only after b's round (3 s, a's and c's 12 s) is over.
-    b asked a for it until then, and a still expected it: b must not end with c's part zero while a ends with it."""
+#: Breaks what a test breaks, given the members a, b, c (the group's order) and the transports by peer id.
+Setup = Callable[[str, str, str, dict[str, Any]], None]
+
+
+def _round_of_three(key: str, timeouts: tuple[float, float, float], setup: Setup) -> list[ReduceResult | BaseException]:
+    """One round of three real peers, a, b and c each with its own timeout; the outcomes in that order."""
     async def go() -> list[ReduceResult | BaseException]:
         ts = await _swarm(3, [FaultPlan() for _ in range(3)], pipeline=False)
         try:
-            groups = await asyncio.gather(*(t.form_group(JoinRequest(key="d", peer_id=t.peer_id, weight=1.0,
+            groups = await asyncio.gather(*(t.form_group(JoinRequest(key=key, peer_id=t.peer_id, weight=1.0,
                                                                      fragment=0), None, timeout=30) for t in ts))
             members = list(groups[0].members)
-            a, b, c = members  # by the group's order (sorted ids)
             by_id = {t.peer_id: t for t in ts}
-            by_id[b].blocked.add(c)
-            by_id[c].blocked.add(b)
-            send_result = ButterflyRun._send_result
-
-            async def late_to_a(self: ButterflyRun, j: int) -> int:
-                if self.me_id == c and self.members[j] == a:
-                    await asyncio.sleep(4.0)
-                return await send_result(self, j)
-
-            monkeypatch.setattr(ButterflyRun, "_send_result", late_to_a)
+            setup(*members, by_id)
             xs = {p: torch.full((300,), float(i + 1)) for i, p in enumerate(members)}
-            timeouts = {a: 12.0, b: 3.0, c: 12.0}
             return list(await asyncio.gather(*(
-                by_id[p].allreduce(groups[0], 0, [xs[p]], 1.0, get_codec("fp32"), timeout=timeouts[p])
-                for p in members), return_exceptions=True))
+                by_id[p].allreduce(groups[0], 0, [xs[p]], 1.0, get_codec("fp32"), timeout=t)
+                for p, t in zip(members, timeouts, strict=True)), return_exceptions=True))
         finally:
             await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
 
-    out = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_a_part_one_member_gets_late_is_not_left_zero_by_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """b and c cannot reach each other; c's result reaches a only after b's round (3 s, a's and c's 12 s) is over.
+    b asked a for it until then, and a still expected it: b must not end with c's part zero while a ends with it."""
+    def setup(a: str, b: str, c: str, by_id: dict[str, Any]) -> None:
+        by_id[b].blocked.add(c)
+        by_id[c].blocked.add(b)
+        send_result = ButterflyRun._send_result
+
+        async def late_to_a(self: ButterflyRun, j: int) -> int:
+            if self.me_id == c and self.members[j] == a:
+                await asyncio.sleep(4.0)
+            return await send_result(self, j)
+
+        monkeypatch.setattr(ButterflyRun, "_send_result", late_to_a)
+
+    out = _round_of_three("d", (12.0, 3.0, 12.0), setup)
     done = [r for r in out if isinstance(r, ReduceResult)]
     assert not any(isinstance(r, BaseException) and not isinstance(r, RoundFailed) for r in out), out
     assert isinstance(out[0], ReduceResult), out[0]  # a: every part, c's late
@@ -63,31 +75,17 @@ def test_an_owner_that_averages_after_its_results_deadline_keeps_its_part_from_e
     """c stalls in its gather until its round (3 s) is over (a peer frozen mid-round wakes with every deadline
     passed). So is b's, which left c's part out; a's (12 s) would still take it, and used to. c must not publish
     it: a and b end with the same bytes."""
-    async def go() -> list[ReduceResult | BaseException]:
-        ts = await _swarm(3, [FaultPlan() for _ in range(3)], pipeline=False)
-        try:
-            groups = await asyncio.gather(*(t.form_group(JoinRequest(key="w", peer_id=t.peer_id, weight=1.0,
-                                                                     fragment=0), None, timeout=30) for t in ts))
-            members = list(groups[0].members)
-            a, b, c = members
-            by_id = {t.peer_id: t for t in ts}
-            gather = ButterflyRun._gather
+    def setup(a: str, b: str, c: str, by_id: dict[str, Any]) -> None:
+        gather = ButterflyRun._gather
 
-            async def stalled(self: ButterflyRun) -> None:
-                await gather(self)
-                if self.me_id == c:
-                    await asyncio.sleep(max(0.0, self._left(1.0)) + 0.5)  # past b's whole round
+        async def stalled(self: ButterflyRun) -> None:
+            await gather(self)
+            if self.me_id == c:
+                await asyncio.sleep(max(0.0, self._left(1.0)) + 0.5)  # past b's whole round
 
-            monkeypatch.setattr(ButterflyRun, "_gather", stalled)
-            xs = {p: torch.full((300,), float(i + 1)) for i, p in enumerate(members)}
-            timeouts = {a: 12.0, b: 3.0, c: 3.0}
-            return list(await asyncio.gather(*(
-                by_id[p].allreduce(groups[0], 0, [xs[p]], 1.0, get_codec("fp32"), timeout=timeouts[p])
-                for p in members), return_exceptions=True))
-        finally:
-            await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
+        monkeypatch.setattr(ButterflyRun, "_gather", stalled)
 
-    out = asyncio.run(go())
+    out = _round_of_three("w", (12.0, 3.0, 3.0), setup)
     assert not any(isinstance(r, BaseException) and not isinstance(r, RoundFailed) for r in out), out
     done = [r for r in out[:2] if isinstance(r, ReduceResult)]
     assert len(done) == 2, out  # a and b both end the round
