@@ -159,6 +159,14 @@ async def _poll(transport: Transport, peer: str, name: str, deadline: float) -> 
         wait = min(0.25, wait * 2)
 
 
+async def _answer(transport: Transport, peer: str, name: str, deadline: float) -> bytes | RoundFailed:
+    """:func:`_poll`, with silence as an answer (never raises: a TaskGroup that owns it only awaits it)."""
+    try:
+        return await _poll(transport, peer, name, deadline)
+    except RoundFailed as e:
+        return e
+
+
 async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: int, s: int, me: str,
                        deadline: float, crossed_by: float = 0.0) -> tuple[bytes, int, str]:
     """Shard ``s``'s offer as this member's region's carrier serves it, checked against a carrier of another
@@ -176,15 +184,9 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
         t0 = time.monotonic()
         ours = max(t0 + 0.75 * (deadline - t0), crossed_by + 0.5 * (deadline - crossed_by))
 
-        async def answer(peer: str, what: str) -> bytes | BaseException:  # never raises: silence is an answer
-            try:
-                return await _poll(transport, peer, what, ours)
-            except RoundFailed as e:
-                return e
-
-        async with asyncio.TaskGroup() as tg:  # (answer() never raises: the group only owns and awaits them)
-            hold = tg.create_task(answer(holder, name))
-            check = tg.create_task(answer(witnesses[0], name + "#sha"))
+        async with asyncio.TaskGroup() as tg:  # (_answer() never raises: the group only owns and awaits them)
+            hold = tg.create_task(_answer(transport, holder, name, ours))
+            check = tg.create_task(_answer(transport, witnesses[0], name + "#sha", ours))
             # Our carrier and the witness offer at about the same time (their shard's step ended for both): once
             # one has answered, the other is given three times as long again (at least 5 s: the shard's transfer
             # from a busy carrier), not the whole round's time: a carrier or witness that died is replaced without
@@ -258,7 +260,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         # on the next round, whose vote settles θ; churn benchmark, f3.L598554270).
         return res.divergent and not local.divergent and not lost(res)
 
-    async def carry(s: int) -> tuple[int, ReduceResult, bytes]:
+    async def carry(s: int) -> tuple[int, ReduceResult, bytes, str]:
         lo, hi = bounds[s]
         # Our θ lost our cell's vote (step 1): we must not vote it on behalf of our cell's mean. No print: the
         # shard's average leaves our cell out (partial), and our cell learns no outvote from this shard.
@@ -281,16 +283,17 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         # (wanted as the shard is: a member that fetched the shard from us does not apply without the note)
         transport.offers.put(name + "#div", encode_message(div), ttl=OFFER_TTL, wanted=len(plan.local.members) - 1,
                              needed_until=deadline)
-        return s, res, offer
+        return s, res, offer, digest
 
     carried = await asyncio.gather(*(carry(s) for s in plan.carried), return_exceptions=True)
     offers: dict[int, bytes] = {}
+    digests: dict[int, str] = {}  # of the shards we carried (their offers' SHA-256)
     crossed: list[ReduceResult] = []
     for s, c in zip(plan.carried, carried, strict=True):
         if isinstance(c, BaseException):  # our carry failed: the others fetch the shard from other regions
             log.info("event=carry_failed name=%s reason=%s: %s", _offer_name(group, phase, s), type(c).__name__, c)
             continue
-        _, res, offer = c
+        _, res, offer, digests[s] = c
         offers[s] = offer
         crossed.append(res)
     timeline["across"] = time.monotonic() - t0
@@ -311,17 +314,11 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         holder = plan.holder[s]
         name = _offer_name(group, phase, s) + "#div"
 
-        async def note_of() -> bytes | RoundFailed:  # never raises: silence is an answer
-            try:
-                return await _poll(transport, holder, name, deadline)
-            except RoundFailed as e:
-                return e
-
         # How our cell's carrier of s came out of the shard's vote: asked for beside the shard (it is offered with
         # it), so that a slow link costs one wait, not two.
         said: bytes | RoundFailed | None = None
         async with asyncio.TaskGroup() as tg:  # (no child raises: the group owns and awaits the note's task)
-            note = tg.create_task(note_of()) if holder != me else None
+            note = tg.create_task(_answer(transport, holder, name, deadline)) if holder != me else None
             try:
                 got: tuple[bytes, int, str] | RoundFailed = await _shard_bytes(
                     transport, plan, group, phase, s, me, deadline, t0 + CROSS_SHARE * timeout)
@@ -361,7 +358,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         # from us): a carrier that applied its own bytes while the others hold other bytes was a fork its members
         # could not see (churn_arena2 f2.L598557860). No other carrier answering: unchecked, as for members.
         name = _offer_name(group, phase, s) + "#sha"
-        mine = hashlib.sha256(offers[s]).hexdigest().encode()
+        mine = digests[s].encode()
         for other in (c for c in plan.carriers[s] if c != me):
             try:
                 digest = await _poll(transport, other, name, min(deadline, time.monotonic() + 5.0))
