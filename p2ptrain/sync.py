@@ -29,7 +29,7 @@ from .aio import new_event_loop
 from .algo.methods import Round
 from .collective.codecs import Codec
 from .net.bandwidth import ThroughputEMA
-from .net.hierarchy import allreduce, plan_for
+from .net.hierarchy import allreduce, decline_round, plan_for
 from .net.transport import Decide, Group, JoinRequest, ReduceResult, RoundFailed, StateMismatch, Transport
 
 __all__ = ["NetLoop", "RoundRunner", "RoundStats", "fingerprint", "theta_digest"]
@@ -306,6 +306,8 @@ class RoundRunner:
             log.log(level, "event=round_failed key=%s reason=%s: %s", rnd.key, type(e).__name__, e)
         finally:
             self.stats.in_flight -= 1
+            if self.hierarchical:  # whatever we did not offer of it by now, we never will: say so to who asks
+                decline_round(self.transport, group_or_request.key)
             try:
                 if self.on_result is not None:
                     self.on_result(rnd, last)

@@ -56,10 +56,11 @@ from ..algo.grouping import split_groups
 from ..collective.butterfly import part_bounds
 from ..collective.codecs import Codec
 from .parts import print_problem
-from .transport import Group, ReduceResult, RoundFailed, Transport, Unreachable
+from .polling import answer, first_of, poll
+from .transport import Group, ReduceResult, RoundFailed, Transport
 from .wire import FrameError, decode_message, encode_message
 
-__all__ = ["Plan", "allreduce", "cells_of", "hierarchical_allreduce", "plan_for"]
+__all__ = ["Plan", "allreduce", "cells_of", "decline_round", "hierarchical_allreduce", "plan_for"]
 
 log = logging.getLogger(__name__)
 
@@ -134,37 +135,12 @@ def _offer_name(group: Group, phase: int, s: int) -> str:
     return f"hier/{group.key}/{phase}/s{s}"
 
 
-#: A peer whose dial failed this many times in a row is not asked again in this round (it left or its host is
-#: gone: a carrier that left right after its round was polled until the round's deadline, the testbed at 20 Mbit/s).
-UNREACHABLE_TRIES = 3
-
-
-async def _poll(transport: Transport, peer: str, name: str, deadline: float) -> bytes:
-    """Fetch ``name`` from ``peer``, asking again (20 ms, doubling to 250 ms) until it is offered or ``deadline``
-    (monotonic) passes, or the peer could not be reached :data:`UNREACHABLE_TRIES` times in a row: RoundFailed."""
-    wait, last, unreachable = 0.02, "nothing asked", 0
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RoundFailed(f"{name}: {peer[-8:]} did not offer it in time ({last})")
-        try:
-            return await transport.fetch_state(peer, name, timeout=left)
-        except Unreachable as e:
-            last, unreachable = str(e), unreachable + 1
-            if unreachable >= UNREACHABLE_TRIES:
-                raise RoundFailed(f"{name}: {peer[-8:]} cannot be reached ({last})") from None
-        except (RoundFailed, TimeoutError, ConnectionError, OSError) as e:
-            last, unreachable = str(e), 0
-        await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic())))
-        wait = min(0.25, wait * 2)
-
-
-async def _answer(transport: Transport, peer: str, name: str, deadline: float) -> bytes | RoundFailed:
-    """:func:`_poll`, with silence as an answer (never raises: a TaskGroup that owns it only awaits it)."""
-    try:
-        return await _poll(transport, peer, name, deadline)
-    except RoundFailed as e:
-        return e
+def decline_round(transport: Transport, key: str, phase: int | None = None) -> None:
+    """The round ``key`` (or one phase of it) ended here: the shards, digests and notes of it this peer does not
+    offer by now are declined to whoever asks (net/polling.py), so that its cell's members ask another cell's
+    carrier at once rather than at 3/4 of their time (a carrier whose own round failed before it began, e.g.
+    frozen through its join; or whose carry failed)."""
+    transport.offers.end(f"hier/{key}/" if phase is None else f"hier/{key}/{phase}/", ttl=OFFER_TTL)
 
 
 async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: int, s: int, me: str,
@@ -184,15 +160,16 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
         t0 = time.monotonic()
         ours = max(t0 + 0.75 * (deadline - t0), crossed_by + 0.5 * (deadline - crossed_by))
 
-        async with asyncio.TaskGroup() as tg:  # (_answer() never raises: the group only owns and awaits them)
-            hold = tg.create_task(_answer(transport, holder, name, ours))
-            check = tg.create_task(_answer(transport, witnesses[0], name + "#sha", ours))
+        async with asyncio.TaskGroup() as tg:  # (answer() never raises: the group only owns and awaits them)
+            hold = tg.create_task(answer(transport, holder, name, ours))
+            check = tg.create_task(answer(transport, witnesses[0], name + "#sha", ours))
             # Our carrier and the witness offer at about the same time (their shard's step ended for both): once
             # one has answered, the other is given three times as long again (at least 5 s: the shard's transfer
             # from a busy carrier), not the whole round's time: a carrier or witness that died is replaced without
             # waiting for the deadline. Replacing a live but slow carrier costs the shard's bytes across cells.
             await asyncio.wait({hold, check}, return_when=asyncio.FIRST_COMPLETED)
-            await asyncio.wait({hold, check}, timeout=max(5.0, 3.0 * (time.monotonic() - t0)))
+            if not (hold.done() and isinstance(hold.result(), RoundFailed)):  # (ours declined: no digest needed)
+                await asyncio.wait({hold, check}, timeout=max(5.0, 3.0 * (time.monotonic() - t0)))
             late = RoundFailed(f"{name}: no answer in time")
             data = hold.result() if hold.done() else late
             digest = check.result() if check.done() else late
@@ -203,7 +180,7 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
                 if isinstance(digest, bytes):
                     break
                 try:
-                    digest = await _poll(transport, w, name + "#sha", min(ours, time.monotonic() + 2.0))
+                    digest = await poll(transport, w, name + "#sha", min(ours, time.monotonic() + 2.0))
                 except RoundFailed as e:
                     digest = e
             if not isinstance(digest, bytes):  # no other region answers: nothing to check against
@@ -212,16 +189,13 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
             if hashlib.sha256(data).hexdigest().encode() != digest:
                 raise RoundFailed(f"{name}: the region's carrier {holder[-8:]} and another region's disagree on it")
             return data, len(data) + len(digest), "h"
-    fetched = 0
     if holder != me:
         log.info("event=shard_from_other_cell name=%s holder=%s", name, holder[-8:])
-    for other in others:  # our region's carrier is gone or late: the same bytes from across the regions
-        try:
-            data = await _poll(transport, other, name, deadline)
-            return data, fetched + len(data), "o"
-        except RoundFailed:
-            continue
-    raise RoundFailed(f"{name}: no carrier delivered it")
+    # Our cell's carrier is gone, late or declined: the same bytes from across the cells, the next carrier asked as
+    # well while those asked are silent (polling.first_of): a carrier cut off with its cell used to be asked until
+    # the deadline before the next one was.
+    _, data = await first_of(transport, others, name, deadline)
+    return data, len(data), "o"
 
 
 async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan, phase: int,
@@ -229,6 +203,16 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
                                  fingerprint: Sequence[float] | None = None) -> ReduceResult:
     """The weighted mean of every member's ``tensors`` in three steps (see the module docstring); the same
     contract as :meth:`Transport.allreduce`. ``timeout`` bounds the whole round."""
+    try:
+        return await _three_steps(transport, group, plan, phase, tensors, weight, codec, timeout=timeout,
+                                  fingerprint=fingerprint)
+    finally:
+        decline_round(transport, group.key, phase)
+
+
+async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: int, tensors: Sequence[torch.Tensor],
+                       weight: float, codec: Codec, *, timeout: float,
+                       fingerprint: Sequence[float] | None) -> ReduceResult:
     t0 = time.monotonic()
     deadline = t0 + timeout
     me = transport.peer_id
@@ -318,7 +302,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         # it), so that a slow link costs one wait, not two.
         said: bytes | RoundFailed | None = None
         async with asyncio.TaskGroup() as tg:  # (no child raises: the group owns and awaits the note's task)
-            note = tg.create_task(_answer(transport, holder, name, deadline)) if holder != me else None
+            note = tg.create_task(answer(transport, holder, name, deadline)) if holder != me else None
             try:
                 got: tuple[bytes, int, str] | RoundFailed = await _shard_bytes(
                     transport, plan, group, phase, s, me, deadline, t0 + CROSS_SHARE * timeout)
@@ -361,7 +345,7 @@ async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan,
         mine = digests[s].encode()
         for other in (c for c in plan.carriers[s] if c != me):
             try:
-                digest = await _poll(transport, other, name, min(deadline, time.monotonic() + 5.0))
+                digest = await poll(transport, other, name, min(deadline, time.monotonic() + 5.0))
             except RoundFailed:
                 continue
             if digest != mine:

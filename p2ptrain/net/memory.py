@@ -23,7 +23,17 @@ from ..faults import corrupt_update
 from .groups import Forming, agreed_print, alone_check, half_or_less, majority_fingerprint, membership_check
 from .guard import Guard, GuardConfig
 from .offers import Offers
-from .transport import Decide, Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
+from .transport import (
+    Decide,
+    Declined,
+    Group,
+    JoinRequest,
+    PeerInfo,
+    ReduceResult,
+    RoundFailed,
+    StateProvider,
+    Transport,
+)
 
 __all__ = ["MemorySwarm", "MemoryTransport"]
 
@@ -128,6 +138,8 @@ class MemoryTransport(Transport):
         provider = sw.providers.get(peer_id)
         data = offered[0] if offered is not None else provider(name) if provider is not None else None
         if data is None:
+            if offers is not None and offers.declines(name):
+                raise Declined(f"state {name!r}: peer {peer_id} ended its round without it")
             raise RoundFailed(f"state {name!r}: peer {peer_id} has none")
         if offered is not None and offers is not None:
             offers.fetched(name)

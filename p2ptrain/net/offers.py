@@ -18,13 +18,17 @@ class Offers:
     An offer may be *wanted*: by ``wanted`` fetches (whole transfers, counted by the transport: :meth:`fetched`)
     until ``needed_until`` (monotonic, the round's deadline). A peer that leaves gracefully serves what is still
     wanted before it closes (:meth:`pending_until`): a carrier that left right after applying its round took
-    its cell's shard with it, and the cell's round failed."""
+    its cell's shard with it, and the cell's round failed.
+
+Names under a prefix that :meth:`end` closed (a round that ended here) and that are not offered are *declined*
+(:meth:`declines`): an asker is told at once that they will never come, instead of "not yet" until its deadline."""
 
     def __init__(self, keep: int = 256) -> None:
         self.keep = keep
         self._held: OrderedDict[str, tuple[bytes, str, float]] = OrderedDict()
         self._wanted: dict[str, tuple[int, float]] = {}  # name -> (fetches still wanted, until when)
         self._fetched: asyncio.Event | None = None  # set on each fetch while :meth:`served` waits
+        self._ended: OrderedDict[str, float] = OrderedDict()  # name prefix -> until when its names are declined
 
     def put(self, name: str, data: bytes, *, ttl: float, wanted: int = 0, needed_until: float = 0.0) -> str:
         """Serve ``data`` as ``name`` for ``ttl`` seconds (wanted by ``wanted`` fetches until ``needed_until``);
@@ -58,6 +62,24 @@ class Offers:
         now = time.monotonic()
         live = [until for n, (_, until) in self._wanted.items() if until > now and n in self._held]
         return max(live, default=None)
+
+    def end(self, prefix: str, *, ttl: float) -> None:
+        """Every name under ``prefix`` that is not offered by now never will be (the round it belongs to ended
+        here, with or without it): decline them for ``ttl`` seconds (at most ``keep`` prefixes are held)."""
+        now = time.monotonic()
+        for p in [p for p, until in self._ended.items() if until <= now]:
+            del self._ended[p]
+        self._ended[prefix] = now + ttl
+        self._ended.move_to_end(prefix)
+        while len(self._ended) > self.keep:
+            self._ended.popitem(last=False)
+
+    def declines(self, name: str) -> bool:
+        """Whether ``name`` is not offered and lies under a prefix that :meth:`end` closed."""
+        if self.get(name) is not None:
+            return False
+        now = time.monotonic()
+        return any(name.startswith(p) and until > now for p, until in self._ended.items())
 
     def get(self, name: str) -> tuple[bytes, str] | None:
         held = self._held.get(name)

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .offers import Offers
-from .transport import RoundFailed, StateProvider
+from .transport import Declined, RoundFailed, StateProvider
 
 __all__ = ["DEFAULT_CHUNK", "MAX_STATE", "Progress", "StateServer", "fetch_chunked"]
 
@@ -54,6 +54,8 @@ class StateServer:
         if not isinstance(name, str) or not isinstance(offset, int) or offset < 0:
             return {"error": "bad state request"}
         offered = self.offers.get(name)
+        if offered is None and self.offers.declines(name):
+            return {"error": f"{name!r} ended here without it", "declined": True}
         from_offer = offered is not None and want in (None, offered[1])
         if offered is not None and from_offer:
             data, digest = offered
@@ -86,7 +88,7 @@ async def fetch_chunked(call: Call, name: str, *, max_bytes: int = MAX_STATE,
 
     def check(reply: dict[str, Any], offset: int) -> bytes:
         if "error" in reply:
-            raise RoundFailed(f"state {name!r}: {reply['error']}")
+            raise (Declined if reply.get("declined") is True else RoundFailed)(f"state {name!r}: {reply['error']}")
         chunk = reply.get("chunk")
         if not isinstance(chunk, bytes) or reply.get("offset") != offset:
             raise RoundFailed(f"state {name!r}: malformed reply at offset {offset}")

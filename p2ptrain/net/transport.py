@@ -30,6 +30,7 @@ from .offers import Offers
 __all__ = [
     "Decide",
     "Decision",
+    "Declined",
     "Group",
     "JoinRequest",
     "PeerInfo",
@@ -50,6 +51,11 @@ class RoundFailed(RuntimeError):
 class Unreachable(RoundFailed):
     """The peer could not be reached at all: its dial failed (it left, or its host is gone), or a partition blocks
     it. Unlike an answer that says "not yet", asking again soon is unlikely to help."""
+
+
+class Declined(RoundFailed):
+    """The peer answered that it does not have what was asked and never will (the round it belonged to ended there
+    without it: :meth:`Offers.end`). Unlike "not yet", asking it again cannot help."""
 
 
 class StateMismatch(RoundFailed):

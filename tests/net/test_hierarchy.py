@@ -174,6 +174,36 @@ def test_a_carrier_that_never_offers_its_shard_is_replaced_by_another_regions_ca
     run(go())
 
 
+def test_a_carrier_whose_carry_failed_sends_its_cell_to_another_carrier_at_once() -> None:
+    """A carrier that cannot offer its shard (here its offers fail; in the churn benchmark its round failed before
+    it began, frozen through its join) declines it once its round ended, and its region mate fetches the shard
+    from the other region's carrier then, not after waiting out its own carrier (at least 5 s after the witness
+    answered, up to 3/4 of the round: failed rounds took 67 s median in the churn benchmark and held the
+    compute thread meanwhile)."""
+    async def go() -> None:
+        async with memory_swarm(4) as ts:
+            regions = ["a", "a", "b", "b"]
+            groups = await _form(ts, regions, "hc")
+            broken = ts[1]  # carries shard 1 of region a
+            put = broken.offers.put
+
+            def failing_put(name: str, data: bytes, **kw: Any) -> str:
+                if name.startswith("hier/hc/0/s1"):
+                    raise OSError("no room to offer it")
+                return put(name, data, **kw)
+
+            broken.offers.put = failing_put  # type: ignore[method-assign]
+            xs = [[torch.full((10,), float(i))] for i in range(4)]
+            t0 = asyncio.get_running_loop().time()
+            out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=60.0)
+                                         for t, g, x in zip(ts, groups, xs, strict=True)))
+            assert asyncio.get_running_loop().time() - t0 < 4.0  # not the ≥ 5 s its mate waited for it before
+            for r in out:
+                assert torch.allclose(r.tensors[0], torch.full((10,), 1.5))
+
+    run(go())
+
+
 def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_round() -> None:
     """3 regions × 2; a carrier of region c stops answering once its cell's step is done (a SIGSTOP, a peer that
     left mid-round, after its cell's step). Its shard's other carriers end their cross step partial within its budget and offer the

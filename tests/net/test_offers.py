@@ -37,6 +37,20 @@ def test_an_offer_is_wanted_until_fetched_as_often_as_asked_or_its_deadline() ->
     assert small.pending_until() is None
 
 
+def test_names_of_a_round_that_ended_are_declined_unless_offered() -> None:
+    o = Offers(keep=2)
+    o.put("hier/k/0/s0", b"shard", ttl=300)
+    o.end("hier/k/", ttl=0.2)
+    assert not o.declines("hier/k/0/s0")  # offered: served as before
+    assert o.declines("hier/k/0/s1") and o.declines("hier/k/0/s1#div")  # never offered: declined at once
+    assert not o.declines("hier/k2/0/s1") and not o.declines("hier/other/0/s0")  # another round: "not yet"
+    time.sleep(0.25)
+    assert not o.declines("hier/k/0/s1")  # for ttl seconds only
+    for k in ("a", "b", "c"):  # at most ``keep`` rounds are remembered, the oldest goes first
+        o.end(f"hier/{k}/", ttl=300)
+    assert not o.declines("hier/a/0/s0") and o.declines("hier/b/0/s0") and o.declines("hier/c/0/s0")
+
+
 def test_serving_waits_for_the_fetch_or_the_deadline_or_the_limit() -> None:
     async def go() -> None:
         o = Offers()

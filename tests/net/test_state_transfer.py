@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from p2ptrain.net.state_transfer import StateServer, fetch_chunked
-from p2ptrain.net.transport import RoundFailed
+from p2ptrain.net.transport import Declined, RoundFailed
 
 BLOB = os.urandom(300_000)
 
@@ -28,6 +28,17 @@ def test_download_assembles_the_chunks_and_reports_progress() -> None:
     assert out == BLOB
     assert [d for d, _ in seen] == [min(len(BLOB), 65536 * k) for k in range(1, 6)]  # 5 chunks of 64 KiB
     assert {t for _, t in seen} == {len(BLOB)}
+
+
+def test_a_name_of_a_round_that_ended_without_it_is_declined_not_unknown() -> None:
+    srv = _server()
+    srv.offers.end("hier/k/", ttl=60)
+    with pytest.raises(Declined):
+        asyncio.run(fetch_chunked(srv.handle, "hier/k/0/s1"))
+    with pytest.raises(RoundFailed) as e:  # not ended: "unknown", which a poller asks again
+        asyncio.run(fetch_chunked(srv.handle, "hier/j/0/s1"))
+    assert not isinstance(e.value, Declined)
+    assert asyncio.run(fetch_chunked(srv.handle, "outer")) == BLOB
 
 
 def test_a_transfer_stays_consistent_while_the_state_changes() -> None:
