@@ -325,9 +325,7 @@ class RoundRunner:
         if len(self._quick) >= 3:
             base = min(base, max(self.QUICK_FLOOR, self.QUICK * max(self._quick)))
         need = 0.0
-        links = getattr(self.transport, "links", None)
-        rate = links.slowest() if links is not None and links.slowest() > 0 else self.stats.bandwidth
-        rate = rate if rate > 0 else self.FIRST_RATE
+        rate = self._link_rate() or self.FIRST_RATE
         if members > 1:  # (the per-link meters count sends cut off by a timeout too)
             nbytes = self.codec.encoded_size(sum(t.numel() for t in payload))
             need = self.SLACK * 2.0 * nbytes / members / rate
@@ -335,9 +333,22 @@ class RoundRunner:
         self.timeout_scale = max(1.0, timeout / self.round_timeout)
         return timeout
 
+    def _link_rate(self) -> float:
+        """The slowest link's measured rate (bytes/s; the transport's per-link meters, else the rounds' own
+        meter), 0 before any is measured."""
+        links = getattr(self.transport, "links", None)
+        rate = links.slowest() if links is not None else 0.0
+        return rate if rate > 0 else max(0.0, self.stats.bandwidth)
+
     def _took(self, seconds: float, timeout: float, *, late: bool) -> None:
-        """A phase ended after ``seconds`` of its ``timeout``; ``late``: it failed or lost members."""
-        if late and seconds >= 0.45 * timeout:  # it waited for its deadlines: the link may be slower than thought
+        """A phase ended after ``seconds`` of its ``timeout``; ``late``: it failed or lost members.
+
+        A late phase stretches the timeout only while no link has been measured: once one has, the timeout follows
+        the slowest link's measured rate (:meth:`timeout_for`; a send cut off by its deadline is measured too), and a
+        phase that ran into its deadline on a measured link waited for a member that froze, died or was cut off,
+        not for bytes. Stretched for those (churn benchmark: up to 8×, 240 s), every later round that lost a member
+        held its peers, and their compute threads (which wait in proportion), for minutes."""
+        if late and seconds >= 0.45 * timeout and self._link_rate() <= 0:  # the link may be slower than assumed
             self._stretch = min(self.MAX_STRETCH, 2.0 * self._stretch)
             log.info("event=round_timeout_stretched seconds=%.1f timeout=%.1f stretch=%g", seconds, timeout,
                      self._stretch)

@@ -57,6 +57,21 @@ def test_rounds_that_ran_into_their_deadline_double_it_and_quick_ones_halve_it_b
     assert r.timeout_for(payload, 4) == 60.0 * RoundRunner.MAX_STRETCH
 
 
+def test_on_a_measured_link_a_phase_that_lost_a_member_does_not_stretch_the_timeout() -> None:
+    """Measured, the link sets the timeout (its transfer time × SLACK); a phase that ran into its deadline there
+    waited for a member that froze, died or was cut off. Stretching for it held every later round that lost a
+    member for up to 8× as long (churn benchmark: 240 s timeouts), and the peers' compute threads with them."""
+    r = _runner()
+    payload = [torch.zeros(1000)]
+    r.stats.bandwidth = 10e6
+    for _ in range(3):
+        r._took(59.0, 60.0, late=True)
+    assert r.timeout_for(payload, 4) == 60.0 and r.timeout_scale == 1.0
+    # a slow link still gets what it needs, from its measured rate
+    r.stats.bandwidth = 1e6
+    assert r.timeout_for([torch.zeros(25_000_000)], 4) == pytest.approx(150.0)
+
+
 def test_the_transports_link_meters_count_even_when_no_round_completed() -> None:
     """A send cut off by its timeout still measured the link (net/allreduce.py): the next timeout follows it."""
     from p2ptrain.net.bandwidth import LinkMeter
