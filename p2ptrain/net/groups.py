@@ -112,6 +112,12 @@ class Forming:
             self.group = close_group(self.key, alive, leader, self.decides.get(leader))
             if live is not None:
                 self.refusal = quorum_problem(self.key, alive, set(live) - set(drop))
+            # One line per group a leader closes: the churn benchmark's logs then show how a round split (which
+            # leaders, how many joined each, of how many counted live).
+            log.info("event=group_closed key=%s leader=%s joined=%d members=%d counted=%d late_s=%.1f quorum=%s",
+                     self.key, leader[-8:], len(alive), len(self.group.members),
+                     len(set(live or ()) | set(alive)), max(0.0, self.clock() - self.first - self.window),
+                     self.refusal is None)
             self.closed.set()
         return self.group
 
