@@ -18,7 +18,8 @@ codec      layout                                                           byte
 =========  ===============================================================  ==============================
 
 The 2-bit codecs (``2bit``, ``topk2``, ``topk2:0.03``), meant to run behind error feedback, are in
-:mod:`p2ptrain.collective.lowbit`; the :class:`Codec` contract and the byte helpers in
+:mod:`p2ptrain.collective.lowbit` (``topk2g4:F``, whose groups of 4 values share an index, in
+:mod:`p2ptrain.collective.grouped`); the :class:`Codec` contract and the byte helpers in
 :mod:`p2ptrain.collective.codec_base`. All are registered in :data:`CODECS` here.
 
 All block headers come first, then the packed values, so both sides vectorise without per-block loops.
@@ -44,6 +45,7 @@ from .codec_base import (
     _read_u8,
     _to_bytes,
 )
+from .grouped import TopK2GroupCodec
 from .lowbit import TopK2Codec, TopK2Codec3, TwoBitCodec
 
 __all__ = [
@@ -295,7 +297,7 @@ class E3M0Codec(Codec):
 
 CODECS: dict[str, type[Codec]] = {
     cls.name: cls for cls in (FP32Codec, FP16Codec, BF16Codec, Uint8Codec, FP8Codec, E3M0Codec, TwoBitCodec,
-                              TopK2Codec, TopK2Codec3)
+                              TopK2Codec, TopK2Codec3, TopK2GroupCodec)
 }
 
 
@@ -303,9 +305,11 @@ _TOPK: dict[str, type[Codec]] = {}
 
 
 def _topk(name: str) -> type[Codec] | None:
-    """``topk2:F``: :class:`TopK2Codec` sending the fraction F of each block (0 < F ≤ 0.5), or None."""
+    """``topk2:F``: :class:`TopK2Codec` sending the fraction F of each block (0 < F ≤ 0.5), ``topk2g4:F`` the same
+    with :class:`TopK2GroupCodec` (groups of 4 values), or None."""
     head, _, frac = name.partition(":")
-    if head != "topk2" or not frac:
+    base: type[Codec] | None = {"topk2": TopK2Codec, "topk2g4": TopK2GroupCodec}.get(head)
+    if base is None or not frac:
         return None
     try:
         f = float(frac)
@@ -314,13 +318,13 @@ def _topk(name: str) -> type[Codec] | None:
     if not 0 < f <= 0.5:
         return None
     if name not in _TOPK:
-        _TOPK[name] = type(f"TopK2Codec_{frac}", (TopK2Codec,), {"name": name, "FRACTION": f,
-                                                                  "__doc__": f"TopK2Codec with {f:g} of each block."})
+        _TOPK[name] = type(f"{base.__name__}_{frac}", (base,), {"name": name, "FRACTION": f,
+                                                                 "__doc__": f"{base.__name__} with {f:g} of each block."})
     return _TOPK[name]
 
 
 def is_codec(name: str) -> bool:
-    """Whether ``name`` names a codec: one of :data:`CODECS`, or ``topk2:F`` for a fraction 0 < F ≤ 0.5."""
+    """Whether ``name`` names a codec: one of :data:`CODECS`, or ``topk2:F``/``topk2g4:F`` for a fraction 0 < F ≤ 0.5."""
     return name in CODECS or _topk(name) is not None
 
 
@@ -330,5 +334,5 @@ def get_codec(name: str, device: torch.device | str | None = None) -> Codec:
     cls = CODECS.get(name) or _topk(name)
     if cls is None:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(sorted(CODECS))} "
-                         "(or topk2:F, a fraction 0 < F ≤ 0.5)")
+                         "(or topk2:F or topk2g4:F, a fraction 0 < F ≤ 0.5)")
     return cls(device)

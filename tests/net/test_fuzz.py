@@ -230,6 +230,24 @@ def test_sparse_payloads_with_mutated_index_sets_decode_or_refuse(name: str, n: 
     assert out.numel() == n and int((out != 0).sum()) <= codec._slot_counts(n)[1]
 
 
+@FUZZ
+@given(st.integers(1, 5000), st.integers(0, 2**31 - 1),
+       st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6))
+def test_grouped_sparse_payloads_with_mutated_index_sets_decode_or_refuse(n: int, seed: int,
+                                                                          edits: list[tuple[int, int]]) -> None:
+    """The same for topk2g4 (groups of 4 values share an index): at most the slots' groups decode nonzero."""
+    codec = get_codec("topk2g4:0.03")
+    data = bytearray(codec.encode(torch.randn(n, generator=torch.Generator().manual_seed(seed))))
+    _, blocks, slots, _ = codec._layout(n)
+    for where, byte in edits:
+        data[4 * blocks + where % max(1, len(data) - 4 * blocks)] = byte
+    try:
+        out = codec.decode(bytes(data), n)
+    except ValueError:
+        return
+    assert out.numel() == n and int((out != 0).sum()) <= 4 * slots
+
+
 def _topk2_payload(indices: list[int], codes: int = 10) -> bytes:
     """A one-block topk2 payload for 13 values (lo 1, hi 2) with the given index set."""
     from p2ptrain.collective.lowbit import pack_bits
