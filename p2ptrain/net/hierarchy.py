@@ -73,6 +73,10 @@ OFFER_TTL = 300.0  # seconds a carrier serves its shard (members that were slow 
 #: mid-round made the others offer their shards only at the deadline: no member fetched them in time).
 LOCAL_SHARE = 0.35
 CROSS_SHARE = 0.85
+#: Seconds without any answer from a member's cell carrier (not even "not yet"), counted once another cell's carrier
+#: has offered the shard, after which the member fetches it from another cell's carrier (net/polling.py: a live
+#: carrier answers every poll within 250 ms, and one sending the shard reports every chunk of 4 MiB).
+SILENT = 10.0
 
 
 @dataclass(frozen=True)
@@ -160,16 +164,28 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
         t0 = time.monotonic()
         ours = max(t0 + 0.75 * (deadline - t0), crossed_by + 0.5 * (deadline - crossed_by))
 
+        heard = [t0]  # when our carrier last showed it is alive (an answer, "not yet" too, or a chunk)
+
+        def alive() -> None:
+            heard[0] = time.monotonic()
+
         async with asyncio.TaskGroup() as tg:  # (answer() never raises: the group only owns and awaits them)
-            hold = tg.create_task(answer(transport, holder, name, ours))
+            hold = tg.create_task(answer(transport, holder, name, ours, alive))
             check = tg.create_task(answer(transport, witnesses[0], name + "#sha", ours))
             # Our carrier and the witness offer at about the same time (their shard's step ended for both): once
             # one has answered, the other is given three times as long again (at least 5 s: the shard's transfer
             # from a busy carrier), not the whole round's time: a carrier or witness that died is replaced without
             # waiting for the deadline. Replacing a live but slow carrier costs the shard's bytes across cells.
+            # Our carrier silent for SILENT s by then (no answer at all, not even "not yet": frozen or cut off) is
+            # not waited for: churn, members waited ~3/4 of the round for a frozen carrier and then had too little
+            # time left to fetch the shard from another cell's carrier, which held it all along.
             await asyncio.wait({hold, check}, return_when=asyncio.FIRST_COMPLETED)
             if not (hold.done() and isinstance(hold.result(), RoundFailed)):  # (ours declined: no digest needed)
-                await asyncio.wait({hold, check}, timeout=max(5.0, 3.0 * (time.monotonic() - t0)))
+                end = time.monotonic() + max(5.0, 3.0 * (time.monotonic() - t0))
+                while not hold.done() and (now := time.monotonic()) < end and now - heard[0] < SILENT:
+                    await asyncio.wait({hold}, timeout=min(0.25, end - now))
+                if hold.done() and not check.done():
+                    await asyncio.wait({check}, timeout=max(0.0, end - time.monotonic()))
             late = RoundFailed(f"{name}: no answer in time")
             data = hold.result() if hold.done() else late
             digest = check.result() if check.done() else late

@@ -24,6 +24,7 @@ from .groups import Forming, agreed_print, alone_check, half_or_less, majority_f
 from .guard import Guard, GuardConfig
 from .offers import Offers
 from .transport import (
+    Answered,
     Decide,
     Declined,
     Group,
@@ -140,7 +141,7 @@ class MemoryTransport(Transport):
         if data is None:
             if offers is not None and offers.declines(name):
                 raise Declined(f"state {name!r}: peer {peer_id} ended its round without it")
-            raise RoundFailed(f"state {name!r}: peer {peer_id} has none")
+            raise Answered(f"state {name!r}: peer {peer_id} has none")
         if offered is not None and offers is not None:
             offers.fetched(name)
         if progress is not None:

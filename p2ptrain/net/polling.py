@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from .transport import Declined, RoundFailed, Transport, Unreachable
+from .transport import Answered, Declined, RoundFailed, Transport, Unreachable
 
 __all__ = ["STAGGER", "UNREACHABLE_TRIES", "answer", "first_of", "poll"]
 
@@ -30,19 +30,26 @@ UNREACHABLE_TRIES = 3
 STAGGER = 5.0
 
 
-async def poll(transport: Transport, peer: str, name: str, deadline: float) -> bytes:
+async def poll(transport: Transport, peer: str, name: str, deadline: float,
+               heard: Callable[[], None] | None = None) -> bytes:
     """Fetch ``name`` from ``peer``, asking again (20 ms, doubling to 250 ms) until it is offered or ``deadline``
     (monotonic) passes, the peer could not be reached :data:`UNREACHABLE_TRIES` times in a row, or it declines
-    (its round ended without the name): RoundFailed (Declined for the last)."""
+    (its round ended without the name): RoundFailed (Declined for the last). ``heard`` is called whenever the peer
+    shows it is alive: an answer ("not yet" too), or a chunk of the transfer."""
     wait, last, unreachable = 0.02, "nothing asked", 0
+    progress = None if heard is None else (lambda done, total: heard())
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise RoundFailed(f"{name}: {peer[-8:]} did not offer it in time ({last})")
         try:
-            return await transport.fetch_state(peer, name, timeout=left)
+            return await transport.fetch_state(peer, name, timeout=left, progress=progress)
         except Declined:
             raise
+        except Answered as e:
+            last, unreachable = str(e), 0
+            if heard is not None:
+                heard()
         except Unreachable as e:
             last, unreachable = str(e), unreachable + 1
             if unreachable >= UNREACHABLE_TRIES:
@@ -53,10 +60,11 @@ async def poll(transport: Transport, peer: str, name: str, deadline: float) -> b
         wait = min(0.25, wait * 2)
 
 
-async def answer(transport: Transport, peer: str, name: str, deadline: float) -> bytes | RoundFailed:
+async def answer(transport: Transport, peer: str, name: str, deadline: float,
+                 heard: Callable[[], None] | None = None) -> bytes | RoundFailed:
     """:func:`poll`, with silence as an answer (never raises: a TaskGroup that owns it only awaits it)."""
     try:
-        return await poll(transport, peer, name, deadline)
+        return await poll(transport, peer, name, deadline, heard)
     except RoundFailed as e:
         return e
 

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .offers import Offers
-from .transport import Declined, RoundFailed, StateProvider
+from .transport import Answered, Declined, RoundFailed, StateProvider
 
 __all__ = ["DEFAULT_CHUNK", "MAX_STATE", "Progress", "StateServer", "fetch_chunked"]
 
@@ -88,7 +88,7 @@ async def fetch_chunked(call: Call, name: str, *, max_bytes: int = MAX_STATE,
 
     def check(reply: dict[str, Any], offset: int) -> bytes:
         if "error" in reply:
-            raise (Declined if reply.get("declined") is True else RoundFailed)(f"state {name!r}: {reply['error']}")
+            raise (Declined if reply.get("declined") is True else Answered)(f"state {name!r}: {reply['error']}")
         chunk = reply.get("chunk")
         if not isinstance(chunk, bytes) or reply.get("offset") != offset:
             raise RoundFailed(f"state {name!r}: malformed reply at offset {offset}")

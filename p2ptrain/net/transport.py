@@ -28,6 +28,7 @@ from ..collective.codecs import Codec
 from .offers import Offers
 
 __all__ = [
+    "Answered",
     "Decide",
     "Decision",
     "Declined",
@@ -53,7 +54,11 @@ class Unreachable(RoundFailed):
     it. Unlike an answer that says "not yet", asking again soon is unlikely to help."""
 
 
-class Declined(RoundFailed):
+class Answered(RoundFailed):
+    """The peer answered a request with an error (e.g. "not offered yet"): it is alive and reachable."""
+
+
+class Declined(Answered):
     """The peer answered that it does not have what was asked and never will (the round it belonged to ended there
     without it: :meth:`Offers.end`). Unlike "not yet", asking it again cannot help."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -202,6 +203,46 @@ def test_a_carrier_whose_carry_failed_sends_its_cell_to_another_carrier_at_once(
                 assert torch.allclose(r.tensors[0], torch.full((10,), 1.5))
 
     run(go())
+
+
+def test_a_silent_carrier_is_given_up_once_another_cells_carrier_has_offered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our cell's carrier gives no answer at all (frozen or cut off after the cross step) while another cell's carrier
+    offers the shard after a long cross step (2 s here): the member fetches it from there once its carrier has been
+    silent for SILENT s, not after three times the time it took the witness to answer (6 s more here; churn: members
+    waited until 3/4 of the round and then had too little time left to fetch from another cell)."""
+    import p2ptrain.net.hierarchy as hier
+    from p2ptrain.net.transport import Answered
+
+    monkeypatch.setattr(hier, "SILENT", 1.0)
+    group = _group(["a1", "a2", "b1", "b2", "c1", "c2"], ["a", "a", "b", "b", "c", "c"], key="hs")
+    plan = plan_for(group, "a2")
+    assert plan is not None
+    s = next(s for s in range(plan.shards) if plan.holder[s] != "a2")
+    offer = _HEADER.pack(3.0, 3) + get_codec("fp32").encode(torch.ones(4))
+
+    class Fake:
+        peer_id = "a2"
+
+        def __init__(self) -> None:
+            self.t0 = asyncio.get_running_loop().time()
+
+        async def fetch_state(self, peer: str, name: str, *, timeout: float, progress: Any = None) -> bytes:
+            if peer == plan.holder[s]:  # silent: the request hangs
+                await asyncio.sleep(timeout)
+                raise TimeoutError
+            if asyncio.get_running_loop().time() - self.t0 < 2.0:
+                raise Answered("not yet")
+            return hashlib.sha256(offer).hexdigest().encode() if name.endswith("#sha") else offer
+
+    async def go() -> tuple[bytes, int, str, float]:
+        fake = Fake()
+        now = time.monotonic()
+        got = await hier._shard_bytes(fake, plan, group, 0, s, "a2", now + 60.0, now + 50.0)  # type: ignore[arg-type]
+        return (*got, asyncio.get_running_loop().time() - fake.t0)
+
+    data, _, source, took = run(go())
+    assert data == offer and source == "o"
+    assert took < 6.0  # 2 s for the offer, the carrier silent since the start; not 2 + 3 × 2 s, then the fetch
 
 
 def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_round() -> None:

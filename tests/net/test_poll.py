@@ -22,7 +22,7 @@ class _Fake:
     def __init__(self, errors: list[BaseException], then: bytes | None = None) -> None:
         self.errors, self.then, self.calls = errors, then, 0
 
-    async def fetch_state(self, peer: str, name: str, *, timeout: float) -> bytes:
+    async def fetch_state(self, peer: str, name: str, *, timeout: float, progress: Any = None) -> bytes:
         self.calls += 1
         if self.errors:
             raise self.errors.pop(0)
@@ -64,7 +64,7 @@ class _Carriers:
     def __init__(self) -> None:
         self.t0, self.asked = time.monotonic(), []  # type: list[tuple[str, float]]
 
-    async def fetch_state(self, peer: str, name: str, *, timeout: float) -> bytes:
+    async def fetch_state(self, peer: str, name: str, *, timeout: float, progress: Any = None) -> bytes:
         if peer not in (p for p, _ in self.asked):
             self.asked.append((peer, time.monotonic() - self.t0))
         if peer == "silent":
