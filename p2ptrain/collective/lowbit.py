@@ -175,6 +175,53 @@ class TopK2Codec(Codec):
         high = (nb - 1) * full + tail if nb else 0
         return 4 * nb + (s * self.low_bits() + 7) // 8 + (high + 7) // 8 + (s + 3) // 4
 
+    def _index_bits(self, idx: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Elias–Fano sections of sorted slot indices ``idx`` (rows, k) of blocks of ``length`` positions: each
+        index's low ``l`` bits, and each block's high bitvector (slot j's bit at ``(i_j >> l) + j``)."""
+        nl = self.low_bits()
+        rows, kk = idx.shape
+        bits = torch.zeros(rows, kk + ((length + (1 << nl) - 1) >> nl), dtype=torch.int64)
+        bits.scatter_(1, (idx >> nl) + torch.arange(kk, dtype=torch.int64), 1)
+        return (idx & ((1 << nl) - 1)).reshape(-1), bits.reshape(-1)
+
+    def _read_indices(self, buf: memoryview, nb: int, s: int, last: int,
+                      ncodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After ``nb`` block headers: the ``s`` slots' indices (within their block of ``BLOCK`` positions, the last
+        of ``last``), the block of each slot, and the ``ncodes`` 2-bit codes that follow. ValueError for nonzero
+        padding bits, a high bitvector without one set bit per slot, an index outside its block, or indices of a
+        block not strictly increasing."""
+        k, nl = self.slots(), self.low_bits()
+        pos = 4 * nb
+        lb = (s * nl + 7) // 8
+        low, clean_l = unpack_bits(_read_u8(buf, pos, lb), s, nl)
+        pos += lb
+        full_w, tail_w = self._high_bits(nb, last)
+        hbits = (nb - 1) * full_w + tail_w if nb else 0
+        high, clean_h = unpack_bits(_read_u8(buf, pos, (hbits + 7) // 8), hbits, 1)
+        pos += (hbits + 7) // 8
+        codes, clean_c = unpack_bits(_read_u8(buf, pos, (ncodes + 3) // 4), ncodes, 2)
+        if not (clean_l and clean_h and clean_c):
+            raise ValueError(f"{self.name}: nonzero padding bits")
+        # Each block's high parts from its bitvector: slot j's set bit at (i_j >> l) + j.
+        parts = [(nb - 1, full_w, k), (1, tail_w, min(k, last))] if nb else []
+        his_idx, at = [], 0
+        for rows, width, kk in parts:
+            bits = high[at : at + rows * width].view(rows, width)
+            at += rows * width
+            if rows and not bool((bits.sum(dim=1) == kk).all()):
+                raise ValueError(f"{self.name}: a block's high bitvector does not hold one set bit per slot")
+            cols = bits.nonzero()[:, 1].view(rows, kk)
+            his_idx.append((cols - torch.arange(kk, dtype=torch.int64)).reshape(-1))
+        idx = (torch.cat(his_idx) << nl | low) if nb else low
+        # Block of each slot, and the length of that block (the last one may be shorter).
+        block = torch.arange(nb, dtype=torch.int64).repeat_interleave(
+            torch.tensor([k] * (nb - 1) + [min(k, last)], dtype=torch.int64))
+        if bool((idx >= torch.where(block == nb - 1, last, self.BLOCK)).any()):
+            raise ValueError(f"{self.name}: index outside its block")
+        if bool(((block[1:] == block[:-1]) & (idx[1:] <= idx[:-1])).any()):
+            raise ValueError(f"{self.name}: indices of a block not strictly increasing (unsorted or duplicated)")
+        return idx, block, codes
+
     def _encode(self, x: torch.Tensor) -> bytes:
         n = x.numel()
         nb, _, last = self._slot_counts(n)
@@ -196,11 +243,9 @@ class TopK2Codec(Codec):
             level = (mags * 2.0 >= (lo_b + hi_b).unsqueeze(1)) & (hi_b > lo_b).unsqueeze(1)
             level |= (lo_b == hi_b).unsqueeze(1) & (hi_b > 0).unsqueeze(1)  # one level: code it as hi
             codes.append((level.to(torch.uint8) | ((vals < 0) & (mags > 0)).to(torch.uint8) << 1).reshape(-1))
-            lows.append((idx & ((1 << nl) - 1)).reshape(-1))
-            rows, kk = idx.shape
-            bits = torch.zeros(rows, kk + ((length + (1 << nl) - 1) >> nl), dtype=torch.int64)
-            bits.scatter_(1, (idx >> nl) + torch.arange(kk, dtype=torch.int64), 1)  # slot j's bit: (i_j >> l) + j
-            highs.append(bits.reshape(-1))
+            low, high = self._index_bits(idx, length)
+            lows.append(low)
+            highs.append(high)
             los.append(lo_b)
             his.append(hi_b)
         header = torch.stack([torch.cat(los), torch.cat(his)], dim=1).reshape(-1)  # lo0, hi0, lo1, hi1, ...
@@ -209,42 +254,11 @@ class TopK2Codec(Codec):
 
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
         nb, s, last = self._slot_counts(numel)
-        k, nl = self.slots(), self.low_bits()
         header = _read(buf, torch.int16, 0, 2 * nb).view(torch.bfloat16).to(torch.float32).view(nb, 2)
         lo, hi = header[:, 0], header[:, 1]
         if not bool(torch.isfinite(header).all()) or bool((lo < 0).any()) or bool((lo > hi).any()):
             raise ValueError(f"{self.name}: invalid block header (non-finite, negative or lo > hi)")
-        pos = 4 * nb
-        lb = (s * nl + 7) // 8
-        low, clean_l = unpack_bits(_read_u8(buf, pos, lb), s, nl)
-        pos += lb
-        full_w, tail_w = self._high_bits(nb, last)
-        hbits = (nb - 1) * full_w + tail_w if nb else 0
-        high, clean_h = unpack_bits(_read_u8(buf, pos, (hbits + 7) // 8), hbits, 1)
-        pos += (hbits + 7) // 8
-        codes, clean_c = unpack_bits(_read_u8(buf, pos, (s + 3) // 4), s, 2)
-        if not (clean_l and clean_h and clean_c):
-            raise ValueError(f"{self.name}: nonzero padding bits")
-        # Each block's high parts from its bitvector: slot j's set bit at (i_j >> l) + j.
-        parts = [(nb - 1, full_w, k), (1, tail_w, min(k, last))] if nb else []
-        his_idx, at = [], 0
-        for rows, width, kk in parts:
-            bits = high[at : at + rows * width].view(rows, width)
-            at += rows * width
-            if rows and not bool((bits.sum(dim=1) == kk).all()):
-                raise ValueError(f"{self.name}: a block's high bitvector does not hold one set bit per slot")
-            cols = bits.nonzero()[:, 1].view(rows, kk)
-            his_idx.append((cols - torch.arange(kk, dtype=torch.int64)).reshape(-1))
-        idx = (torch.cat(his_idx) << nl | low) if nb else low
-        # Block of each slot, and the length of that block (the last one may be shorter).
-        block = torch.arange(nb, dtype=torch.int64).repeat_interleave(
-            torch.tensor([k] * (nb - 1) + [min(k, last)], dtype=torch.int64))
-        length = torch.where(block == nb - 1, last, self.BLOCK)
-        if bool((idx >= length).any()):
-            raise ValueError(f"{self.name}: index outside its block")
-        same = block[1:] == block[:-1]
-        if bool((same & (idx[1:] <= idx[:-1])).any()):
-            raise ValueError(f"{self.name}: indices of a block not strictly increasing (unsorted or duplicated)")
+        idx, block, codes = self._read_indices(buf, nb, s, last, s)
         mag = torch.where((codes & 1).bool(), hi[block], lo[block])
         vals = torch.where(((codes >> 1) & 1).bool(), -mag, mag)
         out = torch.zeros(numel, dtype=torch.float32)
