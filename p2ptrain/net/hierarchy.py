@@ -292,6 +292,10 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
     for s, c in zip(plan.carried, carried, strict=True):
         if isinstance(c, BaseException):  # our carry failed: the others fetch the shard from other regions
             log.info("event=carry_failed name=%s reason=%s: %s", _offer_name(group, phase, s), type(c).__name__, c)
+            # Said now, not when our round ends (we may still wait for our own shards until the deadline): the
+            # shard, its digest and its note will never be offered here. (The prefix also covers shard s·10+k's
+            # names; every carry of ours has ended, so what it declines of them was never offered either.)
+            transport.offers.end(_offer_name(group, phase, s), ttl=OFFER_TTL)
             continue
         _, res, offer, digests[s] = c
         offers[s] = offer

@@ -194,11 +194,24 @@ def test_a_carrier_whose_carry_failed_sends_its_cell_to_another_carrier_at_once(
                 return put(name, data, **kw)
 
             broken.offers.put = failing_put  # type: ignore[method-assign]
+            fetch = broken.fetch_state
+
+            async def slow_fetch(peer: str, name: str, **kw: Any) -> bytes:  # its own round lasts (its shards late)
+                await asyncio.sleep(30.0)
+                return await fetch(peer, name, **kw)
+
+            broken.fetch_state = slow_fetch  # type: ignore[method-assign]
             xs = [[torch.full((10,), float(i))] for i in range(4)]
             t0 = asyncio.get_running_loop().time()
-            out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=60.0)
-                                         for t, g, x in zip(ts, groups, xs, strict=True)))
-            assert asyncio.get_running_loop().time() - t0 < 4.0  # not the ≥ 5 s its mate waited for it before
+            mine = asyncio.ensure_future(_hier(broken, groups[1], xs[1], 1.0, timeout=60.0))
+            try:
+                out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=60.0)
+                                             for t, g, x in zip(ts, groups, xs, strict=True) if t is not broken))
+            finally:
+                mine.cancel()
+                await asyncio.gather(mine, return_exceptions=True)
+            # declined as its carry failed, not when its round ends: not the ≥ 5 s its mate waited for it before
+            assert asyncio.get_running_loop().time() - t0 < 4.0
             for r in out:
                 assert torch.allclose(r.tensors[0], torch.full((10,), 1.5))
 
