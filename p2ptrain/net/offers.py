@@ -20,8 +20,9 @@ class Offers:
     wanted before it closes (:meth:`pending_until`): a carrier that left right after applying its round took
     its cell's shard with it, and the cell's round failed.
 
-Names under a prefix that :meth:`end` closed (a round that ended here) and that are not offered are *declined*
-(:meth:`declines`): an asker is told at once that they will never come, instead of "not yet" until its deadline."""
+    Names under a prefix that :meth:`end` closed (a round that ended here) and that are not offered are *declined*
+    (:meth:`declines`): an asker is told at once that they will never come, instead of "not yet" until its
+    deadline."""
 
     def __init__(self, keep: int = 256) -> None:
         self.keep = keep
