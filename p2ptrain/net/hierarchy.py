@@ -56,7 +56,7 @@ from ..algo.grouping import split_groups
 from ..collective.butterfly import part_bounds
 from ..collective.codecs import Codec
 from .parts import print_problem
-from .polling import answer, first_of, poll
+from .polling import answer, first_of
 from .transport import Group, ReduceResult, RoundFailed, Transport
 from .wire import FrameError, decode_message, encode_message
 
@@ -150,8 +150,9 @@ def decline_round(transport: Transport, key: str, phase: int | None = None) -> N
 async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: int, s: int, me: str,
                        deadline: float, crossed_by: float = 0.0) -> tuple[bytes, int, str]:
     """Shard ``s``'s offer as this member's region's carrier serves it, checked against a carrier of another
-    region (the digest of its offer); from another region's carrier when ours does not deliver by 3/4 of the time
-    left, or halfway from ``crossed_by`` (when the cross step ends at the latest) to the deadline if that is later.
+    region (the digest of its offer); from another region's carrier when ours declines it, stays silent for
+    :data:`SILENT` s once a witness answered, or does not deliver by 3/4 of the time left (or halfway from
+    ``crossed_by``, when the cross step ends at the latest, to the deadline if that is later).
     Returns (offer, bytes fetched, where from: ``h`` our cell's carrier, checked; ``u`` our cell's carrier, with no
     other cell's digest to check it against; ``o`` another cell's carrier). RoundFailed if carriers disagree or none
     delivers."""
@@ -192,11 +193,10 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
             hold.cancel()
             check.cancel()
         if isinstance(data, bytes):
-            for w in witnesses[1:]:
-                if isinstance(digest, bytes):
-                    break
+            if not isinstance(digest, bytes) and witnesses[1:]:  # the first witness failed us: any other will do
                 try:
-                    digest = await poll(transport, w, name + "#sha", min(ours, time.monotonic() + 2.0))
+                    _, digest = await first_of(transport, witnesses[1:], name + "#sha",
+                                               min(ours, time.monotonic() + 2.0), stagger=0.5)
                 except RoundFailed as e:
                     digest = e
             if not isinstance(digest, bytes):  # no other region answers: nothing to check against
@@ -362,16 +362,14 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         # from us): a carrier that applied its own bytes while the others hold other bytes was a fork its members
         # could not see (churn_arena2 f2.L598557860). No other carrier answering: unchecked, as for members.
         name = _offer_name(group, phase, s) + "#sha"
-        mine = digests[s].encode()
-        for other in (c for c in plan.carriers[s] if c != me):
-            try:
-                digest = await poll(transport, other, name, min(deadline, time.monotonic() + 5.0))
-            except RoundFailed:
-                continue
-            if digest != mine:
-                raise RoundFailed(f"{name[:-4]}: our carry and {other[-8:]}'s disagree on it")
+        try:
+            other, digest = await first_of(transport, [c for c in plan.carriers[s] if c != me], name,
+                                           min(deadline, time.monotonic() + 5.0), stagger=1.0)
+        except RoundFailed:
+            log.warning("event=shard_unchecked name=%s holder=%s", name[:-4], me[-8:])
             return
-        log.warning("event=shard_unchecked name=%s holder=%s", name[:-4], me[-8:])
+        if digest != digests[s].encode():
+            raise RoundFailed(f"{name[:-4]}: our carry and {other[-8:]}'s disagree on it")
 
     await asyncio.gather(*(fetch(s) for s in range(plan.shards) if s not in offers),
                          *(check_own(s) for s in list(offers)))
