@@ -7,8 +7,9 @@
 * **Groups** are formed per round by a leader, the smallest live peer id: members
   send ``join`` on a libp2p stream and the leader answers, once every live peer
   joined or its window expired, with the sorted member list (and, for CoCoDC, the
-  fragment it chose from everyone's drift scores). An unreachable leader is
-  skipped for the next one.
+  fragment it chose from everyone's drift scores). An unreachable leader (its
+  hello unanswered within :data:`LEADER_PROBE`, or its join failed) is skipped
+  for the next one.
 * **All-reduce** is our own butterfly over libp2p streams with msgpack frames, not
   hivemind's ``AllReduceRunner``: we need our codecs (4-bit E3M0, fp8, low-rank
   phases), weights renormalised over the members that actually contributed, an
@@ -79,6 +80,13 @@ log = logging.getLogger(__name__)
 
 #: Re-pings of known peers in flight at once (a sweep over dozens of peers takes seconds, not minutes).
 RECONTACT_AT_ONCE = 8
+
+#: Seconds a joiner waits for the leader to answer a hello before it sends its join. A join is answered only when
+#: the group closes (the window, maybe a grace), so its timeout (window + 10 s) cannot tell a leader that waits for
+#: joiners from one that is frozen or cut off. The churn benchmark measured what it cost: during a region's
+#: partition the peers outside it spent that whole timeout on a leader inside it, came to the next leader after
+#: its group had closed, and the round failed everywhere (11 of the 13 rounds that failed everywhere in one run).
+LEADER_PROBE = 3.0
 
 
 class HivemindTransport(Transport):
@@ -353,6 +361,8 @@ class HivemindTransport(Transport):
                 group = await self._lead(request, decide, deadline)
             else:
                 try:
+                    await self._call(leader, "hello", {"key": "hello"},
+                                     timeout=max(0.1, min(LEADER_PROBE, deadline - time.monotonic())))
                     # Name the leaders we found unreachable: a peer whose view still shows one of them as the
                     # smallest would otherwise send us back to it (when the smallest peer dies, the next one's
                     # own join may not have found that out yet).
