@@ -13,6 +13,14 @@ live disagree can each close a group for one round key; both applying would fork
 groups cannot each hold more than half of one view. A cut-off minority (a region partitioned away) waits
 instead of training a θ of its own. A group short of its quorum when the window ends stays open a little longer
 (:data:`GRACE`) for peers that are only late, and closes as soon as the quorum is there.
+
+Merging: views that disagree (a DHT read during a partition, a peer that joined a moment ago) can give one round
+two leaders, each short of its quorum though their groups together hold one (the churn benchmark: 6 + 6 joiners of
+17 counted, twice 7 + 7 of 15). A leader whose window ends short of its quorum tells the live peers that did not
+join it that it leads the round (:attr:`Forming.on_short`); a leader still forming that round under a larger id
+:meth:`moves <Forming.move>` its group there (its joiners get :class:`~.transport.Moved` and join the smaller
+leader), and one under a smaller id answers so, and the teller moves instead. The quorum rule is unchanged: the
+merged group must still hold more than half of what its leader counts.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
-from .transport import Decide, Decision, Group, JoinRequest, RoundFailed, StateMismatch
+from .transport import Decide, Decision, Group, JoinRequest, Moved, RoundFailed, StateMismatch
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +67,19 @@ class Forming:
         self.closed = asyncio.Event()
         self.group: Group | None = None
         self.refusal: str | None = None  # why the closed group averages nothing (no quorum), or None
+        self.moved: str | None = None  # the smaller leader this round's group moved to (see the module docstring)
+        #: Called once when the window ends short of the quorum (the grace begins): the leader says it leads.
+        self.on_short: Callable[[], None] | None = None
+        self._told = False
+        self.expected: set[str] = set()  # joiners of a group that moved here, on their way (the grace waits for them)
 
     def join(self, request: JoinRequest, decide: Decide | None = None) -> None:
         """Record a join request (and the decision rule its peer offers, used if that peer closes as
         the leader). RoundFailed if the group is already closed: a late joiner is not a member."""
         if self.group is not None:
             raise RoundFailed(f"round {self.key}: the group closed before {request.peer_id[-8:]} joined")
+        if self.moved is not None:
+            raise Moved(self.key, self.moved)
         if not self.requests:
             self.first = self.clock()
         self.requests[request.peer_id] = request
@@ -93,10 +108,25 @@ class Forming:
         """Seconds of the grace after the window (:data:`GRACE` of it at most) still left; 0 once spent."""
         return max(0.0, self.first + self.window + min(self.window, GRACE) - self.clock())
 
+    def _counted(self, live: Collection[str], leader: str | None,
+                 known: Callable[[], Collection[str]] | None) -> set[str]:
+        """Whom the quorum counts: ``live``, the peers ``known()`` (seen lately), and those the joiners report."""
+        return set(live) | set(known() if known is not None else ()) | self.reported(leader)
+
     def short_of_quorum(self, live: Collection[str], drop: Collection[str] = ()) -> bool:
         """Whether the group, closed now, would hold no quorum of ``live`` (see :func:`quorum_problem`)."""
         alive = set(self.requests) - set(drop)
         return quorum_problem(self.key, alive, set(live) - set(drop)) is not None
+
+    def move(self, leader: str) -> bool:
+        """Send this round's joiners (waiting or still to come) to ``leader``, a smaller one forming the same round;
+        False if the group has closed or moved already."""
+        if self.group is not None or self.moved is not None:
+            return False
+        self.moved = leader
+        log.info("event=group_moved key=%s to=%s joined=%d", self.key, leader[-8:], len(self.requests))
+        self.closed.set()
+        return True
 
     def close(self, leader: str | None = None, *, drop: Collection[str] = (),
               live: Collection[str] | None = None) -> Group:
@@ -129,25 +159,35 @@ class Forming:
         again at least every ``poll`` seconds. Never waits past the window or the deadline. RoundFailed
         (for every caller alike) if the group closed without a quorum of who was live (and of ``known()``:
         peers seen live lately whose announcements expired, see SwarmConfig.quorum_memory)."""
-        while self.group is None:
+        while self.group is None and self.moved is None:
             now_live = await live(False)
-            if self.everyone_joined(now_live):
-                now_live = await live(True)  # closing early: on a fresh view only
-            if self.group is not None:
-                break  # closed by another join while we looked at who is live: never close twice
-            counted = set(now_live) | set(known() if known is not None else ()) | self.reported(leader)
-            due = self.everyone_joined(now_live) or self.clock() >= deadline or (
-                self.window_left() <= 0 and (self.grace_left() <= 0 or not self.short_of_quorum(counted, drop)))
+            # Everyone in view joined: close at once (on a fresh view only), unless that holds no quorum of whom we
+            # count (the view lacks peers the joiners know of): then wait out the window and the grace for them, or
+            # for a merge.
+            if self.everyone_joined(now_live) and not self.short_of_quorum(self._counted(now_live, leader, known), drop):
+                now_live = await live(True)
+            if self.group is not None or self.moved is not None:
+                break  # closed (or moved) by another join while we looked at who is live: never close twice
+            counted = self._counted(now_live, leader, known)
+            short = self.short_of_quorum(counted, drop)
+            due = (self.everyone_joined(now_live) and not short) or self.clock() >= deadline or (
+                self.window_left() <= 0 and (self.grace_left() <= 0 or not (short or self.expected - set(self.requests))))
             if due:
                 self.close(leader, drop=drop, live=counted)
                 break
+            if self.window_left() <= 0 and not self._told and self.on_short is not None:
+                self._told = True  # short of the quorum as the grace begins (else it would be due)
+                self.on_short()
             try:
                 await asyncio.wait_for(self.closed.wait(), min(poll, self.window_left() or self.grace_left(),
                                                                max(0.0, deadline - self.clock())))
             except TimeoutError:
                 pass
+        if self.moved is not None:
+            raise Moved(self.key, self.moved)
         if self.refusal is not None:
             raise RoundFailed(self.refusal)
+        assert self.group is not None
         return self.group
 
 

@@ -60,11 +60,13 @@ from .offers import Offers
 from .state_transfer import StateServer, fetch_chunked
 from .streams import ChunkSource, Streams, Trailer
 from .transport import (
+    MAX_ID,
     MAX_KNOWN,
     MAX_SKIPPED,
     Decide,
     Group,
     JoinRequest,
+    Moved,
     PeerInfo,
     ReduceResult,
     RoundFailed,
@@ -87,6 +89,14 @@ RECONTACT_AT_ONCE = 8
 #: partition the peers outside it spent that whole timeout on a leader inside it, came to the next leader after
 #: its group had closed, and the round failed everywhere (11 of the 13 rounds that failed everywhere in one run).
 LEADER_PROBE = 3.0
+
+#: Redirects a joiner follows in one round (a leader that names a smaller one, a group that moved: net/groups.py).
+MAX_HOPS = 3
+
+
+def _peer_ids(value: Any) -> set[str]:
+    """The peer ids in a peer's list (at most MAX_KNOWN of them; anything else is dropped)."""
+    return {p for p in value[:MAX_KNOWN] if isinstance(p, str) and len(p) <= MAX_ID} if isinstance(value, list) else set()
 
 
 class HivemindTransport(Transport):
@@ -137,7 +147,8 @@ class HivemindTransport(Transport):
         for kind, handler in (("join", self._on_join), ("part", self._on_part), ("result", self._on_result),
                               ("getpart", self._on_getpart), ("state", self._on_state),
                               ("check", self.mailboxes.accept_check), ("evidence", self.mailboxes.show_evidence),
-                              ("verdict", self.mailboxes.accept_verdict), ("hello", self._on_hello)):
+                              ("verdict", self.mailboxes.accept_verdict), ("hello", self._on_hello),
+                              ("lead", self._on_lead)):
             await self.streams.serve(kind, handler)
         started = asyncio.Event()
         self._runner = asyncio.create_task(self._background(started))
@@ -352,13 +363,20 @@ class HivemindTransport(Transport):
         deadline = time.monotonic() + timeout
         skipped: set[str] = set()
         hinted: str | None = None  # a leader another peer named: one our view did not show yet
+        hops = 0
         while time.monotonic() < deadline:
             candidates = [p for p in await self._live_ids() if p not in skipped]
             if not candidates:
                 break
             leader = hinted or leader_of(candidates)
             if leader == self.peer_id:
-                group = await self._lead(request, decide, deadline)
+                try:
+                    group = await self._lead(request, decide, deadline)
+                except Moved as e:
+                    if hops >= MAX_HOPS or e.leader in skipped:
+                        raise
+                    hinted, hops = e.leader, hops + 1
+                    continue
             else:
                 try:
                     await self._call(leader, "hello", {"key": "hello"},
@@ -377,8 +395,9 @@ class HivemindTransport(Transport):
                     skipped.add(leader)
                     continue
                 redirect = reply.get("leader")
-                if isinstance(redirect, str) and hinted is None and redirect not in skipped | {leader}:
-                    hinted = redirect  # its view shows a smaller live peer ours does not (yet): follow it once
+                if isinstance(redirect, str) and hops < MAX_HOPS and redirect not in skipped | {leader, self.peer_id}:
+                    # Its view shows a smaller live peer ours does not (yet), or its group moved there: follow it.
+                    hinted, hops = redirect, hops + 1
                     continue
                 if "error" in reply:
                     raise RoundFailed(f"round {request.key}: leader says {reply['error']}")
@@ -400,6 +419,13 @@ class HivemindTransport(Transport):
         if f is None:
             f = self._forming[request.key] = Forming(request.key, self.cfg.join_window)
         f.join(request, decide)
+        if f.on_short is None and self._tasks is not None:
+            tasks = self._tasks
+
+            def short() -> None:
+                tasks.create_task(self._say_we_lead(f))
+
+            f.on_short = short
 
         async def live(fresh: bool) -> list[str]:
             return await self._live_ids(max_age=0.2) if fresh else await self._live_ids()
@@ -413,6 +439,40 @@ class HivemindTransport(Transport):
                 absent = {i.peer_id for i in self._live} - set(f.requests) - {self.peer_id} - self.blocked
                 for p in self._contacts.to_greet(absent):
                     self._tasks.create_task(self._hello(p))
+
+    async def _say_we_lead(self, f: Forming) -> None:
+        """Our group of ``f.key`` is short of its quorum as its window ends: tell the live peers that did not join
+        that we lead it. A larger leader of the same round moves its group here; a smaller one says so, and ours
+        moves there (see net/groups.py, "Merging")."""
+        absent = (set(await self._live_ids()) | self._contacts.live()) - set(f.requests) - {self.peer_id} - self.blocked
+        gate = asyncio.Semaphore(RECONTACT_AT_ONCE)
+
+        async def tell(peer: str) -> None:
+            async with gate:
+                if f.group is not None or f.moved is not None:
+                    return
+                try:
+                    reply, _ = await self._call(peer, "lead", {"key": f.key, "joiners": sorted(f.requests)[:MAX_KNOWN]},
+                                                timeout=min(2.0, self.cfg.join_window))
+                except RoundFailed:
+                    return
+                if reply.get("leader") == peer and peer < self.peer_id:
+                    f.move(peer)
+                else:  # its group moved here (or it forms none): wait in the grace for the joiners it sends
+                    f.expected |= _peer_ids(reply.get("joiners"))
+
+        await asyncio.gather(*(tell(p) for p in sorted(absent)))
+
+    async def _on_lead(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """``sender`` leads round ``msg["key"]`` (see :meth:`_say_we_lead`): if we lead it too, the larger of us moves."""
+        f = self._forming.get(msg.get("key")) if isinstance(msg.get("key"), str) else None
+        if f is None or f.group is not None or f.moved is not None:
+            return {"ok": True}
+        if sender < self.peer_id:
+            f.move(sender)
+            return {"ok": True, "joiners": sorted(f.requests)[:MAX_KNOWN]}
+        f.expected |= _peer_ids(msg.get("joiners"))  # its group moves here: wait for its joiners in the grace
+        return {"leader": self.peer_id}
 
     async def _hello(self, peer: str) -> None:
         try:
@@ -449,6 +509,8 @@ class HivemindTransport(Transport):
             return {"error": f"not the leader of round {req.key}", "leader": smaller}
         try:
             group = await self._lead(req, None, time.monotonic() + self.cfg.join_window + 5)
+        except Moved as e:
+            return {"error": str(e), "leader": e.leader}
         except RoundFailed as e:
             return {"error": str(e)}
         return {"group": group.to_wire()}

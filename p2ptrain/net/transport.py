@@ -34,6 +34,7 @@ __all__ = [
     "Declined",
     "Group",
     "JoinRequest",
+    "Moved",
     "PeerInfo",
     "ReduceResult",
     "RoundFailed",
@@ -61,6 +62,14 @@ class Answered(RoundFailed):
 class Declined(Answered):
     """The peer answered that it does not have what was asked and never will (the round it belonged to ended there
     without it: :meth:`Offers.end`). Unlike "not yet", asking it again cannot help."""
+
+
+class Moved(RoundFailed):
+    """The round's group formed here moved to a smaller leader forming the same round (``leader``): join it there."""
+
+    def __init__(self, key: str, leader: str) -> None:
+        super().__init__(f"round {key}: the group moved to {leader[-8:]}")
+        self.leader = leader
 
 
 class StateMismatch(RoundFailed):
