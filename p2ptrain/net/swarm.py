@@ -85,9 +85,8 @@ RECONTACT_AT_ONCE = 8
 
 #: Seconds a joiner waits for the leader to answer a hello before it sends its join. A join is answered only when
 #: the group closes (the window, maybe a grace), so its timeout (window + 10 s) cannot tell a leader that waits for
-#: joiners from one that is frozen or cut off. The churn benchmark measured what it cost: during a region's
-#: partition the peers outside it spent that whole timeout on a leader inside it, came to the next leader after
-#: its group had closed, and the round failed everywhere (11 of the 13 rounds that failed everywhere in one run).
+#: joiners from one that is frozen or cut off: a joiner spent that whole timeout on it and came to the next leader
+#: after its group had closed (the churn benchmark: joins that timed out on a stopped or partitioned leader).
 LEADER_PROBE = 3.0
 
 #: Redirects a joiner follows in one round (a leader that names a smaller one, a group that moved: net/groups.py).
