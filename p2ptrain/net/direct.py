@@ -1,10 +1,12 @@
-"""A direct TCP path for bulk exchanges, keyed over libp2p: one plain TCP connection per exchange, encrypted.
+"""A direct TCP path for bulk exchanges, keyed over libp2p: plain TCP connections, encrypted, kept between exchanges.
 
 Why: every libp2p stream between two peers shares one connection and the daemon's multiplexer, whose per-stream
 windows starve one direction while the other is busy (bench/results/README.md, "All-reduce goodput"); a fragment's
 all-reduce sends both ways at once. Here each exchange (one request, its chunk frames, one reply) gets a TCP
 connection of its own, opened by the caller: the two directions of a butterfly never share a window, and nothing
-passes through the daemon (no copies through its unix socket, no second encryption).
+passes through the daemon (no copies through its unix socket, no second encryption). A connection whose exchange
+ended at its boundary is kept (:data:`KEEP_IDLE`) for the caller's next exchange with the same peer: a new one
+starts slow (see net/sealed.py for what that cost on the testbed).
 
 Trust: as on libp2p. A caller first asks the peer over libp2p (authenticated and encrypted by the daemon, and tagged
 with the swarm key in a private swarm) for a *session*: an id, a 32-byte secret and the port (:meth:`Direct.issue`).
@@ -23,7 +25,6 @@ exchange's own (the caller sees RoundFailed, as on libp2p).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import logging
 import os
@@ -33,15 +34,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .sealed import RECORD, Sealed, derive_keys, hello_mac
 from .wire import FrameError, read_frame, write_frame
 
 __all__ = ["Direct", "DirectInfo", "Sealed", "derive_keys", "hello_mac", "host_of"]
 
 log = logging.getLogger(__name__)
 
-RECORD = 4 << 20  # plaintext bytes per sealed record at most (a chunk frame of 1 MB fits in one)
-_TAG = 16
-_LEN = 4
 SESSION_SECONDS = 600.0  # a session's lifetime; a caller renews it before it runs out
 _HELLO_MAX = 4096
 _SESSIONS_PER_PEER = 4  # sessions kept per peer (the oldest goes): asking again and again cannot grow the table
@@ -49,92 +48,12 @@ _HELLOS_PER_SESSION = 100_000  # exchanges per session (the nonces seen are kept
 _HELLO_TIMEOUT = 10.0
 _UNREACHABLE_SECONDS = 60.0  # a peer whose direct port could not be dialed is not tried for this long (doubling)
 _UNREACHABLE_MAX = 3600.0
+KEEP_IDLE = 30.0  # seconds a caller keeps an idle connection for its next exchange with the same peer
+_SERVE_IDLE = 90.0  # seconds the peer waits for the next exchange on a kept connection (longer: the caller retires it)
+_KEEP_PER_PEER = 4  # idle connections kept per peer (concurrent exchanges open more; the extra ones close)
 
 #: The daemon's stream callback shape: (info with .peer_id, reader, writer) -> None.
 StreamCallback = Callable[[Any, Any, Any], Awaitable[None]]
-
-
-def hello_mac(secret: bytes, peer: str, sid: str, nonce: bytes, kind: str) -> bytes:
-    """The HMAC-SHA256 that proves a hello's sender holds the session's secret (over every field it names)."""
-    msg = b"\x00".join([b"p2ptrain-direct-hello-1", peer.encode(), sid.encode(), nonce, kind.encode()])
-    return hmac.new(secret, msg, hashlib.sha256).digest()
-
-
-def derive_keys(secret: bytes, nonce: bytes) -> tuple[bytes, bytes]:
-    """(caller→peer key, peer→caller key): 16 bytes each, from the session's secret and the hello's nonce."""
-    def one(label: bytes) -> bytes:
-        return hmac.new(secret, b"p2ptrain-direct-key-1" + label + nonce, hashlib.sha256).digest()[:16]
-
-    return one(b"c2s"), one(b"s2c")
-
-
-class Sealed:
-    """One direction pair of an exchange over TCP, in sealed records; quacks like the (reader, writer) pair the
-    stream protocols use: ``readexactly``, ``write``, ``drain``, ``close``.
-
-    ``write`` buffers; ``drain`` seals what is buffered into records of at most :data:`RECORD` bytes and waits for
-    TCP. ``readexactly`` opens records as needed: a record whose tag does not check raises FrameError (changed,
-    replayed or reordered: its sequence number is its nonce), a connection that ends mid-record raises
-    IncompleteReadError."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key_out: bytes, key_in: bytes,
-                 *, max_record: int = RECORD) -> None:
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-        self._reader, self._writer = reader, writer
-        self._out, self._in = AESGCM(key_out), AESGCM(key_in)
-        self._seq_out = self._seq_in = 0
-        self._pending: list[bytes] = []  # written, not sealed yet
-        self._plain, self._pos = b"", 0  # the record being read, and how much of it was read
-        self.max_record = max_record
-        self.sent = self.received = 0  # bytes on the TCP connection (records)
-
-    # -- reader
-    async def readexactly(self, n: int) -> bytes:
-        if len(self._plain) - self._pos >= n:  # the common case: a frame's header, then its body, in one record
-            out = self._plain[self._pos : self._pos + n]
-            self._pos += n
-            return out
-        parts = [self._plain[self._pos :]]
-        have = len(parts[0])
-        while have < n:
-            record = await self._record()
-            take = min(n - have, len(record))
-            parts.append(record[:take] if take < len(record) else record)
-            have += take
-            self._plain, self._pos = record, take
-        return b"".join(parts)
-
-    async def _record(self) -> bytes:
-        header = await self._reader.readexactly(_LEN)
-        size = int.from_bytes(header, "big")
-        if not _TAG <= size <= self.max_record + _TAG:
-            raise FrameError(f"sealed record of {size} bytes announced")
-        body = await self._reader.readexactly(size)
-        self.received += _LEN + size
-        try:
-            plain = self._in.decrypt(self._seq_in.to_bytes(12, "big"), body, None)
-        except Exception:  # cryptography's InvalidTag: changed, replayed or out of order
-            raise FrameError("sealed record failed its tag") from None
-        self._seq_in += 1
-        return plain
-
-    # -- writer
-    def write(self, data: bytes) -> None:
-        self._pending.append(bytes(data))
-
-    async def drain(self) -> None:
-        data, self._pending = b"".join(self._pending), []
-        view = memoryview(data)
-        for at in range(0, len(data), self.max_record):
-            sealed = self._out.encrypt(self._seq_out.to_bytes(12, "big"), view[at : at + self.max_record], None)
-            self._seq_out += 1
-            self._writer.write(len(sealed).to_bytes(_LEN, "big") + sealed)
-            self.sent += _LEN + len(sealed)
-        await self._writer.drain()
-
-    def close(self) -> None:
-        self._writer.close()
 
 
 @dataclass
@@ -185,8 +104,9 @@ class Direct:
         self._unreachable: dict[str, float] = {}  # peer -> monotonic time until which libp2p is used instead
         self._failures: dict[str, int] = {}  # peer -> dials failed in a row
         self._asking: dict[str, asyncio.Future[_Ticket | None]] = {}
-        self._exchanges: set[asyncio.Task[None]] = set()  # the server's exchanges in progress (closed on stop)
-        self.opened = self.accepted = 0
+        self._exchanges: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # the connections served (closed on stop)
+        self._idle: dict[str, list[tuple[float, Sealed]]] = {}  # peer -> (idle since, connection), oldest first
+        self.opened = self.accepted = self.reused = 0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -199,10 +119,16 @@ class Direct:
         if self._server is not None:
             self._server.close()
             self._server = None
+        for peer in list(self._idle):
+            self._drop_idle(peer)
+        for writer in self._exchanges.values():  # a kept connection waiting for its next exchange ends at once
+            writer.close()
+        if self._exchanges:
+            await asyncio.wait(list(self._exchanges), timeout=0.5)
         for task in list(self._exchanges):
             task.cancel()
         if self._exchanges:
-            await asyncio.wait(self._exchanges, timeout=5)
+            await asyncio.wait(list(self._exchanges), timeout=5)
 
     def handle(self, kind: str, callback: StreamCallback) -> None:
         """Answer direct exchanges of ``kind`` with ``callback`` (the libp2p stream callback of the same kind)."""
@@ -231,22 +157,34 @@ class Direct:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
-            self._exchanges.add(task)
+            self._exchanges[task] = writer
         try:
             hello, _ = await read_frame(reader, timeout=_HELLO_TIMEOUT, max_size=_HELLO_MAX)
             sealed, peer, kind = self._admit(hello, reader, writer)
-            callback = self._callbacks.get(kind)
-            if callback is None:
-                raise FrameError(f"no direct protocol {kind!r}")
-            self.accepted += 1
-            await callback(DirectInfo(peer), sealed, sealed)  # it closes the exchange when it is done
+            while True:
+                callback = self._callbacks.get(kind)
+                if callback is None:
+                    raise FrameError(f"no direct protocol {kind!r}")
+                self.accepted += 1
+                await callback(DirectInfo(peer), sealed, sealed)  # it ends the exchange when it is done
+                if not sealed.kept or time.monotonic() - sealed.born > SESSION_SECONDS + 60.0:
+                    break
+                try:  # the connection was kept: the caller's next exchange on it, named in a sealed frame
+                    nxt, _ = await read_frame(sealed, timeout=_SERVE_IDLE, max_size=_HELLO_MAX)
+                except (FrameError, TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+                    break  # the caller closed it (or it went quiet)
+                kind = nxt.get("kind") if isinstance(nxt, dict) else None
+                if not isinstance(kind, str):
+                    raise FrameError("malformed next exchange")
         except (FrameError, TimeoutError, ConnectionError, asyncio.IncompleteReadError, KeyError, TypeError,
                 ValueError) as e:
             log.debug("event=direct_refused reason=%s", e)
+        except asyncio.CancelledError:  # stopped (aclose): the server's own task, awaited by no one, ends quietly
+            pass
         finally:
             writer.close()
             if task is not None:
-                self._exchanges.discard(task)
+                self._exchanges.pop(task, None)
 
     def _admit(self, hello: dict[str, Any], reader: asyncio.StreamReader,
                writer: asyncio.StreamWriter) -> tuple[Sealed, str, str]:
@@ -271,10 +209,19 @@ class Direct:
         return self._unreachable.get(peer, 0.0) <= time.monotonic()
 
     async def open(self, peer: str, kind: str, timeout: float) -> Sealed | None:
-        """A new exchange of ``kind`` with ``peer`` (its hello sent), or None when there is no direct path to it
-        (no port, dial refused or too slow: libp2p then; the peer is not tried again for a while)."""
+        """A new exchange of ``kind`` with ``peer`` (on a connection kept from an earlier exchange, or a new one
+        with its hello sent), or None when there is no direct path to it (no port, dial refused or too slow:
+        libp2p then; the peer is not tried again for a while). End it with ``close`` and :meth:`release`."""
         if not self.usable(peer):
             return None
+        while (kept := self._take(peer)) is not None:
+            try:
+                await write_frame(kept, {"kind": kind}, timeout=min(timeout, 3.0))
+            except (OSError, TimeoutError):
+                kept.abort()
+                continue
+            self.reused += 1
+            return kept
         for fresh in (peer not in self._tickets, True):  # a session kept from before may be of a restarted peer
             ticket = await self._ticket(peer, timeout)
             if ticket is None:
@@ -302,12 +249,41 @@ class Direct:
         to_them, to_me = derive_keys(ticket.secret, nonce)
         return Sealed(reader, writer, to_them, to_me)
 
+    def release(self, peer: str, conn: Sealed) -> None:
+        """An exchange with ``peer`` on ``conn`` was closed: keep the connection for the next one if the exchange
+        ended at its boundary (:attr:`Sealed.kept`)."""
+        if not conn.kept or time.monotonic() - conn.born > SESSION_SECONDS:
+            conn.abort()
+            return
+        pool = self._idle.setdefault(peer, [])
+        pool.append((time.monotonic(), conn))
+        while len(pool) > _KEEP_PER_PEER:
+            pool.pop(0)[1].abort()
+
+    def _take(self, peer: str) -> Sealed | None:
+        """The connection to ``peer`` idle the shortest time, if one is kept and not too old; the stale ones close."""
+        pool = self._idle.get(peer, [])
+        now = time.monotonic()
+        while pool:
+            since, conn = pool.pop()
+            if conn.open and now - since < KEEP_IDLE and now - conn.born < SESSION_SECONDS:
+                return conn
+            conn.abort()
+        self._idle.pop(peer, None)
+        return None
+
+    def _drop_idle(self, peer: str) -> None:
+        for _, conn in self._idle.pop(peer, []):
+            conn.abort()
+
     def forget(self, peer: str) -> None:
         """An exchange with ``peer`` failed over the direct path: ask it for a new session next time (it may have
-        restarted under the same identity, and no longer know ours)."""
+        restarted under the same identity, and no longer know ours), on a new connection."""
         self._tickets.pop(peer, None)
+        self._drop_idle(peer)
 
     def _give_up(self, peer: str, why: str) -> None:
+        self._drop_idle(peer)
         n = self._failures[peer] = self._failures.get(peer, 0) + 1
         self._unreachable[peer] = time.monotonic() + min(_UNREACHABLE_MAX, _UNREACHABLE_SECONDS * 2 ** (n - 1))
         self._tickets.pop(peer, None)

@@ -7,7 +7,7 @@ swarm key bound to its sender, protocol and run (net/auth.py); an untagged one i
 strike. Every read and write is bounded in size and time; a failed call raises RoundFailed.
 
 The bulk kinds (:data:`DIRECT_KINDS`: parts, results, relays, evidence, state) go over the direct path when the
-peer has one (net/direct.py: a TCP connection of their own per exchange, keyed over libp2p, sealed), with the same
+peer has one (net/direct.py: TCP connections of their own, kept between exchanges, keyed over libp2p, sealed), with the same
 frames and checks; a peer without one is called over libp2p.
 """
 
@@ -25,6 +25,7 @@ from .chunks import Refused
 from .daemon import dial
 from .direct import Direct
 from .guard import Guard
+from .sealed import Sealed
 from .transport import RoundFailed, Unreachable
 from .wire import SCHEMA_ERRORS, FrameError, read_frame, write_frame
 
@@ -45,6 +46,8 @@ Trailer = Callable[[], dict[str, Any]]
 _READ_TIMEOUT = 30.0  # seconds a handler waits for each frame of a message
 #: What goes over the direct path when there is one: the exchanges that carry a fragment's bytes.
 DIRECT_KINDS = frozenset({"part", "result", "getpart", "evidence", "state"})
+#: A reply's field that says the peer keeps the direct connection for the caller's next exchange.
+KEEP = "_keep"
 
 
 class Streams:
@@ -91,6 +94,8 @@ class Streams:
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = str(info.peer_id)
             frames: AsyncGenerator[bytes, None] | None = None
+            ended: list[str] = []  # the parts of the request read to their end (the chunk frames, the trailer)
+            need = 0
             try:
                 if self.guard.is_banned(sender) or self.blocked(sender):
                     return  # dropped unread
@@ -103,14 +108,23 @@ class Streams:
                     msg = {k: v for k, v in msg.items() if k != MAC_FIELD}
                 msg = {k: v for k, v in msg.items() if not (isinstance(k, str) and k.startswith("_"))}
                 if kind in ("part", "result") and "chunks" in msg:
-                    frames = msg["_frames"] = self.chunk_frames(reader, sender, kind, int(msg["chunks"]))
+                    frames = msg["_frames"] = self.chunk_frames(reader, sender, kind, int(msg["chunks"]), ended)
+                    need = 1
                     if msg.get("trailer"):
-                        msg["_trailer"] = lambda: self.trailer_frame(reader, sender, kind)
+                        msg["_trailer"] = lambda: self.trailer_frame(reader, sender, kind, ended)
+                        need = 2
                 msg.pop("trailer", None)
                 reply = await handler(sender, msg)
+                # The whole request read: once the reply is written, the connection can carry the caller's next
+                # exchange, and the reply says so (else the caller would send it on a connection we close).
+                keep = len(ended) == need and isinstance(writer, Sealed)
+                if keep:
+                    reply = {**reply, KEEP: True}
                 if key is not None:
                     reply = key.seal(reply, self.peer_id, kind + "/reply", self.cfg.run_id)
                 await write_frame(writer, reply, timeout=_READ_TIMEOUT)
+                if keep:
+                    writer.done()
             except (FrameError, TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
                 log.info("event=bad_message kind=%s peer=%s reason=%s", kind, sender, e)
             except SCHEMA_ERRORS as e:  # a message that does not fit its schema
@@ -123,10 +137,10 @@ class Streams:
         return on_stream
 
     async def chunk_frames(self, reader: asyncio.StreamReader, sender: str, kind: str,
-                           count: int) -> AsyncGenerator[bytes, None]:
+                           count: int, ended: list[str] | None = None) -> AsyncGenerator[bytes, None]:
         """The payloads of the ``count`` chunk frames that follow a streamed message's header (each read is
         bounded in size and time; each frame is checked against the swarm key). Refused for a frame without
-        a payload, FrameError for one without a valid tag."""
+        a payload, FrameError for one without a valid tag. ``ended`` gets ``"chunks"`` once all were read."""
         key = self.cfg.swarm_key
         for i in range(count):
             frame, _ = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=self.cfg.max_message)
@@ -136,11 +150,16 @@ class Streams:
             data = frame.get("data")
             if not isinstance(data, bytes):
                 raise Refused(f"chunk {i} carries no payload")
+            if ended is not None and i == count - 1:
+                ended.append("chunks")  # every frame is off the wire (the consumer may not ask past the last)
             yield data
+        if count == 0 and ended is not None:
+            ended.append("chunks")
 
-    async def trailer_frame(self, reader: asyncio.StreamReader, sender: str, kind: str) -> dict[str, Any]:
+    async def trailer_frame(self, reader: asyncio.StreamReader, sender: str, kind: str,
+                            ended: list[str] | None = None) -> dict[str, Any]:
         """The frame that follows a streamed message's chunks (bounded in size and time; checked against the
-        swarm key: FrameError without a valid tag)."""
+        swarm key: FrameError without a valid tag). ``ended`` gets ``"trailer"`` once it was read and checked."""
         frame, _ = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=64 * 1024)
         key = self.cfg.swarm_key
         if key is not None:
@@ -148,6 +167,8 @@ class Streams:
                 self.guard.strike(sender, f"{kind} trailer without a valid swarm-key tag")
                 raise FrameError("trailer without a valid swarm-key tag")
             frame = {k: v for k, v in frame.items() if k != MAC_FIELD}
+        if ended is not None:
+            ended.append("trailer")
         return frame
 
     async def call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
@@ -198,9 +219,13 @@ class Streams:
                     if not key.verify(reply, peer, kind + "/reply", self.cfg.run_id):
                         raise FrameError("reply without a valid swarm-key tag")
                     reply = {k: v for k, v in reply.items() if k != MAC_FIELD}
+                if reply.pop(KEEP, False) is True and sealed is not None:
+                    sealed.done()  # the whole reply read, the peer keeps it: it can carry our next exchange
                 return reply
             finally:
                 writer.close()
+                if sealed is not None and self.direct is not None:
+                    self.direct.release(peer, sealed)
 
         for attempt in (1, 2):
             try:

@@ -19,7 +19,7 @@ import torch
 from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.auth import SwarmKey
 from p2ptrain.net.direct import Direct, Sealed, derive_keys, hello_mac, host_of
-from p2ptrain.net.transport import JoinRequest
+from p2ptrain.net.transport import JoinRequest, RoundFailed
 from p2ptrain.net.wire import FrameError, read_frame, write_frame
 
 from .peers import announce_and_wait
@@ -201,7 +201,7 @@ async def _allreduce(ts: list[Any], n: int, key: str) -> tuple[list[torch.Tensor
         return await t.allreduce(g, 0, [x], 1.0, get_codec("fp32"), timeout=30)
 
     res = await asyncio.gather(*(one(t, x) for t, x in zip(ts, xs, strict=True)))
-    assert all(not r.partial and len(r.contributors) == len(ts) for r in res)
+    assert all(not r.partial and len(r.contributors) == len(ts) for r in res), res
     return xs, [r.tensors[0] for r in res]
 
 
@@ -229,8 +229,16 @@ def test_allreduce_over_the_direct_path_is_exact(configs: Case, everyone: bool) 
                 assert float((out.double() - ref).abs().max()) < 1e-6
             direct = [t.streams.direct for t in ts]
             if everyone:  # every member's parts and results went over the direct path: 2 sends and 2 results each
-                assert all(d is not None and d.opened >= 4 and d.accepted >= 4 for d in direct), \
-                    [(d.opened, d.accepted) for d in direct if d is not None]
+                assert all(d is not None and d.opened + d.reused >= 4 and d.accepted >= 4 for d in direct), \
+                    [(d.opened, d.reused, d.accepted) for d in direct if d is not None]
+                # the next round's exchanges go on the connections kept from this one (a new one starts slow)
+                before = [(d.opened, d.reused) for d in direct if d is not None]
+                xs, outs = await _allreduce(ts, n, "r1")
+                ref = torch.stack([x.double() for x in xs]).mean(0)
+                assert all(float((out.double() - ref).abs().max()) < 1e-6 for out in outs)
+                after = [(d.opened, d.reused) for d in direct if d is not None]
+                assert all(r1 - r0 >= 4 and o1 - o0 <= 1 for (o0, r0), (o1, r1) in zip(before, after, strict=True)), \
+                    (before, after)
             else:  # the peer without one took no direct exchange, and the others reached it over libp2p
                 assert direct[1] is None
                 assert all(d is not None and d.opened >= 2 for d in (direct[0], direct[2]))
@@ -286,3 +294,67 @@ def test_a_restarted_peer_is_reached_again_with_a_new_session() -> None:
             await servers["B"].aclose()
 
     asyncio.run(go())
+
+
+def test_a_connection_is_kept_only_when_both_sides_ended_the_exchange_at_its_boundary() -> None:
+    """Two peers' stream layers over the direct path only (no daemon): an exchange whose request the handler read
+    in full leaves the connection to the next exchange (reused, the same TCP connection); one whose handler
+    answered without reading the chunk frames that followed is closed by the peer, and its reply says so: the
+    next exchange opens a new connection instead of failing on the closed one."""
+    import types
+
+    from p2ptrain.net.daemon import SwarmConfig
+    from p2ptrain.net.guard import Guard
+    from p2ptrain.net.streams import Streams
+
+    async def go() -> None:
+        directs: dict[str, Direct] = {}
+
+        async def addresses(peer: str) -> list[str]:
+            return ["/ip4/127.0.0.1/tcp/1"]
+
+        def make(me: str) -> Streams:
+            async def ask(peer: str) -> dict[str, Any]:
+                return directs[peer].issue(me)
+
+            directs[me] = Direct(me, host="127.0.0.1", ask=ask, addresses=addresses)
+            p2p = types.SimpleNamespace(peer_id=me, add_binary_stream_handler=_no_daemon)
+            return Streams(SwarmConfig(run_id="keep"), p2p, Guard(), lambda peer: False, addresses, directs[me])
+
+        a, b = make("A"), make("B")
+        seen: list[int] = []
+
+        async def part(sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+            if msg.get("read"):
+                seen.append(sum([len(x) async for x in msg["_frames"]]))
+            return {"ok": msg["n"]}
+
+        await b.serve("part", part)
+        for d in directs.values():
+            await d.start()
+        try:
+            async def chunks() -> Any:
+                for _ in range(3):
+                    yield os.urandom(1000)
+
+            def call(n: int, read: bool) -> Any:
+                return a.call("B", "part", {"n": n, "read": read, "chunks": 3}, timeout=5, chunks=chunks)
+
+            assert (await call(0, True))[0] == {"ok": 0} and directs["A"].opened == 1
+            assert (await call(1, True))[0] == {"ok": 1}
+            assert (directs["A"].opened, directs["A"].reused) == (1, 1) and seen == [3000, 3000]
+            try:  # answered with its 3 chunk frames unread: not kept (and the unread bytes may reset the reply)
+                await call(2, False)
+            except RoundFailed:
+                pass
+            assert (await call(3, True))[0] == {"ok": 3}
+            assert (directs["A"].opened, directs["A"].reused) == (2, 2), (directs["A"].opened, directs["A"].reused)
+        finally:
+            for d in directs.values():
+                await d.aclose()
+
+    asyncio.run(go())
+
+
+async def _no_daemon(*args: Any, **kwargs: Any) -> None:
+    return None
