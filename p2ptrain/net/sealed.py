@@ -118,9 +118,10 @@ class Sealed:
 
     def close(self) -> None:
         """End the exchange: keep the connection if it ended at its boundary (:meth:`done`), else close it."""
-        if self.clean and not self._writer.is_closing() and not self._pending:
+        if self.clean and not self._writer.is_closing() and not self._pending and self._pos >= len(self._plain):
             self.clean, self.kept = False, True
             self.exchanges += 1
+            self._plain, self._pos = b"", 0  # a kept connection holds no record (up to 4 MB) while it waits
             return
         self.clean = self.kept = False
         self._writer.close()
