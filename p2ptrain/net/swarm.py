@@ -92,6 +92,11 @@ LEADER_PROBE = 3.0
 #: Redirects a joiner follows in one round (a leader that names a smaller one, a group that moved: net/groups.py).
 MAX_HOPS = 3
 
+#: Live peers that did not join a leader short of its quorum that it tells it leads the round: the smallest ids
+#: (a peer leads when its id is the smallest its view shows, so the other leaders of a round are among them).
+#: Bounded so that a leader cut off with a minority does not send a message to every peer of a large swarm a round.
+MAX_TOLD = 16
+
 
 def _peer_ids(value: Any) -> set[str]:
     """The peer ids in a peer's list (at most MAX_KNOWN of them; anything else is dropped)."""
@@ -460,7 +465,7 @@ class HivemindTransport(Transport):
                 else:  # its group moved here (or it forms none): wait in the grace for the joiners it sends
                     f.expected |= _peer_ids(reply.get("joiners"))
 
-        await asyncio.gather(*(tell(p) for p in sorted(absent)))
+        await asyncio.gather(*(tell(p) for p in sorted(absent)[:MAX_TOLD]))
 
     async def _on_lead(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         """``sender`` leads round ``msg["key"]`` (see :meth:`_say_we_lead`): if we lead it too, the larger of us moves."""
