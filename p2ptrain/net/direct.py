@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import secrets
 import time
@@ -51,6 +52,8 @@ _UNREACHABLE_MAX = 3600.0
 KEEP_IDLE = 30.0  # seconds a caller keeps an idle connection for its next exchange with the same peer
 _SERVE_IDLE = 90.0  # seconds the peer waits for the next exchange on a kept connection (longer: the caller retires it)
 _KEEP_PER_PEER = 4  # idle connections kept per peer (concurrent exchanges open more; the extra ones close)
+_KEEP_IN_ALL = 256  # idle connections kept in all (the oldest close first)
+_SERVE_KEPT_PER_PEER = 8  # connections a peer may keep open to us at once; beyond, each closes after its exchange
 
 #: The daemon's stream callback shape: (info with .peer_id, reader, writer) -> None.
 StreamCallback = Callable[[Any, Any, Any], Awaitable[None]]
@@ -106,6 +109,8 @@ class Direct:
         self._asking: dict[str, asyncio.Future[_Ticket | None]] = {}
         self._exchanges: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # the connections served (closed on stop)
         self._idle: dict[str, list[tuple[float, Sealed]]] = {}  # peer -> (idle since, connection), oldest first
+        self._served: dict[str, int] = {}  # peer -> connections of its we serve now
+        self._closed = False
         self.opened = self.accepted = self.reused = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -116,6 +121,7 @@ class Direct:
             self.port = self._server.sockets[0].getsockname()[1]
 
     async def aclose(self) -> None:
+        self._closed = True
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -158,16 +164,21 @@ class Direct:
         task = asyncio.current_task()
         if task is not None:
             self._exchanges[task] = writer
+        served: str | None = None
         try:
             hello, _ = await read_frame(reader, timeout=_HELLO_TIMEOUT, max_size=_HELLO_MAX)
             sealed, peer, kind = self._admit(hello, reader, writer)
+            served = peer
+            self._served[peer] = self._served.get(peer, 0) + 1
             while True:
                 callback = self._callbacks.get(kind)
                 if callback is None:
                     raise FrameError(f"no direct protocol {kind!r}")
                 self.accepted += 1
+                sealed.may_keep = (time.monotonic() - sealed.born < SESSION_SECONDS
+                                   and self._served[peer] <= _SERVE_KEPT_PER_PEER)
                 await callback(DirectInfo(peer), sealed, sealed)  # it ends the exchange when it is done
-                if not sealed.kept or time.monotonic() - sealed.born > SESSION_SECONDS + 60.0:
+                if not sealed.kept:
                     break
                 try:  # the connection was kept: the caller's next exchange on it, named in a sealed frame
                     nxt, _ = await read_frame(sealed, timeout=_SERVE_IDLE, max_size=_HELLO_MAX)
@@ -185,6 +196,11 @@ class Direct:
             writer.close()
             if task is not None:
                 self._exchanges.pop(task, None)
+            if served is not None:
+                if (n := self._served.get(served, 1) - 1) > 0:
+                    self._served[served] = n
+                else:
+                    self._served.pop(served, None)
 
     def _admit(self, hello: dict[str, Any], reader: asyncio.StreamReader,
                writer: asyncio.StreamWriter) -> tuple[Sealed, str, str]:
@@ -208,19 +224,24 @@ class Direct:
         """False while ``peer``'s direct port is known to be unreachable (libp2p is used instead)."""
         return self._unreachable.get(peer, 0.0) <= time.monotonic()
 
-    async def open(self, peer: str, kind: str, timeout: float) -> Sealed | None:
+    async def open(self, peer: str, kind: str, timeout: float, *, reuse: bool = True) -> Sealed | None:
         """A new exchange of ``kind`` with ``peer`` (on a connection kept from an earlier exchange, or a new one
         with its hello sent), or None when there is no direct path to it (no port, dial refused or too slow:
-        libp2p then; the peer is not tried again for a while). End it with ``close`` and :meth:`release`."""
+        libp2p then; the peer is not tried again for a while). End it with ``close`` and :meth:`release`.
+        ``reuse=False``: a new connection (a kept one was found closed by the peer when the exchange began)."""
         if not self.usable(peer):
             return None
-        while (kept := self._take(peer)) is not None:
+        while reuse and (kept := self._take(peer)) is not None:
             try:
                 await write_frame(kept, {"kind": kind}, timeout=min(timeout, 3.0))
             except (OSError, TimeoutError):
                 kept.abort()
                 continue
+            except BaseException:
+                kept.abort()
+                raise
             self.reused += 1
+            kept.reused, kept.received_before = True, kept.received
             return kept
         for fresh in (peer not in self._tickets, True):  # a session kept from before may be of a restarted peer
             ticket = await self._ticket(peer, timeout)
@@ -252,13 +273,27 @@ class Direct:
     def release(self, peer: str, conn: Sealed) -> None:
         """An exchange with ``peer`` on ``conn`` was closed: keep the connection for the next one if the exchange
         ended at its boundary (:attr:`Sealed.kept`)."""
-        if not conn.kept or time.monotonic() - conn.born > SESSION_SECONDS:
+        now = time.monotonic()
+        if self._closed or not conn.kept or now - conn.born > SESSION_SECONDS:
             conn.abort()
             return
         pool = self._idle.setdefault(peer, [])
-        pool.append((time.monotonic(), conn))
+        pool.append((now, conn))
         while len(pool) > _KEEP_PER_PEER:
             pool.pop(0)[1].abort()
+        # The pools of peers we no longer call (gone, restarted under a new id) close here, not never.
+        idle = sorted((since for kept in self._idle.values() for since, c in kept if now - since < KEEP_IDLE
+                       and c.open))
+        oldest = idle[-_KEEP_IN_ALL] if len(idle) > _KEEP_IN_ALL else -math.inf
+        for p in list(self._idle):
+            kept = [(since, c) for since, c in self._idle[p] if now - since < KEEP_IDLE and c.open and since >= oldest]
+            for _, c in self._idle[p]:
+                if all(c is not k for _, k in kept):
+                    c.abort()
+            if kept:
+                self._idle[p] = kept
+            else:
+                del self._idle[p]
 
     def _take(self, peer: str) -> Sealed | None:
         """The connection to ``peer`` idle the shortest time, if one is kept and not too old; the stale ones close."""

@@ -37,7 +37,7 @@ from .transport import Decide, Decision, Group, JoinRequest, Moved, RoundFailed,
 log = logging.getLogger(__name__)
 
 __all__ = ["GRACE", "Forming", "LiveView", "agreed_fragment", "agreed_print", "alone_check", "close_group", "fingerprints_match",
-           "half_or_less", "leader_of", "majority_fingerprint", "members_by_signature", "membership_check",
+           "half_or_less", "leader_of", "majority_fingerprint", "members_by_signature", "membership_check", "peer_ids",
            "quorum_problem"]
 
 #: Seconds (at most the join window itself) a leader keeps a group open after its join window while the group
@@ -72,6 +72,9 @@ class Forming:
         self.on_short: Callable[[], None] | None = None
         self._told = False
         self.expected: set[str] = set()  # joiners of a group that moved here, on their way (the grace waits for them)
+        self.counted: set[str] = set()  # whom the quorum counted when the group was last looked at
+        self.merged_counted: set[str] = set()  # whom the leaders of groups that moved here counted
+        self.extra_grace = 0.0  # seconds added to the grace once a group moves here
 
     def join(self, request: JoinRequest, decide: Decide | None = None) -> None:
         """Record a join request (and the decision rule its peer offers, used if that peer closes as
@@ -105,13 +108,55 @@ class Forming:
         return max(0.0, self.first + self.window - self.clock())
 
     def grace_left(self) -> float:
-        """Seconds of the grace after the window (:data:`GRACE` of it at most) still left; 0 once spent."""
-        return max(0.0, self.first + self.window + min(self.window, GRACE) - self.clock())
+        """Seconds of the grace after the window (:data:`GRACE` of it at most, more once a group moved here) still
+        left; 0 once spent."""
+        return max(0.0, self.first + self.window + min(self.window, GRACE) + self.extra_grace - self.clock())
 
     def _counted(self, live: Collection[str], leader: str | None,
                  known: Callable[[], Collection[str]] | None) -> set[str]:
-        """Whom the quorum counts: ``live``, the peers ``known()`` (seen lately), and those the joiners report."""
-        return set(live) | set(known() if known is not None else ()) | self.reported(leader)
+        """Whom the quorum counts: ``live``, the peers ``known()`` (seen lately), those the joiners report, and those
+        the leaders of groups that moved here counted (a merged group must hold a quorum of every view it joins)."""
+        return set(live) | set(known() if known is not None else ()) | self.reported(leader) | self.merged_counted
+
+    # ------------------------------------------------------------------ merging (see the module docstring)
+    def skipped(self) -> set[str]:
+        """The leaders our joiners found unreachable this round: never a leader to move our group to."""
+        return {p for r in self.requests.values() for p in r.skipped}
+
+    def may_move_to(self, leader: str) -> bool:
+        """Whether our group may move to ``leader``: still forming, short of its quorum, and no joiner of ours
+        found ``leader`` unreachable (it would not follow the move)."""
+        return (self.group is None and self.moved is None and leader not in self.skipped()
+                and self.short_of_quorum(self.counted))
+
+    def expect(self, joiners: Collection[str], counted: Collection[str]) -> None:
+        """A group moves here: wait for its ``joiners`` (a grace longer once), and count whom its leader counted."""
+        if joiners and not self.extra_grace:
+            self.extra_grace = min(self.window, GRACE)
+        self.expected |= set(joiners)
+        self.merged_counted |= set(counted)
+
+    def told(self, me: str, teller: str, joiners: Collection[str], counted: Collection[str],
+             skipped: Collection[str]) -> dict[str, object]:
+        """``teller`` leads this round too (its group short of its quorum, its ``joiners``, whom it ``counted``, the
+        leaders its joiners ``skipped``): our reply. The smaller of us leads, unless the other cannot move (it holds
+        a quorum, or a joiner of its found the smaller unreachable): we move (and say whom we sent), or stay and say
+        so (and wait for its joiners if it will move here)."""
+        if self.group is not None or self.moved is not None:
+            return {"ok": True}
+        if teller < me and self.may_move_to(teller):
+            self.move(teller)
+            return {"ok": True, "joiners": sorted(self.requests), "counted": sorted(self.counted)}
+        if me not in set(skipped):  # the teller will move here (it is short, and its joiners can reach us)
+            self.expect(joiners, counted)
+        return {"leader": me, "stay": True}
+
+    def answered(self, peer: str, reply: Mapping[str, object]) -> None:
+        """``peer``'s reply to our saying we lead this round (see :meth:`told`)."""
+        if reply.get("leader") == peer and reply.get("stay") and self.may_move_to(peer):
+            self.move(peer)
+        elif isinstance(reply.get("joiners"), list):
+            self.expect(peer_ids(reply.get("joiners")), peer_ids(reply.get("counted")))
 
     def short_of_quorum(self, live: Collection[str], drop: Collection[str] = ()) -> bool:
         """Whether the group, closed now, would hold no quorum of ``live`` (see :func:`quorum_problem`)."""
@@ -119,7 +164,7 @@ class Forming:
         return quorum_problem(self.key, alive, set(live) - set(drop)) is not None
 
     def move(self, leader: str) -> bool:
-        """Send this round's joiners (waiting or still to come) to ``leader``, a smaller one forming the same round;
+        """Send this round's joiners (waiting or still to come) to ``leader``, another one forming the same round;
         False if the group has closed or moved already."""
         if self.group is not None or self.moved is not None:
             return False
@@ -134,6 +179,7 @@ class Forming:
         signature among the requests not in ``drop``, led by ``leader`` (by default the smallest of them),
         with the fragment they proposed or the one ``leader``'s decision rule picks. ``live``: who the
         leader sees live as it closes; the group is refused (:attr:`refusal`) if it has no quorum of them."""
+        assert self.moved is None, "a group that moved does not close"
         if self.group is None:
             alive = {p: r for p, r in self.requests.items() if p not in drop}
             if leader is None:
@@ -168,15 +214,15 @@ class Forming:
                 now_live = await live(True)
             if self.group is not None or self.moved is not None:
                 break  # closed (or moved) by another join while we looked at who is live: never close twice
-            counted = self._counted(now_live, leader, known)
+            counted = self.counted = self._counted(now_live, leader, known)
             short = self.short_of_quorum(counted, drop)
             due = (self.everyone_joined(now_live) and not short) or self.clock() >= deadline or (
                 self.window_left() <= 0 and (self.grace_left() <= 0 or not (short or self.expected - set(self.requests))))
             if due:
                 self.close(leader, drop=drop, live=counted)
                 break
-            if self.window_left() <= 0 and not self._told and self.on_short is not None:
-                self._told = True  # short of the quorum as the grace begins (else it would be due)
+            if short and self.window_left() <= 0 and not self._told and self.on_short is not None:
+                self._told = True  # short of the quorum as the grace begins
                 self.on_short()
             try:
                 await asyncio.wait_for(self.closed.wait(), min(poll, self.window_left() or self.grace_left(),
@@ -189,6 +235,11 @@ class Forming:
             raise RoundFailed(self.refusal)
         assert self.group is not None
         return self.group
+
+
+def peer_ids(value: object, cap: int = 4096) -> set[str]:
+    """The peer ids in a peer's list (at most ``cap``; anything that is not a short string is dropped)."""
+    return {p for p in value[:cap] if isinstance(p, str) and len(p) <= 128} if isinstance(value, list) else set()
 
 
 def half_or_less(count: int, of: int) -> bool:

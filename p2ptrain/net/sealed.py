@@ -67,6 +67,9 @@ class Sealed:
         self.kept = False  # the last ``close`` kept the connection for another exchange
         self.exchanges = 0  # exchanges ended on this connection
         self.born = time.monotonic()
+        self.reused = False  # the exchange in progress is not the connection's first
+        self.may_keep = True  # the side that serves it may offer to keep it (False: it closes after this exchange)
+        self.received_before = 0  # ``received`` when the exchange in progress began
 
     # -- reader
     async def readexactly(self, n: int) -> bytes:
@@ -131,6 +134,11 @@ class Sealed:
         self.clean = self.kept = False
         self._writer.close()
 
+    def replied(self) -> bool:
+        """Whether the peer sent anything in the exchange in progress."""
+        return self.received > self.received_before or self._pos < len(self._plain)
+
     @property
     def open(self) -> bool:
-        return not self._writer.is_closing()
+        """Neither side has closed it (as far as we know: a close the peer sent is seen once it arrived)."""
+        return not (self._writer.is_closing() or self._reader.at_eof() or self._reader.exception() is not None)

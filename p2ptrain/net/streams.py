@@ -117,7 +117,7 @@ class Streams:
                 reply = await handler(sender, msg)
                 # The whole request read: once the reply is written, the connection can carry the caller's next
                 # exchange, and the reply says so (else the caller would send it on a connection we close).
-                keep = len(ended) == need and isinstance(writer, Sealed)
+                keep = len(ended) == need and isinstance(writer, Sealed) and writer.may_keep
                 if keep:
                     reply = {**reply, KEEP: True}
                 if key is not None:
@@ -184,12 +184,14 @@ class Streams:
         t0 = time.monotonic()
 
         direct = [False]  # this attempt went over the direct path (a libp2p redial cannot help it)
+        used: list[Sealed | None] = [None]  # the direct connection of this attempt
+        reuse = [True]
 
         async def _go() -> dict[str, Any]:
             sealed = None
             if self.direct is not None and kind in DIRECT_KINDS:
-                sealed = await self.direct.open(peer, kind, timeout)
-                direct[0] = sealed is not None
+                sealed = await self.direct.open(peer, kind, timeout, reuse=reuse[0])
+                direct[0], used[0] = sealed is not None, sealed
             if sealed is not None:
                 reader: Any = sealed
                 writer: Any = sealed
@@ -227,18 +229,29 @@ class Streams:
                 if sealed is not None and self.direct is not None:
                     self.direct.release(peer, sealed)
 
-        for attempt in (1, 2):
+        def closed_kept(e: BaseException) -> bool:
+            """The attempt went on a kept connection that the peer had closed before it replied at all (it restarted,
+            or kept it for less long than we did): the exchange did not begin there; once more on a new one. (A peer
+            that answered without reading the whole request, a refusal, and reset the connection before its answer
+            arrived is asked again too: it refuses again.)"""
+            c = used[0]
+            return reuse[0] and not isinstance(e, TimeoutError) and c is not None and c.reused and not c.replied()
+
+        redialed = False
+        while True:
             try:
                 reply = await asyncio.wait_for(_go(), max(0.05, timeout - (time.monotonic() - t0)))
                 return reply, time.monotonic() - t0
-            except (TimeoutError, FrameError, asyncio.IncompleteReadError) as e:
-                self._forget(peer, direct[0])
-                raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
             except Exception as e:  # the daemon reports failed dials with its own error types
+                if closed_kept(e):
+                    reuse[0] = False
+                    continue
                 self._forget(peer, direct[0])
-                if attempt == 2 or direct[0] or not await self.redial(peer):
+                if isinstance(e, (TimeoutError, FrameError, asyncio.IncompleteReadError)):
+                    raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
+                if redialed or direct[0] or not await self.redial(peer):
                     raise Unreachable(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
-        raise AssertionError("unreachable")
+                redialed = True
 
     def _forget(self, peer: str, direct: bool) -> None:
         if direct and self.direct is not None:  # a new session next time (the peer may have restarted)

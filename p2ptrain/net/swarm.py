@@ -52,7 +52,7 @@ from .bandwidth import LinkMeter
 from .contacts import Addresses, Contacts
 from .daemon import SwarmConfig, SwarmError, dial, start_p2p
 from .direct import Direct
-from .groups import Forming, alone_check, leader_of, membership_check
+from .groups import Forming, alone_check, leader_of, membership_check, peer_ids
 from .guard import Guard
 from .identity import Identity
 from .mailbox import Mailbox, Mailboxes
@@ -60,7 +60,6 @@ from .offers import Offers
 from .state_transfer import StateServer, fetch_chunked
 from .streams import ChunkSource, Streams, Trailer
 from .transport import (
-    MAX_ID,
     MAX_KNOWN,
     MAX_SKIPPED,
     Decide,
@@ -96,11 +95,6 @@ MAX_HOPS = 3
 #: (a peer leads when its id is the smallest its view shows, so the other leaders of a round are among them).
 #: Bounded so that a leader cut off with a minority does not send a message to every peer of a large swarm a round.
 MAX_TOLD = 16
-
-
-def _peer_ids(value: Any) -> set[str]:
-    """The peer ids in a peer's list (at most MAX_KNOWN of them; anything else is dropped)."""
-    return {p for p in value[:MAX_KNOWN] if isinstance(p, str) and len(p) <= MAX_ID} if isinstance(value, list) else set()
 
 
 class HivemindTransport(Transport):
@@ -369,10 +363,13 @@ class HivemindTransport(Transport):
         hinted: str | None = None  # a leader another peer named: one our view did not show yet
         hops = 0
         while time.monotonic() < deadline:
-            candidates = [p for p in await self._live_ids() if p not in skipped]
-            if not candidates:
-                break
-            leader = hinted or leader_of(candidates)
+            if hinted is None:
+                candidates = [p for p in await self._live_ids() if p not in skipped]
+                if not candidates:
+                    break
+                leader = leader_of(candidates)
+            else:  # a leader another peer named (or our group moved to): no new look at who is live first
+                leader = hinted
             if leader == self.peer_id:
                 try:
                     group = await self._lead(request, decide, deadline)
@@ -427,7 +424,10 @@ class HivemindTransport(Transport):
             tasks = self._tasks
 
             def short() -> None:
-                tasks.create_task(self._say_we_lead(f))
+                try:
+                    tasks.create_task(self._say_we_lead(f))
+                except RuntimeError:  # the transport is closing: no one to tell
+                    pass
 
             f.on_short = short
 
@@ -445,38 +445,34 @@ class HivemindTransport(Transport):
                     self._tasks.create_task(self._hello(p))
 
     async def _say_we_lead(self, f: Forming) -> None:
-        """Our group of ``f.key`` is short of its quorum as its window ends: tell the live peers that did not join
-        that we lead it. A larger leader of the same round moves its group here; a smaller one says so, and ours
-        moves there (see net/groups.py, "Merging")."""
-        absent = (set(await self._live_ids()) | self._contacts.live()) - set(f.requests) - {self.peer_id} - self.blocked
-        gate = asyncio.Semaphore(RECONTACT_AT_ONCE)
+        """Our group of ``f.key`` is short of its quorum as its window ends: tell the smallest live peers that did
+        not join (:data:`MAX_TOLD`, all at once) that we lead it; another leader of the round moves its group here or
+        says it stays, and ours may move there (net/groups.py: "Merging", :meth:`Forming.told`)."""
+        try:
+            # The view as it is (a DHT read takes seconds), and the peers that reached us lately.
+            live = set(await self._live_ids(max_age=math.inf)) | (self._contacts.live() - self._left)
+            absent = sorted(live - set(f.requests) - {self.peer_id} - self.blocked)[:MAX_TOLD]
+            msg = {"key": f.key, "joiners": sorted(f.requests)[:MAX_KNOWN], "counted": sorted(f.counted)[:MAX_KNOWN],
+                   "skipped": sorted(f.skipped())[:MAX_KNOWN]}
 
-        async def tell(peer: str) -> None:
-            async with gate:
-                if f.group is not None or f.moved is not None:
-                    return
+            async def tell(peer: str) -> None:
                 try:
-                    reply, _ = await self._call(peer, "lead", {"key": f.key, "joiners": sorted(f.requests)[:MAX_KNOWN]},
-                                                timeout=min(2.0, self.cfg.join_window))
+                    reply, _ = await self._call(peer, "lead", msg, timeout=min(1.0, self.cfg.join_window))
                 except RoundFailed:
                     return
-                if reply.get("leader") == peer and peer < self.peer_id:
-                    f.move(peer)
-                else:  # its group moved here (or it forms none): wait in the grace for the joiners it sends
-                    f.expected |= _peer_ids(reply.get("joiners"))
+                f.answered(peer, reply)
 
-        await asyncio.gather(*(tell(p) for p in sorted(absent)[:MAX_TOLD]))
+            await asyncio.gather(*(tell(p) for p in absent))
+        except Exception:  # a background task of the transport's: a failure here must not end the others
+            log.exception("event=say_we_lead_failed key=%s", f.key)
 
     async def _on_lead(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
-        """``sender`` leads round ``msg["key"]`` (see :meth:`_say_we_lead`): if we lead it too, the larger of us moves."""
+        """``sender`` leads round ``msg["key"]`` too (see :meth:`_say_we_lead`): :meth:`Forming.told` answers."""
         f = self._forming.get(msg.get("key")) if isinstance(msg.get("key"), str) else None
-        if f is None or f.group is not None or f.moved is not None:
+        if f is None:
             return {"ok": True}
-        if sender < self.peer_id:
-            f.move(sender)
-            return {"ok": True, "joiners": sorted(f.requests)[:MAX_KNOWN]}
-        f.expected |= _peer_ids(msg.get("joiners"))  # its group moves here: wait for its joiners in the grace
-        return {"leader": self.peer_id}
+        return f.told(self.peer_id, sender, peer_ids(msg.get("joiners")), peer_ids(msg.get("counted")),
+                      peer_ids(msg.get("skipped")))
 
     async def _hello(self, peer: str) -> None:
         try:

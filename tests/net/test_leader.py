@@ -409,3 +409,49 @@ def test_two_leaders_of_one_round_short_of_their_quorum_merge_into_the_smallers_
                                                                                  d.peer_id}
 
     asyncio.run(go())
+
+
+def _forming(members: list[str], counted: set[str], skipped: tuple[str, ...] = ()) -> Any:
+    from p2ptrain.net.groups import Forming
+
+    f = Forming("r0", 3.0)
+    for m in members:
+        f.join(JoinRequest(key="r0", peer_id=m, weight=1.0, fragment=0, skipped=skipped))
+    f.counted = set(counted)
+    return f
+
+
+def test_a_group_moves_to_a_smaller_leader_only_when_short_and_its_joiners_can_reach_it() -> None:
+    """Forming.told, the answer to another leader of the same round (no network): the larger of two short groups
+    moves; a group with a quorum stays (it would have applied), and so does one whose joiners found the teller
+    unreachable (they would not follow the move, and the round would fail on both sides)."""
+    everyone = {f"p{i}" for i in range(10)}
+    short = _forming(["p5", "p6"], everyone)
+    assert short.told("p5", "p1", ["p1", "p2"], everyone, ()).get("joiners") == ["p5", "p6"]
+    assert short.moved == "p1"
+
+    quorum = _forming(["p5", "p6", "p7", "p8", "p9", "p4"], everyone)
+    assert quorum.told("p4", "p1", ["p1", "p2"], everyone, ()) == {"leader": "p4", "stay": True}
+    assert quorum.moved is None and quorum.expected == {"p1", "p2"}  # the teller may move here: wait for its own
+
+    skipping = _forming(["p5", "p6"], everyone, skipped=("p1",))
+    assert skipping.told("p5", "p1", ["p1", "p2"], everyone, ()) == {"leader": "p5", "stay": True}
+    assert skipping.moved is None
+    skipping.answered("p1", {"leader": "p1", "stay": True})  # and it does not follow the teller's "stay" either
+    assert skipping.moved is None
+
+
+def test_a_merged_group_must_hold_a_quorum_of_the_view_of_the_group_that_moved_too() -> None:
+    """Three leaders of one round, 12 live: c closed a group of 7 (a quorum of its view). a counts 8 and holds 2, b
+    counts 12 and holds 3. Merged under a's count alone, 5 of 8 would make a second quorum and fork θ; b's count
+    comes with its move, so a's group of 5 is 5 of 12: no quorum."""
+    ids = [f"q{i:02d}" for i in range(12)]
+    a = _forming(ids[:2], set(ids[:8]))
+    b = _forming(ids[2:5], set(ids))
+    reply = b.told(ids[2], ids[0], ids[:2], set(ids[:8]), ())
+    assert b.moved == ids[0]
+    a.answered(ids[2], reply)
+    for p in ids[2:5]:
+        a.join(JoinRequest(key="r0", peer_id=p, weight=1.0, fragment=0))
+    assert a.short_of_quorum(a._counted(set(ids[:8]), ids[0], None))
+    assert not a.short_of_quorum(set(ids[:8]))  # what a's own view alone would have allowed
