@@ -55,6 +55,7 @@ import torch
 from ..algo.grouping import split_groups
 from ..collective.butterfly import part_bounds
 from ..collective.codecs import Codec
+from .groups import fingerprints_match
 from .parts import print_problem
 from .polling import answer, first_of
 from .transport import Group, ReduceResult, RoundFailed, Transport
@@ -154,8 +155,8 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
     :data:`SILENT` s once a witness answered, or does not deliver by 3/4 of the time left (or halfway from
     ``crossed_by``, when the cross step ends at the latest, to the deadline if that is later).
     Returns (offer, bytes fetched, where from: ``h`` our cell's carrier, checked; ``u`` our cell's carrier, with no
-    other cell's digest to check it against; ``o`` another cell's carrier). RoundFailed if carriers disagree or none
-    delivers."""
+    other cell's digest to check it against; ``o:<id>`` another cell's carrier). RoundFailed if carriers disagree or
+    none delivers."""
     name = _offer_name(group, phase, s)
     holder = plan.holder[s]
     others = [c for c in plan.carriers[s] if c != holder]
@@ -210,8 +211,8 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
     # Our cell's carrier is gone, late or declined: the same bytes from across the cells, the next carrier asked as
     # well while those asked are silent (polling.first_of): a carrier cut off with its cell used to be asked until
     # the deadline before the next one was.
-    _, data = await first_of(transport, others, name, deadline)
-    return data, len(data), "o"
+    other, data = await first_of(transport, others, name, deadline)
+    return data, len(data), "o:" + other
 
 
 async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan, phase: int,
@@ -279,7 +280,9 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         # fingerprint of the θ that won (what a repair must take).
         # (the winners' print also with a tie: a member outvoted elsewhere may still apply, see below)
         div = {"by": list(res.contributors) if lost(res) else [], "tied": tied(res),
-               "print": None if res.agreed is None or not (lost(res) or tied(res)) else list(res.agreed)}
+               "print": None if res.agreed is None or not (lost(res) or tied(res)) else list(res.agreed),
+               # for the members of other cells that fetch the shard from us: the θ that won its vote, and whose
+               "won": None if res.agreed is None else list(res.agreed), "winners": list(res.contributors)}
         # (wanted as the shard is: a member that fetched the shard from us does not apply without the note)
         transport.offers.put(name + "#div", encode_message(div), ttl=OFFER_TTL, wanted=len(plan.local.members) - 1,
                              needed_until=deadline)
@@ -329,7 +332,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
             except RoundFailed as e:
                 got = e
             if note is not None:
-                if isinstance(got, RoundFailed) or got[2] == "o":
+                if isinstance(got, RoundFailed) or got[2].startswith("o:"):
                     note.cancel()  # our cell's carrier failed its shard: our cell cast no vote on it
                 else:
                     said = await note
@@ -337,6 +340,10 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
             raise got
         offers[s], n, source[s] = got
         fetched += n
+        if source[s].startswith("o:"):
+            await from_other_cell(s, source[s][2:], name)
+            source[s] = "o"
+            return
         if said is None:
             return
         try:
@@ -356,6 +363,32 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
             outvoted.extend(m for m in by if isinstance(m, str) and m in group.members)
         if by and winner is not None:
             won.append(winner)
+
+    async def from_other_cell(s: int, other: str, name: str) -> None:
+        # Our cell cast no vote on shard s (its carrier failed it): whether our θ is the one that won the shard's
+        # vote, only the note of the carrier that served it can say. Applying another θ's round onto ours forks θ:
+        # churn benchmark (churn_s33b) f0.L598565000, a member whose cell's carries all failed fetched every shard
+        # from other cells and applied them onto a θ two rounds behind theirs.
+        try:
+            div = decode_message(await note_of(other, name), max_size=64 * 1024)
+            winner = div.get("won")
+            won_print = tuple(float(v) for v in winner) if winner is not None and not print_problem(winner) else None
+        except (RoundFailed, FrameError, TypeError, ValueError) as e:
+            raise RoundFailed(f"{name}: {other[-8:]} served it but did not say which θ won its vote ({e})") from None
+        ours = local.agreed if local.agreed is not None else (tuple(fingerprint) if fingerprint is not None else None)
+        if won_print is None or ours is None or fingerprints_match(ours, won_print):
+            return
+        by = [m for m in div.get("winners") or [] if isinstance(m, str) and m in group.members]
+        if not by:
+            raise RoundFailed(f"{name}: our θ is not the one that won its vote, and no winner is named to repair from")
+        outvoted.extend(by)  # our cell's θ lost: repair onto the winners' θ before applying (as an outvoted cell)
+        won.append(won_print)
+
+    async def note_of(other: str, name: str) -> bytes:
+        got = await answer(transport, other, name, deadline)  # (``name`` is the note's: the shard's + "#div")
+        if isinstance(got, RoundFailed):
+            raise got
+        return got
 
     async def check_own(s: int) -> None:
         # Our own carried shard, against another cell's carrier of it (as our cell's members check what they fetch

@@ -181,3 +181,48 @@ def test_a_tie_across_cells_with_a_cell_cut_off_forks_no_one() -> None:
     final = _after_repair(holds, applied)
     sides = {p: "X" if final[p] == X else "Y" for p in applied}
     assert len(set(sides.values())) == 1, f"members apply the round onto two versions of θ: {sides}"
+
+
+def test_a_cell_whose_carries_all_failed_does_not_apply_the_others_round_onto_another_theta() -> None:
+    """Churn benchmark (churn_s33b), round f0.L598565000: every carry of one cell failed, so its members fetched
+    every shard from other cells' carriers, whose notes they did not read (their cell cast no vote), and one applied
+    the others' average onto a θ two rounds behind theirs: two θ from one round. A shard from another cell now comes
+    with its carrier's note of which θ won the shard's vote; a member on another θ repairs onto it first."""
+    from p2ptrain.net.transport import RoundFailed
+
+    holds = {"a0": Y, "a1": Y, "e0": Y, "e1": Y, "u0": X, "u1": X}
+    regions = {p: {"a": "ap", "e": "eu", "u": "us"}[p[0]] for p in holds}
+
+    async def go() -> dict[str, ReduceResult | BaseException]:
+        swarm = MemorySwarm(join_window=0.1, ttl=60)
+        ts = {p: swarm.transport(p) for p in holds}
+        for t in ts.values():
+            await t.announce(PeerInfo(peer_id=t.peer_id))
+        for p in ("u0", "u1"):  # us's carries fail (cut off from the other carriers for the cross step only)
+            t = ts[p]
+            inner = t.allreduce
+
+            async def no_carry(group: Group, *args: object, _inner: object = inner, **kw: object) -> ReduceResult:
+                if "#s" in group.key:
+                    raise RoundFailed(f"round {group.key}: only 1 of 3 parts")
+                return await _inner(group, *args, **kw)  # type: ignore[operator]
+
+            t.allreduce = no_carry  # type: ignore[method-assign]
+        g = _group(list(holds), [regions[p] for p in holds])
+
+        async def one(p: str) -> ReduceResult:
+            plan = plan_for(g, p)
+            assert plan is not None
+            x = [torch.full((12,), float(sorted(holds).index(p)))]
+            return await hierarchical_allreduce(ts[p], g, plan, 0, x, 1.0, get_codec("fp32"), timeout=8.0,
+                                                fingerprint=holds[p])
+
+        res = await asyncio.gather(*(one(p) for p in holds), return_exceptions=True)
+        return dict(zip(holds, res, strict=True))
+
+    res = asyncio.run(go())
+    applied = {p: r for p, r in res.items() if isinstance(r, ReduceResult)}
+    assert {"u0", "u1"} <= set(applied), res  # us fetched every shard from the other cells
+    final = _after_repair(holds, applied)
+    sides = {p: "X" if final[p] == X else "Y" for p in applied}
+    assert set(sides.values()) == {"Y"}, f"members apply the round onto two versions of θ: {sides}"
