@@ -301,27 +301,8 @@ def test_a_connection_is_kept_only_when_both_sides_ended_the_exchange_at_its_bou
     in full leaves the connection to the next exchange (reused, the same TCP connection); one whose handler
     answered without reading the chunk frames that followed is closed by the peer, and its reply says so: the
     next exchange opens a new connection instead of failing on the closed one."""
-    import types
-
-    from p2ptrain.net.daemon import SwarmConfig
-    from p2ptrain.net.guard import Guard
-    from p2ptrain.net.streams import Streams
-
     async def go() -> None:
-        directs: dict[str, Direct] = {}
-
-        async def addresses(peer: str) -> list[str]:
-            return ["/ip4/127.0.0.1/tcp/1"]
-
-        def make(me: str) -> Streams:
-            async def ask(peer: str) -> dict[str, Any]:
-                return directs[peer].issue(me)
-
-            directs[me] = Direct(me, host="127.0.0.1", ask=ask, addresses=addresses)
-            p2p = types.SimpleNamespace(peer_id=me, add_binary_stream_handler=_no_daemon)
-            return Streams(SwarmConfig(run_id="keep"), p2p, Guard(), lambda peer: False, addresses, directs[me])
-
-        a, b = make("A"), make("B")
+        a, b, directs = _two_stream_layers()
         seen: list[int] = []
 
         async def part(sender: str, msg: dict[str, Any]) -> dict[str, Any]:
@@ -361,6 +342,31 @@ async def _no_daemon(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _two_stream_layers() -> tuple[Any, Any, dict[str, Direct]]:
+    """Peers A and B's stream layers (net/streams.py) over the direct path only: no daemon; their Direct objects,
+    not started yet."""
+    import types
+
+    from p2ptrain.net.daemon import SwarmConfig
+    from p2ptrain.net.guard import Guard
+    from p2ptrain.net.streams import Streams
+
+    directs: dict[str, Direct] = {}
+
+    async def addresses(peer: str) -> list[str]:
+        return ["/ip4/127.0.0.1/tcp/1"]
+
+    def make(me: str) -> Streams:
+        async def ask(peer: str) -> dict[str, Any]:
+            return directs[peer].issue(me)
+
+        directs[me] = Direct(me, host="127.0.0.1", ask=ask, addresses=addresses)
+        p2p = types.SimpleNamespace(peer_id=me, add_binary_stream_handler=_no_daemon)
+        return Streams(SwarmConfig(run_id="keep"), p2p, Guard(), lambda peer: False, addresses, directs[me])
+
+    return make("A"), make("B"), directs
+
+
 @pytest.mark.parametrize("seen", [True, False], ids=["close-seen", "close-unseen"])
 def test_an_exchange_on_a_kept_connection_the_peer_closed_goes_again_on_a_new_one(
         seen: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -369,27 +375,8 @@ def test_an_exchange_on_a_kept_connection_the_peer_closed_goes_again_on_a_new_on
     the exchange goes again on a new connection instead of failing."""
     if not seen:
         monkeypatch.setattr(Sealed, "open", property(lambda self: True))
-    import types
-
-    from p2ptrain.net.daemon import SwarmConfig
-    from p2ptrain.net.guard import Guard
-    from p2ptrain.net.streams import Streams
-
     async def go() -> None:
-        directs: dict[str, Direct] = {}
-
-        async def addresses(peer: str) -> list[str]:
-            return ["/ip4/127.0.0.1/tcp/1"]
-
-        def make(me: str) -> Streams:
-            async def ask(peer: str) -> dict[str, Any]:
-                return directs[peer].issue(me)
-
-            directs[me] = Direct(me, host="127.0.0.1", ask=ask, addresses=addresses)
-            p2p = types.SimpleNamespace(peer_id=me, add_binary_stream_handler=_no_daemon)
-            return Streams(SwarmConfig(run_id="keep"), p2p, Guard(), lambda peer: False, addresses, directs[me])
-
-        a, b = make("A"), make("B")
+        a, b, directs = _two_stream_layers()
 
         async def echo(sender: str, msg: dict[str, Any]) -> dict[str, Any]:
             return {"n": msg["n"]}
