@@ -396,3 +396,66 @@ def test_an_exchange_on_a_kept_connection_the_peer_closed_goes_again_on_a_new_on
                 await d.aclose()
 
     asyncio.run(go())
+
+
+class _End:
+    """A stand-in for one end of a TCP connection (reader and writer at once): open until closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def at_eof(self) -> bool:
+        return self.closed
+
+    def exception(self) -> None:
+        return None
+
+
+def test_idle_connections_are_kept_four_a_peer_swept_once_stale_and_never_after_aclose(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Direct.release's pool (no sockets: stand-in ends): at most 4 idle connections a peer (the oldest close), a
+    connection idle for KEEP_IDLE closes at the next release whichever peer it was kept for (a peer never called
+    again does not hold descriptors forever), and nothing is kept once the path is closed."""
+    import p2ptrain.net.direct as direct_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(direct_mod.time, "monotonic", lambda: now[0])
+
+    async def never(peer: str) -> dict[str, Any]:
+        raise AssertionError("not asked")
+
+    async def no_addresses(peer: str) -> list[str]:
+        return []
+
+    d = Direct("A", host="127.0.0.1", ask=never, addresses=no_addresses, listen=False)
+
+    def kept() -> tuple[Sealed, _End]:
+        end = _End()
+        conn = Sealed(end, end, b"k" * 16, b"k" * 16)  # type: ignore[arg-type]
+        conn.born, conn.kept = now[0], True
+        return conn, end
+
+    ends = []
+    for _ in range(5):
+        conn, end = kept()
+        d.release("B", conn)
+        ends.append(end)
+    assert [e.closed for e in ends] == [True, False, False, False, False]  # the oldest of 5 closed
+    old, old_end = kept()
+    d.release("C", old)  # a peer we will not call again
+    now[0] += direct_mod.KEEP_IDLE + 1
+    fresh, fresh_end = kept()
+    d.release("B", fresh)
+    assert old_end.closed and "C" not in d._idle  # swept at B's release
+    assert all(e.closed for e in ends) and not fresh_end.closed
+    asyncio.run(d.aclose())
+    assert fresh_end.closed
+    late, late_end = kept()
+    d.release("B", late)
+    assert late_end.closed and not d._idle
