@@ -379,8 +379,12 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         if won_print is None or ours is None or fingerprints_match(ours, won_print):
             return
         by = [m for m in div.get("winners") or [] if isinstance(m, str) and m in group.members]
-        if not by:
-            raise RoundFailed(f"{name}: our θ is not the one that won its vote, and no winner is named to repair from")
+        if 2 * len(by) <= cells:
+            # The θ that "won" the shard is no strict majority of the cells (its vote was partial, or a tie): it
+            # may be the minority's, so neither repair onto it nor apply the round onto ours (churn_s33c,
+            # f2.L598565460: two members repaired onto a shard voted by one carrier alone and forked).
+            raise RoundFailed(f"{name}: our θ is not the one its carriers voted, and theirs is no majority of the "
+                              f"{cells} cells")
         outvoted.extend(by)  # our cell's θ lost: repair onto the winners' θ before applying (as an outvoted cell)
         won.append(won_print)
 
