@@ -17,10 +17,12 @@ instead of training a θ of its own. A group short of its quorum when the window
 Merging: views that disagree (a DHT read during a partition, a peer that joined a moment ago) can give one round
 two leaders, each short of its quorum though their groups together hold one (the churn benchmark: 6 + 6 joiners of
 17 counted, twice 7 + 7 of 15). A leader whose window ends short of its quorum tells the live peers that did not
-join it that it leads the round (:attr:`Forming.on_short`); a leader still forming that round under a larger id
-:meth:`moves <Forming.move>` its group there (its joiners get :class:`~.transport.Moved` and join the smaller
-leader), and one under a smaller id answers so, and the teller moves instead. The quorum rule is unchanged: the
-merged group must still hold more than half of what its leader counts.
+join it that it leads the round (:attr:`Forming.on_short`). Another leader of that round answers
+(:meth:`Forming.told`): the larger of the two :meth:`moves <Forming.move>` its group to the smaller (its joiners get
+:class:`~.transport.Moved` and join there), unless it may not: a group moves only while short of its own quorum and
+when none of its joiners found the other leader unreachable; then the other one moves if it may. The group that moves
+sends whom it counted, and the merged group must hold a quorum of that as well (a three-way split must not apply
+twice): the quorum rule itself is unchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
-from .transport import Decide, Decision, Group, JoinRequest, Moved, RoundFailed, StateMismatch
+from .transport import MAX_ID, MAX_KNOWN, Decide, Decision, Group, JoinRequest, Moved, RoundFailed, StateMismatch
 
 log = logging.getLogger(__name__)
 
@@ -237,9 +239,10 @@ class Forming:
         return self.group
 
 
-def peer_ids(value: object, cap: int = 4096) -> set[str]:
-    """The peer ids in a peer's list (at most ``cap``; anything that is not a short string is dropped)."""
-    return {p for p in value[:cap] if isinstance(p, str) and len(p) <= 128} if isinstance(value, list) else set()
+def peer_ids(value: object) -> set[str]:
+    """The peer ids in a peer's list (at most MAX_KNOWN; anything that is not a string of MAX_ID at most is dropped)."""
+    return ({p for p in value[:MAX_KNOWN] if isinstance(p, str) and len(p) <= MAX_ID} if isinstance(value, list)
+            else set())
 
 
 def half_or_less(count: int, of: int) -> bool:

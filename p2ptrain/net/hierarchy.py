@@ -57,7 +57,7 @@ from ..collective.butterfly import part_bounds
 from ..collective.codecs import Codec
 from .groups import fingerprints_match
 from .parts import print_problem
-from .polling import answer, first_of
+from .polling import answer, first_of, poll
 from .transport import Group, ReduceResult, RoundFailed, Transport
 from .wire import FrameError, decode_message, encode_message
 
@@ -370,7 +370,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         # churn benchmark (churn_s33b) f0.L598565000, a member whose cell's carries all failed fetched every shard
         # from other cells and applied them onto a θ two rounds behind theirs.
         try:
-            div = decode_message(await note_of(other, name), max_size=64 * 1024)
+            div = decode_message(await poll(transport, other, name, deadline), max_size=64 * 1024)  # name: "…#div"
             winner = div.get("won")
             won_print = tuple(float(v) for v in winner) if winner is not None and not print_problem(winner) else None
         except (RoundFailed, FrameError, TypeError, ValueError) as e:
@@ -387,12 +387,6 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
                               f"{cells} cells")
         outvoted.extend(by)  # our cell's θ lost: repair onto the winners' θ before applying (as an outvoted cell)
         won.append(won_print)
-
-    async def note_of(other: str, name: str) -> bytes:
-        got = await answer(transport, other, name, deadline)  # (``name`` is the note's: the shard's + "#div")
-        if isinstance(got, RoundFailed):
-            raise got
-        return got
 
     async def check_own(s: int) -> None:
         # Our own carried shard, against another cell's carrier of it (as our cell's members check what they fetch
