@@ -62,7 +62,7 @@ if __package__ in (None, ""):
 
 import itertools
 
-from bench.harness import P2PTRAIN, RESULTS, exit_on_sigterm, rss_tree_mb
+from bench.harness import DIRECT_PORT, P2PTRAIN, RESULTS, exit_on_sigterm, rss_tree_mb
 from bench.testbed import RegionSpec, Testbed, TestbedSpec, parse_rate, unavailable_reason
 from p2ptrain.procs import wait_lines
 
@@ -194,8 +194,10 @@ class Phase:
         log, js = self.work / f"{rec.name}.{i}.log", self.work / f"{rec.name}.{i}.json"
         (self.work / f"{rec.name}.maddrs").unlink(missing_ok=True)
         listen, announce = tb.maddrs(rec.host)
+        direct = int(listen[0].rsplit("/", 1)[1]) + DIRECT_PORT  # the direct path, relayed between regions too
+        tb.expose(rec.host, direct)
         argv = [*self.argv(rec, resume, self.initial_for(rec)), "--host-maddrs", listen[0], "--announce-maddrs",
-                announce[0], "--json", str(js)]
+                announce[0], "--direct-port", str(direct), "--json", str(js)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         with log.open("wb") as out:
             proc = tb.run(rec.host, argv, stdout=out, stderr=subprocess.STDOUT, env=env)
