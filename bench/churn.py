@@ -173,6 +173,8 @@ class Phase:
             argv += ["--join-window", str(a.join_window)]
         if rec.fresh and not resume:
             argv += ["-c", str(self.work / "fresh_start.toml")]
+        elif a.late != "stall":
+            argv += ["-c", str(self.work / "method.toml")]
         if resume:
             argv += ["--resume"]
         for m in initial:
@@ -434,7 +436,9 @@ class Phase:
     # ------------------------------------------------------------------ the phase
     def run(self, report: Report) -> None:
         a = self.a
-        (self.work / "fresh_start.toml").write_text("[peer]\nsync_on_join = false\n")
+        method = "" if a.late == "stall" else f'[method]\nlate = "{a.late}"\n'
+        (self.work / "fresh_start.toml").write_text("[peer]\nsync_on_join = false\n" + method)
+        (self.work / "method.toml").write_text(method)
         print(f"[{self.name}] {a.peers} peers in {len(self.regions)} regions, {a.minutes:g} min"
               + (f", a fault every {a.every:g} s" if self.with_faults else ", no faults"), flush=True)
         with Testbed(self.spec()) as tb:
@@ -877,6 +881,8 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=40)
     ap.add_argument("--P", type=int, default=4)
     ap.add_argument("--tau", type=int, default=5)
+    ap.add_argument("--late", default="stall", choices=("stall", "apply"),
+                    help="streaming: a round not in at send + τ is waited for (stall) or applied when it arrives")
     ap.add_argument("--step-seconds", type=float, default=1.0)
     ap.add_argument("--min-step-seconds", type=float, default=None, help="pad inner steps (default: --step-seconds)")
     ap.add_argument("--join-window", type=float, default=None)
@@ -902,6 +908,8 @@ def main() -> None:
     exit_on_sigterm()
     if a.every > 30:
         raise SystemExit("--every must be at most 30 s")
+    if a.late != "stall" and a.method != "streaming":
+        raise SystemExit("--late is streaming's")
     if (reason := unavailable_reason()) is not None:
         raise SystemExit(f"testbed unavailable: {reason}")
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-churn-"))

@@ -97,15 +97,22 @@ class StreamingConfig(MethodConfig):
         outer_lr: η 0.7, DiLoCo's: at 100 rounds per fragment it ended below the Streaming DiLoCo paper's 0.4 on
             every seed and corpus measured (0.3–0.9% lower loss, bench/results/methods.md); ``--outer-lr 0.4``
             gives the paper's.
+        late: a round not in at send + τ: ``stall`` waits for it there (the paper's rule); ``apply`` trains on
+            and applies it when it arrives, with the merge of a round on time (its overlap is longer), and does
+            not send its fragment again before it is in. Under faults a round can take its timeouts to end, and
+            waiting for it stops the peer's compute meanwhile (the churn benchmark: bench/results/README.md).
     """
 
     name: ClassVar[str] = "streaming"
+    #: The values ``late`` may take for this method.
+    LATE: ClassVar[tuple[str, ...]] = ("stall", "apply")
     P: int = 4
     mode: Literal["strided", "sequential"] = "strided"
     tau: int = 1
     alpha: float | None = None
     outer_lr: float = 0.7
     codec: str = "e3m0"
+    late: Literal["stall", "apply", "compensate"] = "stall"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -119,6 +126,8 @@ class StreamingConfig(MethodConfig):
             self.alpha = 1.0 if get_codec(self.codec).error_feedback else 0.5
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"{self.name}: α must be in [0, 1], got {self.alpha}")
+        if self.late not in self.LATE:
+            raise ValueError(f"{self.name}: late must be {' or '.join(repr(v) for v in self.LATE)}, got {self.late!r}")
         self._check_tau()
 
     def _check_tau(self) -> None:
@@ -176,12 +185,13 @@ class CoCoDCConfig(StreamingConfig):
     """
 
     name: ClassVar[str] = "cocodc"
+    LATE: ClassVar[tuple[str, ...]] = ("compensate", "stall")
     # η 0.4, not streaming's 0.7: the delta rule keeps the local progress on top of θ̃ (no α-damping), and the
     # long runs measured cocodc at 0.4; at 0.7 on real peers it ended 17.6% ± 9.5% above streaming.
     outer_lr: float = 0.4
     lambda0: float = 0.0
     sends_per_window: int | None = None
-    late: Literal["compensate", "stall"] = "compensate"
+    late: Literal["stall", "apply", "compensate"] = "compensate"
     choice: Literal["drift", "round-robin"] = "drift"
     alpha: float = 0.0  # unused: the Taylor compensation replaces α-mixing
 
@@ -193,8 +203,6 @@ class CoCoDCConfig(StreamingConfig):
             raise ValueError(
                 f"cocodc: sends per window N ({self.sends_per_window}) must satisfy P ≤ N ≤ H ({self.P} ≤ N ≤ {self.H})"
             )
-        if self.late not in ("compensate", "stall"):
-            raise ValueError(f"cocodc: late must be 'compensate' or 'stall', got {self.late!r}")
         if self.choice not in ("drift", "round-robin"):
             raise ValueError(f"cocodc: choice must be 'drift' or 'round-robin', got {self.choice!r}")
 

@@ -208,12 +208,13 @@ class OuterLoop:
         arrived = is_arrived or (lambda r: r.arrived)
         live = [r for r in in_flight if r.live]
         due = [r for r in live if r.due <= step]
-        wait = [r for r in due if not arrived(r) and not self.late_ok]
-        if wait:
-            return StepPlan(wait=wait)
-        # A late round (compensate) that arrived after its due step is applied at the next step.
-        applies = sorted((r for r in due if arrived(r)), key=lambda r: (r.send_step, r.fragment))
         sends = [] if step <= 0 else [p for p in self.rules.fixed_sends(step) if self._state[p].last_send != step]
+        wait = [r for r in due if not arrived(r) and (not self.late_ok or r.fragment in sends)]
+        if wait:  # (a late round is waited for when its fragment is due to be sent again: one round a fragment)
+            return StepPlan(wait=wait)
+        # A late round that arrived after its due step is applied at the next step (the driver puts it before this
+        # step's sends).
+        applies = sorted((r for r in due if arrived(r)), key=lambda r: (r.send_step, r.fragment))
         apply_actions: list[tuple[Action, int | Round]] = [(Action.APPLY, r) for r in applies]
         send_actions: list[tuple[Action, int | Round]] = [(Action.SEND, p) for p in sends]
         return StepPlan(actions=apply_actions + send_actions if self.apply_first else send_actions + apply_actions)

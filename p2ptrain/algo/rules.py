@@ -127,6 +127,10 @@ class StreamingRules(Rules):
     def keeps_unsent(self) -> float:  # type: ignore[override]
         return self.cfg.alpha if get_codec(self.cfg.codec).error_feedback else 0.0
 
+    @property
+    def late_ok(self) -> bool:  # type: ignore[override]
+        return self.cfg.late == "apply"
+
 
 class CoCoDCRules(StreamingRules):
     """CoCoDC (arXiv 2504.17672): slots negotiated by the swarm, Taylor delay compensation, late applies."""

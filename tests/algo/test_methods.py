@@ -227,6 +227,39 @@ def test_late_results() -> None:
     assert stalled.utilization < res.utilization
 
 
+@pytest.mark.parametrize("bandwidth", [8e3 * 2, 8e3 * 2 / 6])
+def test_streaming_late_apply_trains_on_and_applies_each_round_when_it_arrives(bandwidth: float) -> None:
+    """``late="apply"``: the transfer (~4 steps; ~24 on the slower link, longer than H) outlasts τ = 1; the peers
+    train on instead of stalling, apply each round when it is in, agree on θ, and a fragment's next send waits for
+    its round (one round a fragment: every fragment's sends and applies alternate)."""
+    slow = {"bandwidth": bandwidth, "step_time": 0.01}
+    r, _, res = run(StreamingConfig(H=16, P=2, tau=1, codec="fp32", late="apply"), peers=2, steps=48, **slow)
+    _, _, stalled = run(StreamingConfig(H=16, P=2, tau=1, codec="fp32"), peers=2, steps=48, **slow)
+    assert res.max_delay > 1 and stalled.max_delay == 1 and res.utilization > stalled.utilization
+    if bandwidth == 8e3 * 2:
+        assert res.stall_seconds <= 0.1 < stalled.stall_seconds  # only the final drain waits
+    ref = r.outers[0].outer_params()
+    assert all(torch.equal(ref[n], t) for n, t in r.outers[1].outer_params().items())
+    for f in (0, 1):
+        kinds = [kind for s, kind, p, g in r.history if p == 0 and g == f]
+        assert kinds == ["send", "apply"] * (len(kinds) // 2) and len(kinds) >= 4, kinds
+
+
+def test_streaming_late_apply_changes_nothing_when_every_round_is_on_time() -> None:
+    a, fa, _ = run(StreamingConfig(H=8, P=4, tau=2, codec="fp32"), peers=3, steps=32)
+    b, fb, _ = run(StreamingConfig(H=8, P=4, tau=2, codec="fp32", late="apply"), peers=3, steps=32)
+    assert a.history == b.history
+    assert all(torch.equal(t, b.outers[0].outer_params()[n]) for n, t in a.outers[0].outer_params().items())
+    assert all(torch.equal(t, fb[1].x[n]) for n, t in fa[1].x.items())
+
+
+def test_late_takes_only_its_methods_values() -> None:
+    with pytest.raises(ValueError, match="late must be 'stall' or 'apply'"):
+        StreamingConfig(H=8, P=2, late="compensate")
+    with pytest.raises(ValueError, match="late must be 'compensate' or 'stall'"):
+        CoCoDCConfig(H=8, P=2, late="apply")
+
+
 def test_a_catching_up_peer_takes_a_rounds_adapted_ranks() -> None:
     """A peer that synced from a state one round behind takes θ and the round state after that round:
     the low-rank ranks and bases it adapted, or its next round would not match the swarm's."""
