@@ -194,10 +194,13 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
             hold.cancel()
             check.cancel()
         if isinstance(data, bytes):
-            if not isinstance(digest, bytes) and witnesses[1:]:  # the first witness failed us: any other will do
+            if not isinstance(digest, bytes):
+                # No other region's digest yet: ask every witness until our time for the shard is up, not 2 s more.
+                # A witness that is late is no witness that is gone: a cell that applied its carrier's shard
+                # unchecked, 8 s before the other regions' carriers (which held other bytes) answered, forked θ
+                # (churn_views, f2.L598568460). A dead witness declines or cannot be dialled at once.
                 try:
-                    _, digest = await first_of(transport, witnesses[1:], name + "#sha",
-                                               min(ours, time.monotonic() + 2.0), stagger=0.5)
+                    _, digest = await first_of(transport, witnesses, name + "#sha", ours, stagger=0.5)
                 except RoundFailed as e:
                     digest = e
             if not isinstance(digest, bytes):  # no other region answers: nothing to check against
@@ -393,9 +396,10 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         # from us): a carrier that applied its own bytes while the others hold other bytes was a fork its members
         # could not see (churn_arena2 f2.L598557860). No other carrier answering: unchecked, as for members.
         name = _offer_name(group, phase, s) + "#sha"
+        now = time.monotonic()  # (waited for as our members wait for a witness: a late one is not a gone one)
         try:
             other, digest = await first_of(transport, [c for c in plan.carriers[s] if c != me], name,
-                                           min(deadline, time.monotonic() + 5.0), stagger=1.0)
+                                           now + 0.75 * max(0.0, deadline - now), stagger=1.0)
         except RoundFailed:
             log.warning("event=shard_unchecked name=%s holder=%s", name[:-4], me[-8:])
             return

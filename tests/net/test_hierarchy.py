@@ -314,6 +314,49 @@ def test_a_carrier_whose_shard_differs_from_the_other_regions_carrier_does_not_a
     run(go())
 
 
+def test_a_shard_is_not_applied_unchecked_while_the_other_regions_carrier_is_only_late() -> None:
+    """As above, but the other region's carriers publish their digests 7 s after their shards' cross step (a busy
+    or loaded carrier; their rounds do not end meanwhile). Members and carriers used to wait 5 s (or 3× the fetch)
+    for a witness and then apply their region's carry unchecked: a cell applied a shard the other regions did not
+    hold and forked (churn benchmark, churn_views f2.L598568460). Now a late witness is waited for, and nobody
+    applies the round."""
+    async def go() -> None:
+        async with memory_swarm(4) as ts:
+            regions = ["a", "a", "b", "b"]
+            groups = await _form(ts, regions, "hl")
+            odd = ts[1]  # carries shard 1 of region a
+            step = odd.allreduce
+
+            async def off_by_one(group: Group, *args: Any, **kw: Any) -> ReduceResult:
+                res = await step(group, *args, **kw)
+                if "#s" in group.key:
+                    res.tensors = [t + 1.0 for t in res.tensors]
+                return res
+
+            odd.allreduce = off_by_one  # type: ignore[method-assign]
+            loop = asyncio.get_running_loop()
+            for late in ts[2:]:
+                put = late.offers.put
+
+                def later(name: str, data: bytes, *, ttl: float, _put: Any = put, **wanted: Any) -> str:
+                    if name.endswith("#sha"):
+                        loop.call_later(7.0, lambda: _put(name, data, ttl=ttl, **wanted))
+                        return hashlib.sha256(data).hexdigest()
+                    return _put(name, data, ttl=ttl, **wanted)
+
+                late.offers.put = later  # type: ignore[method-assign]
+                late.offers.end = lambda *a, **kw: None  # type: ignore[method-assign]  # (their rounds end late too)
+            xs = [[torch.full((10,), float(i))] for i in range(4)]
+            out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=20.0)
+                                         for t, g, x in zip(ts, groups, xs, strict=True)), return_exceptions=True)
+            assert isinstance(out[0], RoundFailed) and "disagree" in str(out[0]), out[0]  # odd's region mate
+            assert isinstance(out[1], RoundFailed) and "disagree" in str(out[1]), out[1]  # odd itself
+            for r in out[2:]:
+                assert isinstance(r, RoundFailed), r
+
+    run(go())
+
+
 @pytest.mark.parametrize("digest", ["honest", "of the lie"])
 def test_a_carrier_that_lies_to_its_region_fails_the_round_there_and_poisons_no_one(digest: str) -> None:
     """A carrier serves its region a shard of ×100 values. Told the honest digest, the other region's members
