@@ -288,6 +288,19 @@ def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_
     run(go())
 
 
+def _off_by_one(odd: Transport) -> None:
+    """``odd`` ends every shard's cross step with its values + 1 (a carrier whose cross step went otherwise)."""
+    step = odd.allreduce
+
+    async def off_by_one(group: Group, *args: Any, **kw: Any) -> ReduceResult:
+        res = await step(group, *args, **kw)
+        if "#s" in group.key:
+            res.tensors = [t + 1.0 for t in res.tensors]
+        return res
+
+    odd.allreduce = off_by_one  # type: ignore[method-assign]
+
+
 def test_a_carrier_whose_shard_differs_from_the_other_regions_carrier_does_not_apply_it() -> None:
     """A carrier ends its shard's cross step with other values than the other region's carrier of it (churn
     benchmark, churn_arena2 f2.L598557860). Every member that fetches the shard refuses it (the digests differ);
@@ -296,16 +309,7 @@ def test_a_carrier_whose_shard_differs_from_the_other_regions_carrier_does_not_a
         async with memory_swarm(4) as ts:
             regions = ["a", "a", "b", "b"]
             groups = await _form(ts, regions, "hd")
-            odd = ts[1]  # carries shard 1 of region a
-            step = odd.allreduce
-
-            async def off_by_one(group: Group, *args: Any, **kw: Any) -> ReduceResult:
-                res = await step(group, *args, **kw)
-                if "#s" in group.key:
-                    res.tensors = [t + 1.0 for t in res.tensors]
-                return res
-
-            odd.allreduce = off_by_one  # type: ignore[method-assign]
+            _off_by_one(ts[1])  # it carries shard 1 of region a
             xs = [[torch.full((10,), float(i))] for i in range(4)]
             out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=6.0)
                                          for t, g, x in zip(ts, groups, xs, strict=True)), return_exceptions=True)
@@ -324,16 +328,7 @@ def test_a_shard_is_not_applied_unchecked_while_the_other_regions_carrier_is_onl
         async with memory_swarm(4) as ts:
             regions = ["a", "a", "b", "b"]
             groups = await _form(ts, regions, "hl")
-            odd = ts[1]  # carries shard 1 of region a
-            step = odd.allreduce
-
-            async def off_by_one(group: Group, *args: Any, **kw: Any) -> ReduceResult:
-                res = await step(group, *args, **kw)
-                if "#s" in group.key:
-                    res.tensors = [t + 1.0 for t in res.tensors]
-                return res
-
-            odd.allreduce = off_by_one  # type: ignore[method-assign]
+            _off_by_one(ts[1])  # it carries shard 1 of region a
             loop = asyncio.get_running_loop()
             for late in ts[2:]:
                 put = late.offers.put
