@@ -290,16 +290,23 @@ class HivemindTransport(Transport):
 
     def _known(self) -> set[str]:
         """Whom a round's quorum is counted of, beside the current view: the peers seen live within the last
-        ``quorum_memory`` seconds (not departed, not banned) of every region none of whose peers the view shows
-        now. A whole region gone dark is a cut (its peers still count: the side without a majority waits); a
-        peer gone from a region that is still in view most likely died (a killed peer restarted under a new
-        id must not count twice). A peer that announced no region counts for the whole ``quorum_memory``."""
+        ``quorum_memory`` seconds (not departed, not banned) of every other region of which the view shows no more
+        than half of those. A region gone dark is a cut (its peers still count: the side without a majority waits),
+        and so is one the view shows a few peers of: inside a cut, the DHT still returns the records that happen to
+        be stored on its side (churn_late f2.L598569180: a cut region counted 5 live peers, its own and one or two
+        of the others, held 3 of them, a quorum, and applied the round as the majority did). A peer gone from a
+        region the view still shows most of most likely died (a killed peer restarted under a new id must not count
+        twice). A peer that announced no region counts for the whole ``quorum_memory``."""
         now, memory = time.monotonic(), self.cfg.quorum_memory
         for p in [p for p, (t, _) in self._seen_at.items() if now - t > memory or p in self._left]:
             del self._seen_at[p]
-        seen = {i.region for i in self._live} | {self._region}
-        return {p for p, (_, region) in self._seen_at.items()
-                if (not region or region not in seen) and not self.guard.is_banned(p)}
+        in_view = {i.peer_id for i in self._live}
+        recent: dict[str, set[str]] = {}
+        for p, (_, region) in self._seen_at.items():
+            recent.setdefault(region, set()).add(p)
+        dark = {r for r, ps in recent.items()
+                if not r or (r != self._region and 2 * len(ps & in_view) <= len(ps))}
+        return {p for r in dark for p in recent[r] if not self.guard.is_banned(p)}
 
     async def _live_ids(self, max_age: float = 1.0, wait: float = VIEW_WAIT) -> list[str]:
         """Who is live: the view when it is younger than ``max_age`` s, else after a read of it (shared by every

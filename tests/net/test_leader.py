@@ -294,6 +294,10 @@ def test_the_quorum_remembers_a_region_gone_dark_not_a_peer_gone_from_a_region_i
                   "x": (now - 10, "")}  # no region: counts for the whole memory
     t._left.add("eu4")
     assert t._known() == {"eu1", "eu2", "x"}
+    # A region the view shows no more than half of is a cut too (inside a cut, the DHT returns the records stored
+    # on its side): ap shows 1 of 3 seen lately, and its other two count; us, our own, never does.
+    t._seen_at |= {"ap2": (now - 5, "ap"), "ap3": (now - 5, "ap"), "us3": (now - 5, "us"), "us4": (now - 5, "us")}
+    assert t._known() == {"eu1", "eu2", "x", "ap1", "ap2", "ap3"}
 
 
 @pytest.mark.net
