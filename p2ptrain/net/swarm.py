@@ -104,6 +104,8 @@ MAX_TOLD = 16
 VIEW_WAIT = 1.0
 #: Seconds one read of who is live may take (then the view stays as it was).
 VIEW_READ = 5.0
+#: A view older than this (or none yet: a peer that just started) is waited for, up to VIEW_READ, not VIEW_WAIT.
+VIEW_STALE = 10.0
 #: A read slower than this is logged (``event=view_read_slow``).
 VIEW_SLOW = 2.0
 
@@ -318,6 +320,8 @@ class HivemindTransport(Transport):
                 if self._reading is None or self._reading.done():
                     self._reading = self._spawn(self._read_view())
                 if self._reading is not None:
+                    if time.monotonic() - self._live_at > VIEW_STALE:  # never read, or long ago: nothing to go on
+                        wait = VIEW_READ
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(asyncio.shield(self._reading), wait)
         # A banned peer neither leads nor is waited for: its messages are dropped unread.
