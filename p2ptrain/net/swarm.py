@@ -314,16 +314,15 @@ class HivemindTransport(Transport):
         """Who is live: the view when it is younger than ``max_age`` s, else after a read of it (shared by every
         caller meanwhile, awaited at most ``wait`` s: :data:`VIEW_WAIT`), with the peers heard from directly."""
         if time.monotonic() - self._live_at > max_age:
-            if self._tasks is None:  # no background tasks (not started, or closed): read here
+            if self._reading is None or self._reading.done():
+                self._reading = self._spawn(self._read_view())
+            if self._reading is None:  # no background tasks (not started, or closing): read here
                 await self._read_view()
             else:
-                if self._reading is None or self._reading.done():
-                    self._reading = self._spawn(self._read_view())
-                if self._reading is not None:
-                    if time.monotonic() - self._live_at > VIEW_STALE:  # never read, or long ago: nothing to go on
-                        wait = VIEW_READ
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(self._reading), wait)
+                if time.monotonic() - self._live_at > VIEW_STALE:  # never read, or long ago: nothing to go on
+                    wait = VIEW_READ
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._reading), wait)
         # A banned peer neither leads nor is waited for: its messages are dropped unread.
         heard = self._contacts.live() - self._left - self.blocked
         return sorted({p for p in {i.peer_id for i in self._live} | heard if not self.guard.is_banned(p)}
@@ -472,13 +471,8 @@ class HivemindTransport(Transport):
             f = self._forming[request.key] = Forming(request.key, self.cfg.join_window)
         f.join(request, decide)
         if f.on_short is None and self._tasks is not None:
-            tasks = self._tasks
-
             def short() -> None:
-                try:
-                    tasks.create_task(self._say_we_lead(f))
-                except RuntimeError:  # the transport is closing: no one to tell
-                    pass
+                self._spawn(self._say_we_lead(f))  # (closing: no one to tell)
 
             f.on_short = short
 
