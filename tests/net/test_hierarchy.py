@@ -486,14 +486,14 @@ def test_a_member_that_fetches_late_gets_its_shard_from_a_carrier_that_left_grac
                 for r in await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=12.0)
                                                 for t, g, x in zip(ts[1:], groups[1:], xs[1:], strict=True))):
                     assert isinstance(r, ReduceResult), r
-                if not serve:
-                    for t in ts[1:]:
-                        swarm.kill(t.peer_id)
-                ended.set()
-                waited = await asyncio.gather(*(t.serve_wanted(30) for t in ts[1:])) if serve else []
+                waited: list[float] = []
+                if serve:  # (the late member's fetch waits for ``ended``: serving begins before it)
+                    ended.set()
+                    waited = list(await asyncio.gather(*(t.serve_wanted(30) for t in ts[1:])))
                 for t in ts[1:]:
                     swarm.kill(t.peer_id)
-                return list(waited)
+                ended.set()
+                return waited
 
             xs = [[torch.full((10,), float(i))] for i in range(4)]
             out = await asyncio.gather(_hier(late, groups[0], xs[0], 1.0, timeout=12.0), leave(),
