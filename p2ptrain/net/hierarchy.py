@@ -255,22 +255,27 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         # and a tie between the same two versions of θ goes the same way on every shard (groups.majority_
         # fingerprint). Ties among more cells: nobody repairs, and the cells that lost fail (tied() below).
         winners = len(res.contributors)
-        return res.divergent and not local.divergent and (2 * winners > cells or (cells == 2 and winners == 1))
+        return res.divergent and (2 * winners > cells or (cells == 2 and winners == 1))
 
     def tied(res: ReduceResult) -> bool:
         # Our cell's θ lost this shard's vote without a strict majority of the cells against it (a tie among the
         # cells heard, a third cell cut off): nobody repairs, so applying the round here would step our θ while
         # the winners step theirs, two θ from one round. Such a member fails the round instead (its progress rides
         # on the next round, whose vote settles θ; churn benchmark, f3.L598554270).
-        return res.divergent and not local.divergent and not lost(res)
+        return res.divergent and not lost(res)
+
+    # What a carrier votes across cells on behalf of its cell: the cell's θ, the one its members hold once those
+    # outvoted at home repair (step 1's majority), not the carrier's own. A carrier outvoted at home used to vote
+    # nothing (its own θ is not its cell's): in a cell of several versions of θ most carriers are outvoted, and
+    # with no shard voted by two cells, two cells on two θ applied one average onto both (churn_s36_apply,
+    # f0.L598576720: 5 replicas on each side).
+    cell_print = local.agreed if local.agreed is not None else (None if local.divergent else fingerprint)
 
     async def carry(s: int) -> tuple[int, ReduceResult, bytes, str]:
         lo, hi = bounds[s]
-        # Our θ lost our cell's vote (step 1): we must not vote it on behalf of our cell's mean. No print: the
-        # shard's average leaves our cell out (partial), and our cell learns no outvote from this shard.
         res = await transport.allreduce(plan.shard_group(group, s), phase, [mean[lo:hi]], local.total_weight, codec,
                                         timeout=max(0.1, t0 + CROSS_SHARE * timeout - time.monotonic()),
-                                        fingerprint=None if local.divergent else fingerprint)
+                                        fingerprint=cell_print)
         payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
         offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
         name = _offer_name(group, phase, s)

@@ -226,3 +226,27 @@ def test_a_cell_whose_carries_all_failed_does_not_apply_the_others_round_onto_an
     final = _after_repair(holds, applied)
     sides = {p: "X" if final[p] == X else "Y" for p in applied}
     assert set(sides.values()) == {"Y"}, f"members apply the round onto two versions of θ: {sides}"
+
+
+def test_cells_whose_carriers_are_outvoted_at_home_still_compare_their_theta_across_cells() -> None:
+    """Churn benchmark (churn_s36_apply), round f0.L598576720: ap was cut off, and us and eu held two versions of
+    θ for fragment 0 (left by earlier rounds some peers applied and others failed). In each cell most members lost
+    the cell's vote (several versions of θ among five), and a carrier that lost it voted no θ across cells: every
+    shard's vote had one print or none, nothing compared us's θ with eu's, and both cells applied the same
+    average onto their own θ (5 replicas on each side). A carrier now votes its cell's θ (the one its cell's
+    members repair onto), whatever its own: here us (X) against eu (Y) on shards 0 and 1, a tie with a third cell
+    on the roll, which X takes and eu fails."""
+    W, Z, V = [8.0, 8.0], [9.0, 9.0], [6.0, 6.0]
+    # us: u0 X, u1 Z, u2 W: X sorts first, so the tie of three goes to X; u1 and u2 lose their cell's vote.
+    # eu: e0 Z, e1 Y, e2 V: Y wins; e0 and e2 lose. Shard i is carried by a_i, e_i, u_i: before the change only
+    # u0 (shard 0) and e1 (shard 1) voted, each alone on its shard.
+    holds = {"a0": X, "a1": X, "a2": X, "e0": Z, "e1": Y, "e2": V, "u0": X, "u1": Z, "u2": W}
+    regions = {p: {"a": "ap", "e": "eu", "u": "us"}[p[0]] for p in holds}
+    present = [p for p in holds if regions[p] != "ap"]  # ap is cut off: it never takes part
+    res = asyncio.run(_outcomes(holds, regions, present, timeout=6.0))
+    applied = {p: r for p, r in res.items() if isinstance(r, ReduceResult)}
+    assert {"u0", "u1", "u2"} <= set(applied), res  # us, whose θ won, applies
+    assert len({tuple(r.tensors[0].tolist()) for r in applied.values()}) == 1
+    final = _after_repair(holds, applied)
+    assert {p: final[p] for p in applied} == dict.fromkeys(applied, X), \
+        f"members apply the round onto several versions of θ: {final}"
