@@ -37,7 +37,7 @@ async def swarm(faults: FaultPlan, bad: int, guard: GuardConfig | None = None,
         for i in range(N):
             initial = await ts[0].visible_maddrs() if ts else []
             ts.append(await HivemindTransport.create(SwarmConfig(
-                run_id=run, initial_peers=initial, join_window=1.0, ttl=30, guard=guard or GuardConfig(),
+                run_id=run, initial_peers=initial, join_window=2.0, ttl=30, guard=guard or GuardConfig(),
                 audit_rate=audit_rate[i] if isinstance(audit_rate, list) else audit_rate,
                 faults=faults if i == bad else FaultPlan(), **({"chunk_values": chunk} if chunk else {}))))
         for t in ts:

@@ -98,7 +98,7 @@ def test_a_slower_peer_does_not_slow_the_others(corpus: Corpus, factor: int) -> 
     step = 0.04  # each fast peer: ~0.04 s per inner step; the slow one (a straggler) `factor`× that
     base = run_peers(method, [Spec(steps=60, delay=step)] * 3, corpus, libp2p_transports(f"fast{factor}"),
                      step_seconds=0.05)
-    mixed = run_peers(method, [Spec(steps=60, delay=step)] * 2 + [Spec(steps=max(6, 60 // factor),
+    mixed = run_peers(method, [Spec(steps=60, delay=step)] * 2 + [Spec(steps=max(12, 60 // factor),
                                                                         delay=factor * step + 0.01)],
                       corpus, libp2p_transports(f"slow{factor}"), step_seconds=0.05)
     assert not base.errors and not mixed.errors, (base.errors, mixed.errors)
@@ -108,4 +108,5 @@ def test_a_slower_peer_does_not_slow_the_others(corpus: Corpus, factor: int) -> 
     # as seconds per step: on a loaded machine every peer's compute grows, and a ratio of rates shrinks with it)
     assert 1 / mixed.step_rates[2] - 1 / fast_mixed > 0.5 * (factor - 1) * step, (mixed.step_rates, fast_mixed)
     assert fast_mixed >= 0.9 * fast_base, (fast_base, fast_mixed)
-    assert all(r is not None and r.rounds_complete + r.rounds_partial > 0 for r in mixed.results)
+    assert all(r is not None and r.rounds_complete + r.rounds_partial > 0 for r in mixed.results), [
+        None if r is None else (r.rounds_complete, r.rounds_partial, r.rounds_failed) for r in mixed.results]
