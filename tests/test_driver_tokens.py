@@ -193,3 +193,23 @@ def test_an_outvoted_round_that_still_counted_us_drops_the_progress_it_holds() -
     progress it averaged is not kept a second time, and its tokens are not given back."""
     net = _outvoted_run(counted=True)[2]
     assert net.weights == [20, 20, 20]
+
+
+def test_the_applied_line_says_this_peers_own_tokens_in_the_average_and_none_when_outvoted() -> None:
+    """``own`` on the ``applied`` line: this peer's tokens in the average (what the churn benchmark sums per peer
+    to follow trained tokens into θ); 0 for a round whose average holds no Δ of ours (outvoted)."""
+    from p2ptrain.algo.compress import Identity
+    from p2ptrain.algo.rounds import RoundState
+    from p2ptrain.peer.replica import _applied_fields
+
+    def arrived(counted: bool) -> Round:
+        rnd = Round(0, 0, 0, 1, [], [torch.zeros(3)], 300.0, Identity(), name="f0.r0")
+        rnd.payload = rnd.compressor.begin([torch.zeros(3)])
+        rnd.state = RoundState.AVERAGING
+        rnd.receive([torch.zeros(3)], total_weight=1200.0, members=4)
+        rnd.counted = counted
+        return rnd
+
+    assert _applied_fields(arrived(True)) == ("f0.r0", 0, 4, 1200.0, False, 300.0)
+    key, _, _, _, _, own = _applied_fields(arrived(False))
+    assert (key, own) == ("f0.r0", 0.0)

@@ -47,21 +47,24 @@ def rebase(new: Sequence[torch.Tensor], local: Sequence[torch.Tensor],
     return [n + (x - o) for n, x, o in zip(new, local, old, strict=True)]
 
 
-def _applied_fields(rnd: Round) -> tuple[str, int, int, float, bool]:
-    """What the ``applied`` line says of a round (key, fragment, members, tokens, divergent), taken when it is
-    applied: the line is written later, and must not keep the round (its tensors) alive until then or after."""
+def _applied_fields(rnd: Round) -> tuple[str, int, int, float, bool, float]:
+    """What the ``applied`` line says of a round (key, fragment, members, tokens, divergent, own), taken when it
+    is applied: the line is written later, and must not keep the round (its tensors) alive until then or after.
+    ``own``: this peer's tokens in the average (0 when its Δ is in none: outvoted, its tokens go to the next round)."""
     tokens = rnd.weight / rnd.share if rnd.share > 0 else rnd.weight
-    return rnd.key, rnd.fragment, len(rnd.contributors) or rnd.members, tokens, rnd.divergent
+    own = rnd.weight if rnd.counted and rnd.share > 0 else 0.0
+    return rnd.key, rnd.fragment, len(rnd.contributors) or rnd.members, tokens, rnd.divergent, own
 
 
-def _log_applied(fields: tuple[str, int, int, float, bool], digest: concurrent.futures.Future[str]) -> None:
+def _log_applied(fields: tuple[str, int, int, float, bool, float], digest: concurrent.futures.Future[str]) -> None:
     """One line per applied round, once θ's digest is computed: what benchmarks read to compare replicas across
-    peers round by round (``tokens``: the round's total weight, the tokens of every contribution in it)."""
+    peers round by round (``tokens``: the round's total weight, the tokens of every contribution in it; ``own``:
+    this peer's, so that a benchmark can follow each peer's trained tokens into θ)."""
     if digest.cancelled() or digest.exception() is not None:
         return
-    key, fragment, members, tokens, divergent = fields
-    log.info("event=applied key=%s fragment=%d members=%d tokens=%.0f divergent=%s digest=%s", key, fragment,
-             members, tokens, divergent, digest.result()[:16])
+    key, fragment, members, tokens, divergent, own = fields
+    log.info("event=applied key=%s fragment=%d members=%d tokens=%.0f divergent=%s digest=%s own=%.0f", key,
+             fragment, members, tokens, divergent, digest.result()[:16], own)
 
 
 class ReplicaState:

@@ -1,0 +1,117 @@
+"""Where a churn run's trained tokens went: per peer life, the tokens it trained against those of its own that
+reached θ, summed by how the life ended (a table and JSON beside the run's).
+
+    python bench/churn_tokens.py bench/results/churn_X.json       # needs the run's peer logs (its "work" dirs)
+
+bench/churn.py's goodput is the tokens that reached θ over the fault-free run's; what it does not say is where
+the rest went. Each peer logs, for every round it applies, ``own=``: its tokens in that round's average (0 when
+outvoted: its tokens then go into the fragment's next round). A token reaches all of θ once every fragment's
+round holding it is applied, so a life's tokens in θ are its ``own`` summed over its applied rounds, over the
+number of fragments P. What a life trained and never got into θ was lost with it (killed before its rounds
+carried it), or was still on its way when the window closed, or went into a round that failed everywhere
+and was re-sent. Lives are counted inside the run's window only (the same window as goodput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.churn import _seq_len
+from p2ptrain.ui import out, table
+
+_OWN = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) fragment=(\d+) .* own=(\d+)")
+
+
+def _unix(ts: str) -> float:
+    return datetime.strptime(ts, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def own_applied(log: Path) -> list[tuple[float, str, int, float]]:
+    """(unix time, round key, fragment, own tokens) of every ``applied`` line in a peer's log that says ``own``."""
+    if not log.exists():
+        return []
+    rows = []
+    for line in log.read_text(errors="replace").splitlines():
+        if (m := _OWN.match(line)) is not None:
+            rows.append((_unix(m.group(1)), m.group(2), int(m.group(3)), float(m.group(4))))
+    return rows
+
+
+def life_rows(phase: dict[str, Any], seq: int, fragments: int) -> list[dict[str, Any]]:
+    """One row per life of every peer in ``phase`` (a phase of bench/churn.py's JSON)."""
+    w0, w1 = phase["window_s"]
+    t0 = phase["started_unix"]
+    work = Path(phase["work"])
+    rows = []
+    for name, p in phase["peers"].items():
+        for life in p["lives"]:
+            a = max(w0, life["started"])
+            b = min(w1, life["ended"] if life["ended"] is not None else w1)
+            if b <= a:
+                continue
+            pts = [(t, s) for t, s, _ in p["loss"] if a <= t <= b]
+            steps = sum(max(0, s1 - s0) for (_, s0), (_, s1) in itertools.pairwise(pts))
+            applied = [r for r in own_applied(work / life["log"]) if a <= r[0] - t0 <= b]
+            rows.append({"peer": name, "log": life["log"], "how": life["how"], "seconds": round(b - a, 1),
+                         "trained": steps * seq, "in_theta": sum(r[3] for r in applied) / fragments,
+                         "rounds_applied": len(applied), "rounds_without_own": sum(r[3] == 0 for r in applied)})
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows summed by how the life ended, then all of them."""
+    out_: list[dict[str, Any]] = []
+    groups = sorted({r["how"] for r in rows})
+    for how in [*groups, "all"]:
+        sel = [r for r in rows if how in ("all", r["how"])]
+        trained = sum(r["trained"] for r in sel)
+        in_theta = sum(r["in_theta"] for r in sel)
+        out_.append({"how": how, "lives": len(sel), "trained": trained, "in_theta": in_theta,
+                     "kept": in_theta / trained if trained else None,
+                     "rounds_applied": sum(r["rounds_applied"] for r in sel),
+                     "rounds_without_own": sum(r["rounds_without_own"] for r in sel)})
+    return out_
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", type=Path, help="a bench/churn.py JSON whose peer logs are still on disk")
+    ap.add_argument("--out", type=Path, help="the JSON written (default: beside the run, *_tokens.json)")
+    a = ap.parse_args(argv)
+    payload = json.loads(a.run.read_text())
+    args = payload["args"]
+    seq = args["batch_size"] * _seq_len(args["preset"])
+    result: dict[str, Any] = {"run": str(a.run), "phases": {}}
+    phases = payload["phases"]
+    for ph in phases.values() if isinstance(phases, dict) else phases:
+        if not Path(ph["work"]).exists():
+            out.print(f"{ph['phase']}: {ph['work']} is gone; skipped")
+            continue
+        rows = life_rows(ph, seq, args["P"])
+        if not any(r["rounds_applied"] for r in rows):
+            out.print(f"{ph['phase']}: no 'own=' on any applied line (a run from before the field existed); skipped")
+            continue
+        summary = summarise(rows)
+        result["phases"][ph["phase"]] = {"lives": rows, "summary": summary}
+        out.print(table(f"{ph['phase']}: tokens trained and reaching θ, by how each life ended",
+              ["life ended", "lives", "trained", "in θ", "kept", "rounds applied", "of them without own Δ"],
+              [[s["how"], s["lives"], f"{s['trained']:,}", f"{s['in_theta']:,.0f}",
+                "—" if s["kept"] is None else f"{s['kept']:.3f}", s["rounds_applied"], s["rounds_without_own"]]
+               for s in summary]))
+    dest = a.out or a.run.with_name(a.run.stem + "_tokens.json")
+    dest.write_text(json.dumps(result, indent=1))
+    out.print(f"wrote {dest}")
+
+
+if __name__ == "__main__":
+    main()

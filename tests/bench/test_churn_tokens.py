@@ -1,0 +1,34 @@
+"""bench/churn_tokens.py: a life's tokens in θ are its ``own`` over its applied rounds, over P; only inside the
+run's window; summed by how the life ended."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from bench.churn_tokens import life_rows, summarise
+
+T0 = datetime(2026, 11, 27, 1, 0, 0).timestamp()
+
+
+def _line(t: float, key: str, own: int) -> str:
+    ts = datetime.fromtimestamp(T0 + t).strftime("%Y-%m-%d %H:%M:%S,000")
+    return (f"ts={ts} level=INFO logger=p2ptrain.peer.replica event=applied key={key} fragment=0 members=3 "
+            f"tokens=999 divergent=False digest=00aa own={own}")
+
+
+def test_tokens_in_theta_follow_each_lives_own_tokens_over_the_fragments(tmp_path: Path) -> None:
+    (tmp_path / "a.0.log").write_text("\n".join([
+        _line(5, "f0.L1", 400),  # before the window: not counted
+        _line(20, "f0.L2", 800), _line(40, "f1.L3", 0), _line(60, "f1.L4", 400)]) + "\nstep 3 loss 1.0\n")
+    (tmp_path / "a.1.log").write_text(_line(90, "f0.L5", 200) + "\n")
+    phase = {"window_s": [10.0, 100.0], "started_unix": T0, "work": str(tmp_path), "peers": {"a": {
+        "lives": [{"started": 0.0, "ended": 70.0, "how": "killed", "log": "a.0.log"},
+                  {"started": 75.0, "ended": None, "how": "left at the end", "log": "a.1.log"}],
+        "loss": [[12.0, 10, 2.0], [30.0, 20, 2.0], [69.0, 30, 2.0], [80.0, 25, 2.0], [95.0, 29, 2.0]]}}}
+    rows = life_rows(phase, seq=4, fragments=2)
+    assert [(r["how"], r["trained"], r["in_theta"], r["rounds_applied"], r["rounds_without_own"]) for r in rows] == [
+        ("killed", 20 * 4, (800 + 0 + 400) / 2, 3, 1), ("left at the end", 4 * 4, 200 / 2, 1, 0)]
+    total = summarise(rows)[-1]
+    assert (total["how"], total["lives"], total["trained"], total["in_theta"]) == ("all", 2, 96, 700.0)
+    assert abs(total["kept"] - 700 / 96) < 1e-12
