@@ -479,20 +479,30 @@ class ButterflyRun:
         still expects it; whether another member may end with it: the owner did not say it has none, and another
         member expects it, or one that has not left or fallen unreachable did not answer; None when the relay
         deadline passed before anyone was asked). An owner that answers without the result has not averaged its
-        part: nobody holds it (one that averages it later still forks θ: not ruled out here)."""
+        part: nobody holds it (one that averages it later still forks θ: not ruled out here).
+
+        An owner we already hold unreachable (or gone) is not asked when other members can be: one cut off or frozen
+        answers nothing until the relay deadline, and asked first it kept every member that missed its part waiting
+        to that deadline for the other members' word (churn: members of a round with a member cut off mid-round
+        ended it at its deadline, with the same partial result they could have had at half of it). Its result, if
+        it still sends one, is filed as it arrives; the others are asked again while any of them expects it."""
         owner = self.members[j]
+        others = [m for m in self.members if m not in (owner, self.me_id)]
         expected = doubt = owner_has_none = False
-        for i, other in enumerate([owner, *(m for m in self.members if m not in (owner, self.me_id))]):
+        asked = 0
+        for other in others if others and owner in self.gone() else [owner, *others]:
             if j in self.box.results:
                 return False, False
+            is_owner = other == owner
             if self._left(self.relays_at) <= 0:
-                return expected, None if i == 0 else doubt
+                return expected, None if asked == 0 else doubt and not owner_has_none
+            asked += 1
             try:
                 reply, _ = await self.call(other, "getpart",
                                            {"key": self.group.key, "phase": self.phase, "part": j, "owner": owner},
                                            timeout=max(0.1, self._left(self.relays_at)))
             except RoundFailed:
-                doubt |= i > 0 and not owner_has_none and other not in self.gone()
+                doubt |= not is_owner and other not in self.gone()
                 continue
             if isinstance(reply.get("result"), dict):
                 relayed = {k: v for k, v in reply["result"].items() if not (isinstance(k, str) and k.startswith("_"))}
@@ -501,11 +511,11 @@ class ButterflyRun:
                 return False, False
             expects = reply.get("expects") is True
             expected |= expects
-            if i == 0:
+            if is_owner:
                 owner_has_none = True
             else:
-                doubt |= expects and not owner_has_none
-        return expected, doubt
+                doubt |= expects
+        return expected, doubt and not owner_has_none
 
     # 5. verified aggregation
     async def _verify(self, tg: asyncio.TaskGroup) -> None:

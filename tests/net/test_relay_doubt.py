@@ -91,3 +91,47 @@ def test_an_owner_that_averages_after_its_results_deadline_keeps_its_part_from_e
     assert len(done) == 2, out  # a and b both end the round
     assert torch.equal(done[0].tensors[0], done[1].tensors[0])  # without c's part, both
     assert bool((done[0].tensors[0][200:] == 0).all())  # c's part (the last third) left out
+
+
+def test_members_do_not_wait_on_a_frozen_owner_once_no_other_member_expects_its_part() -> None:
+    """c freezes as the round starts (SIGSTOP, or a cut that drops packets): every call to it hangs until its timeout.
+    a and b find it unreachable when their parts to it time out; then neither expects c's part, and each must learn
+    that from the other, not by asking c for its result first: that call hung to the relay deadline (a churn run's
+    members ended such rounds at their deadline, with the partial result they could have had at half of it). Both
+    end with c's part left out alike, and neither asks c for it (they still send it what members send)."""
+    asked: list[tuple[str, str]] = []
+
+    async def go() -> list[ReduceResult | BaseException]:
+        ts = await _swarm(3, [FaultPlan() for _ in range(3)], pipeline=False)
+        try:
+            groups = await asyncio.gather(*(t.form_group(JoinRequest(key="z", peer_id=t.peer_id, weight=1.0,
+                                                                     fragment=0), None, timeout=30) for t in ts))
+            a, b, c = groups[0].members
+            by_id = {t.peer_id: t for t in ts}
+            for me in (a, b):
+                call = by_id[me]._call
+
+                async def frozen_c(peer: str, kind: str, msg: dict[str, Any], *, timeout: float, me: str = me,
+                                   call: Any = call, **kw: Any) -> Any:
+                    if peer != c:
+                        return await call(peer, kind, msg, timeout=timeout, **kw)
+                    asked.append((me, kind))
+                    await asyncio.sleep(timeout)
+                    raise RoundFailed(f"{kind} to {peer[-8:]}: TimeoutError")
+
+                by_id[me]._call = frozen_c
+            xs = {a: torch.full((300,), 1.0), b: torch.full((300,), 2.0)}
+            return list(await asyncio.gather(*(by_id[p].allreduce(groups[0], 0, [xs[p]], 1.0, get_codec("fp32"),
+                                                                  timeout=8.0) for p in (a, b)),
+                                             return_exceptions=True))
+        finally:
+            await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
+
+    out = asyncio.run(go())
+    assert all(isinstance(r, ReduceResult) for r in out), out
+    ra, rb = out
+    assert isinstance(ra, ReduceResult) and isinstance(rb, ReduceResult)
+    assert torch.equal(ra.tensors[0], rb.tensors[0])  # one average for both
+    assert bool((ra.tensors[0][200:] == 0).all()) and bool((ra.tensors[0][:200] == 1.5).all())  # c's third left out
+    kinds = {kind for _, kind in asked}
+    assert "part" in kinds and "getpart" not in kinds, asked  # c was sent its parts, and never asked for its result
