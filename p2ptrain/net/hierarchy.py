@@ -444,10 +444,19 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         pieces.append(out[offset:offset + n].view(shape).to(device))
         offset += n
     served = sum(len(o) * (len(plan.local.members) - 1) for s, o in offers.items() if s in plan.carried)
-    contributors = tuple(sorted(set(local.contributors) | {m for r in crossed for m in r.contributors}))
+    crossers = sorted({m for r in crossed for m in r.contributors})
     # Repair tries contributors in order: an outvoted cell's members from the cells that beat it; a member outvoted
     # in its cell from its cell's majority (not a crossed carrier of another cell, whose θ may be another one).
-    contributors = tuple(dict.fromkeys([*sorted(set(outvoted)), *sorted(local.contributors), *contributors]))
+    if outvoted:
+        # Our cell's θ lost across cells: its mean is in no shard's average, so none of its members contributed.
+        # Named contributors, they took the round as holding their Δ (rnd.counted): each repaired onto the winners'
+        # θ and applied the average, its progress and tokens dropped as if in θ (churn_s37: Σ of the tokens members
+        # said were theirs in a round's average was up to 2.4× the round's total weight, in 24 of 53 rounds). Not
+        # named, each keeps its progress on the winners' θ and its tokens go into its next round (driver: outvoted).
+        home = set(plan.local.members)
+        contributors = tuple(dict.fromkeys([*sorted(set(outvoted)), *(m for m in crossers if m not in home)]))
+    else:
+        contributors = tuple(dict.fromkeys([*sorted(local.contributors), *crossers]))
     return ReduceResult(pieces, max(totals) if totals else local.total_weight, group.members, contributors,
                         partial=partial or len(totals) > 1,
                         bytes_sent=local.bytes_sent + sum(r.bytes_sent for r in crossed) + served,

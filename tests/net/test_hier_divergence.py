@@ -124,9 +124,12 @@ def test_an_outvoted_cell_repairs_only_onto_the_theta_that_won() -> None:
     assert all(res[p].agreed == tuple(Y) for p in holds if p[0] != "u")
     cut_off = {"u0", "u1", "u2"}  # the winners time out, as in the benchmark's logs
     for p in ("u0", "u1", "u2"):
-        assert any(q in cut_off and q != p for q in res[p].contributors)  # an X source was on offer
-        assert _repair_source(p, holds, res[p], reach=cut_off) is None  # and is refused: nothing is applied
+        # Its cell's mean is in no shard's average: none of the cell is a contributor (no X source is on offer,
+        # and each member's own Δ counts as outvoted: its progress and tokens go into its next round).
+        assert not cut_off & set(res[p].contributors), res[p].contributors
+        assert _repair_source(p, holds, res[p], reach=cut_off) is None  # cut off from the winners: nothing applied
         assert holds[_repair_source(p, holds, res[p])] == Y  # reaching the winners, it takes Y
+    assert all(p in res[p].contributors for p in holds if p not in cut_off)  # the winners' Δ are in the average
 
 
 @pytest.mark.net
