@@ -481,16 +481,18 @@ class ButterflyRun:
         deadline passed before anyone was asked). An owner that answers without the result has not averaged its
         part: nobody holds it (one that averages it later still forks θ: not ruled out here).
 
-        An owner we already hold unreachable (or gone) is not asked when other members can be: one cut off or frozen
+        An owner our send to failed (unreachable) is not asked when other members can be: one cut off or frozen
         answers nothing until the relay deadline, and asked first it kept every member that missed its part waiting
         to that deadline for the other members' word (churn: members of a round with a member cut off mid-round
         ended it at its deadline, with the same partial result they could have had at half of it). Its result, if
-        it still sends one, is filed as it arrives; the others are asked again while any of them expects it."""
+        it still sends one, is filed as it arrives; the others are asked again while any of them expects it. An
+        owner we banned or that left is still asked first: it answers (a leaving peer serves its results), and members
+        that have not banned it yet use its part (left out here, it would fork θ: tests/net/test_bad_updates.py)."""
         owner = self.members[j]
         others = [m for m in self.members if m not in (owner, self.me_id)]
         expected = doubt = owner_has_none = False
         asked = 0
-        for other in others if others and owner in self.gone() else [owner, *others]:
+        for other in others if others and owner in self.box.unreachable else [owner, *others]:
             if j in self.box.results:
                 return False, False
             is_owner = other == owner
