@@ -450,9 +450,10 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
     if outvoted:
         # Our cell's θ lost across cells: its mean is in no shard's average, so none of its members contributed.
         # Named contributors, they took the round as holding their Δ (rnd.counted): each repaired onto the winners'
-        # θ and applied the average, its progress and tokens dropped as if in θ (churn_own_tokens: Σ of the tokens members
-        # said were theirs in a round's average was up to 2.4× the round's total weight, in 24 of 53 rounds). Not
-        # named, each keeps its progress on the winners' θ and its tokens go into its next round (driver: outvoted).
+        # θ and applied the average, its progress and tokens dropped as if in θ (churn_own_tokens: Σ of the tokens
+        # members said were theirs in a round's average was up to 2.4× the round's total weight, in 24 of 53
+        # rounds). Not named, each keeps its progress on the winners' θ and its tokens go into its next round
+        # (driver: outvoted).
         home = set(plan.local.members)
         contributors = tuple(dict.fromkeys([*sorted(set(outvoted)), *(m for m in crossers if m not in home)]))
     else:
