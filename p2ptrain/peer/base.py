@@ -41,6 +41,7 @@ from ..trainer import Trainer
 from .collective import SwarmCollective
 from .config import PeerConfig, PeerState, PeerSummary
 from .link import SwarmLink
+from .startup import StartupClock
 from .vitals import SharingWatch, check_model, measured_pacing, model_fingerprint
 
 __all__ = ["PeerBase"]
@@ -228,10 +229,13 @@ class PeerBase:
 
     def start(self) -> None:
         """Connect, start the background services, agree on the pacing, and take the swarm's state if it
-        has one."""
+        has one; log where the start-up time went (:mod:`.startup`)."""
+        clock = StartupClock()
         self.connect()
         self._check_model()
+        clock.mark("connect")
         self.link.agree_pacing(fixed=self.fixed_pacing, measure=self._measure_pacing)
+        clock.mark("pacing")
         self.last_lstep = self.logical_step()
         self.compute = 0.0  # steps taken to measure the pacing are start-up, not the loop's compute
         resumed = self.resume_state
@@ -246,7 +250,9 @@ class PeerBase:
         if self.cfg.sync_on_join:
             # A resumed peer keeps its local progress and own state where the swarm's θ still fits it.
             self.sync_from_swarm(keep_progress=resumed is not None)
+        clock.mark("state")
         self.link.announce_now(self._info())
+        clock.report()
         self._warm_until = time.monotonic() + float(self.cfg.warmup or 0.0)
         self.state = PeerState.STARTED
         self._on_started()
