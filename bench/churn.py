@@ -19,7 +19,8 @@ seconds the measured window of ``--minutes`` starts; in the fault phase a fault 
 * ``partition``: a region is cut off from the others for ``--partition-seconds`` (60) (a blackhole route in
   its gateway and in the core: :meth:`Testbed.partition`), then healed;
 * ``join``: a new peer (fresh identity and state) joins in a free slot (``--spare`` slots beyond ``--peers``);
-* ``leave``: SIGTERM to a peer: it finishes its step and rounds, writes a checkpoint and its summary, leaves.
+* ``leave``: SIGTERM to a peer: it finishes its step, sends each fragment's unsent progress at its slot (within
+  H logical steps: PeerConfig.leave_flush), drains its rounds, writes a checkpoint and its summary, leaves.
 
 What is read, as it happens (every peer's log; the ``--json`` summaries at the end cross-check):
 ``event=applied key fragment members tokens digest`` (a round applied, with θ's digest after it),
@@ -894,7 +895,8 @@ def main() -> None:
     ap.add_argument("--partition-seconds", type=float, default=60.0)
     ap.add_argument("--settle", type=float, default=30.0, help="a peer is not faulted in its first seconds")
     ap.add_argument("--survive-within", type=float, default=180.0)
-    ap.add_argument("--leave-grace", type=float, default=150.0)
+    ap.add_argument("--leave-grace", type=float, default=240.0,
+                    help="seconds a leave may take (its flush of unsent progress up to 120, the drain, a checkpoint)")
     ap.add_argument("--stagger", type=float, default=1.0)
     ap.add_argument("--rss-every", type=float, default=15.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "churn.json")

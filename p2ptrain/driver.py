@@ -223,6 +223,13 @@ class OuterDriver:
         return sorted(actions, key=lambda a: not (a[0] is Action.APPLY and isinstance(a[1], Round)
                                                   and a[1].due < step))
 
+    def unsent(self) -> list[int]:
+        """The fragments holding tokens that no live or applied round carries: trained since the fragment's
+        last send, or given back by a round that was aborted or outvoted (a leave sends these first)."""
+        self._drop_finished()
+        now = self._tokens()
+        return [f for f, mark in enumerate(self.tokens_at_send) if mark < now]
+
     def _drop_finished(self) -> None:
         """Forget rounds that are no longer live; an aborted one's tokens count toward its fragment's next send
         (unless a later send of the fragment already moved the mark on)."""

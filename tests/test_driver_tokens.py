@@ -213,3 +213,29 @@ def test_the_applied_line_says_this_peers_own_tokens_in_the_average_and_none_whe
     assert _applied_fields(arrived(True)) == ("f0.r0", 0, 4, 1200.0, False, 300.0)
     key, _, _, _, _, own = _applied_fields(arrived(False))
     assert (key, own) == ("f0.r0", 0.0)
+
+
+def test_unsent_names_the_fragments_whose_tokens_no_round_carries() -> None:
+    """What a leave flushes: a fragment is unsent once it trained past its last send, or when its round failed
+    (the tokens given back); sent and arrived, it is not."""
+    from p2ptrain.algo.methods import StreamingConfig
+
+    peer = FakePeer(0)
+    outer = OuterLoop(StreamingConfig(H=4, P=2, tau=0, codec="fp32"), make_fragments(UNITS, 2))
+    outer.init(peer)
+    net = Scripted()
+    driver = OuterDriver(outer, peer, net)  # type: ignore[arg-type]
+    assert driver.unsent() == []  # nothing trained yet
+    peer.step()
+    assert driver.unsent() == [0, 1]
+    sent: list[int] = []
+    for s in range(1, 5):  # one send of each fragment within H = 4 logical steps, no inner step between
+        before = len(driver.stats.history)
+        assert driver.advance(s)
+        sent += [f for _, kind, f in driver.stats.history[before:] if kind == "send"]
+    assert sorted(set(sent)) == [0, 1] and driver.unsent() == []
+    peer.step()
+    net.fail = True
+    for s in range(5, 9):
+        assert driver.advance(s)
+    assert driver.unsent() == [0, 1]  # both rounds failed: their tokens are given back, still to be sent

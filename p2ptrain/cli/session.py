@@ -33,9 +33,10 @@ R = TypeVar("R")
 
 
 def shutdown_grace(run: Any) -> float:
-    """Seconds a peer of ``run`` (a JoinRun) may take to leave after a signal: a round in flight may take the
-    method's timeout, the drain its own, and the last checkpoint a minute (a 1B model's state, fsynced)."""
-    return float(run.method.timeout) + float(run.peer.drain_timeout) + 60.0
+    """Seconds a peer of ``run`` (a JoinRun) may take to leave after a signal: the flush of its unsent progress
+    (``leave_flush``), a round in flight the method's timeout, the drain its own, and the last checkpoint a minute
+    (a 1B model's state, fsynced)."""
+    return float(run.peer.leave_flush) + float(run.method.timeout) + float(run.peer.drain_timeout) + 60.0
 
 
 class SessionPeer(Protocol[R]):
@@ -116,8 +117,8 @@ class RunSession:
             if signals > 1:
                 console.print(f"signal {name} again: leaving now", highlight=False)
                 raise SystemExit(130)
-            console.print(f"signal {name}: leaving after this step (a second signal leaves at once)",
-                          highlight=False)
+            console.print(f"signal {name}: leaving after this step, once the progress no round carries yet is "
+                          "sent (a second signal leaves at once)", highlight=False)
             self._watchdog = threading.Timer(grace, watchdog)
             self._watchdog.daemon = True
             self._watchdog.start()

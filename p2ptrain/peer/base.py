@@ -365,12 +365,18 @@ class PeerBase:
         self.sharing.restart()
 
     def end_loop(self) -> None:
-        """The inner-step loop is over: record its time, then drain what is in flight."""
+        """The inner-step loop is over: record its time, then (a leave by signal) send the unsent progress, and
+        drain what is in flight."""
         assert self._t_start is not None
         self.loop_seconds = time.perf_counter() - self._t_start
         t_drain = time.perf_counter()
+        if self._stop.is_set() and self.cfg.leave_flush > 0:
+            self.flush()
         self.drain()
         self.drain_seconds = time.perf_counter() - t_drain
+
+    def flush(self) -> None:
+        """Hook: a leave by signal, before the drain: send what this peer trained and no round carries yet."""
 
     def eval_theta(self) -> None:
         """Validation loss of θ now (``eval_every``), logged with the time; not counted as compute."""

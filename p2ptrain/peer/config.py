@@ -40,6 +40,9 @@ class PeerConfig:
             expired (SwarmConfig.quorum_memory): a cut-off minority waits instead of forking θ.
         sync_on_join: a peer that finds a live swarm downloads θ and the outer state first.
         drain_timeout: seconds to wait for rounds still in flight when leaving.
+        leave_flush: a leave by signal (SIGTERM, Ctrl-C) takes no more inner steps but stays in the swarm's
+            rounds until every fragment has sent the progress no round carries yet, at most this many seconds
+            (0: leave after the drain, and that progress is lost); ``--steps`` reached leaves without it.
         min_step_seconds: pad every inner step to at least this long (emulates a slower device in
             tests and demos; the padding counts as compute).
         warmup: seconds after joining before taking part in rounds (None: three heartbeats), so that
@@ -73,6 +76,7 @@ class PeerConfig:
     quorum_memory: float = 120.0
     sync_on_join: bool = True
     drain_timeout: float = 60.0
+    leave_flush: float = 120.0
     min_step_seconds: float = 0.0
     warmup: float | None = None
     checkpoint_dir: str | None = None
@@ -103,6 +107,8 @@ class PeerConfig:
         for name in ("join_window", "join_timeout", "heartbeat", "ttl", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not self.leave_flush >= 0:
+            raise ValueError(f"leave_flush must be at least 0 (0: no flush on leave), got {self.leave_flush}")
         if self.max_group < 2:
             raise ValueError(f"max_group must be at least 2 (a cell of one peer averages nothing), got {self.max_group}")
         if self.ttl <= self.heartbeat:

@@ -98,6 +98,11 @@ def test_join_flags_override_the_file() -> None:
                                       initial_peers=[PEER2], checkpoint_dir=Path("ck")))
     assert run.method.name == "diloco" and run.method.H == 4
     assert run.peer.run_id == "other" == run.swarm.run_id and run.peer.steps == 2 and run.peer.region == "eu"
+    # how long a leave by signal may send its unsent progress: 120 s unless the recipe says otherwise
+    assert run.peer.leave_flush == 120.0
+    assert join_config({**file, "peer": {**file["peer"], "leave_flush": 0}}, {}).peer.leave_flush == 0
+    with pytest.raises(ValueError, match="leave_flush must be at least 0"):
+        join_config({**file, "peer": {**file["peer"], "leave_flush": -1}}, {})
     assert run.swarm.initial_peers == [PEER2] and run.peer.checkpoint_dir == "ck"
     resumed = join_config({}, {"resume": True, "checkpoint_dir": Path("old")})
     assert resumed.peer.checkpoint_dir == "old" and resumed.resume == Path("old")  # resume keeps writing there
