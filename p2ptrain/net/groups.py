@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GRACE", "Forming", "LiveView", "agreed_fragment", "agreed_print", "alone_check", "close_group", "fingerprints_match",
            "half_or_less", "leader_of", "majority_fingerprint", "members_by_signature", "membership_check", "peer_ids",
-           "quorum_problem"]
+           "quorum_problem", "unseen_check"]
 
 #: Seconds (at most the join window itself) a leader keeps a group open after its join window while the group
 #: holds no quorum of who is live: the members it lacks may only be late (a compute thread held by the round
@@ -332,6 +332,18 @@ def alone_check(group: Group, me: str, live: Sequence[str]) -> None:
     progress stays in θ − θ_i and goes into the next round."""
     if group.members == (me,) and set(live) - {me}:
         raise RoundFailed(f"round {group.key}: alone in the group while {len(set(live) - {me})} other peers are live")
+
+
+def unseen_check(group: Group, me: str, seen: Collection[str], pointed: bool, age: float, memory: float) -> None:
+    """A group of one from a peer that joined through initial peers (``pointed``) and has ``seen`` no other peer
+    of its run in its ``age`` seconds, less than ``memory`` (``quorum_memory``): its swarm may be behind a cut it
+    cannot tell from an empty swarm, since it never saw the others go dark (measured: churn_outvoted_cell
+    f3.L598583870, a peer that finished its start-up inside a cut region applied two rounds alone, 1 of 1 live,
+    while the rest applied the same keys with another θ). Raise RoundFailed; its progress goes into its next round,
+    and after ``memory`` seconds alone it trains as the first peer of a new swarm."""
+    if group.members == (me,) and pointed and not set(seen) - {me} and age < memory:
+        raise RoundFailed(f"round {group.key}: alone, and no other peer of the run seen in the {age:.0f} s since "
+                          f"joining through --initial-peers (a cut may hide them): waiting up to {memory:.0f} s")
 
 
 def members_by_signature(requests: Mapping[str, JoinRequest]) -> list[str]:

@@ -53,7 +53,7 @@ from .bandwidth import LinkMeter
 from .contacts import Addresses, Contacts
 from .daemon import SwarmConfig, SwarmError, dial, start_p2p
 from .direct import Direct
-from .groups import Forming, alone_check, leader_of, membership_check, peer_ids
+from .groups import Forming, alone_check, leader_of, membership_check, peer_ids, unseen_check
 from .guard import Guard
 from .identity import Identity
 from .mailbox import Mailbox, Mailboxes
@@ -122,6 +122,7 @@ class HivemindTransport(Transport):
         self._region = ""  # the region this peer announces
         self._seen_at: dict[str, tuple[float, str]] = {}  # peer -> (when a view last showed it live, its region)
         self._live_at = -math.inf  # never read yet (monotonic() starts near 0 after a boot)
+        self._born = time.monotonic()  # a peer that never saw another waits this long alone (groups.unseen_check)
         self._reading: asyncio.Task[None] | None = None  # the read of who is live in progress (one at a time)
         self._maddrs = Addresses(cfg.forget_after)
         self._states = StateServer(cfg.state_chunk, offers=self.offers)
@@ -459,6 +460,8 @@ class HivemindTransport(Transport):
                     raise RoundFailed(f"round {request.key}: the leader's group is malformed") from None
             membership_check(group, request)
             alone_check(group, self.peer_id, await self._live_ids())
+            unseen_check(group, self.peer_id, set(self._seen_at) | self._contacts.live(), bool(self.cfg.initial_peers),
+                         time.monotonic() - self._born, self.cfg.quorum_memory)
             return group
         raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s")
 
