@@ -10,6 +10,9 @@ round holding it is applied, so a life's tokens in θ are its ``own`` summed ove
 number of fragments P. What a life trained and never got into θ was lost with it (killed before its rounds
 carried it), or was still on its way when the window closed, or went into a round that failed everywhere
 and was re-sent. Lives are counted inside the run's window only (the same window as goodput).
+
+Where the time before a life's first step went is read from its ``event=started`` line (p2ptrain/peer/startup.py):
+medians of each phase of a start, for the first starts and for the restarts and joins.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import itertools
 import json
 import re
+import statistics
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -68,6 +72,45 @@ def life_rows(phase: dict[str, Any], seq: int, fragments: int) -> list[dict[str,
     return rows
 
 
+_STARTED = re.compile(r"event=started (.*)$")
+#: The phases of a start a peer's ``event=started`` line gives (p2ptrain/peer/startup.py).
+START_FIELDS = ("process_seconds", "before_start", "cpu_seconds", "connect", "pacing", "state")
+
+
+def startups(phase: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every peer life's ``event=started`` line (where its start-up went), marked whether it was one of the
+    phase's first starts (a life 0 started in the phase's first minute) or a restart or join."""
+    work, rows = Path(phase["work"]), []
+    for name, p in phase["peers"].items():
+        for i, life in enumerate(p["lives"]):
+            log = work / life["log"]
+            if not log.exists():
+                continue
+            for line in log.read_text(errors="replace").splitlines():
+                if (m := _STARTED.search(line)) is not None:
+                    fields = {k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", m.group(1)) if k in START_FIELDS}
+                    rows.append({"peer": name, "log": life["log"], "first": i == 0 and life["started"] < 60.0,
+                                 **fields})
+                    break
+    return rows
+
+
+def startup_summary(rows: list[dict[str, Any]], peer_seconds: float) -> list[dict[str, Any]]:
+    """Medians of each phase for the first starts, the restarts and joins, and all; with the wall seconds the
+    starts took in all and their share of ``peer_seconds`` (the lives' time in the window: the first starts'
+    seconds mostly fall before it)."""
+    out_ = []
+    for label, sel in (("first starts", [r for r in rows if r["first"]]),
+                       ("restarts and joins", [r for r in rows if not r["first"]]), ("all", rows)):
+        if not sel:
+            continue
+        med = {k: statistics.median(r[k] for r in sel) for k in START_FIELDS if all(k in r for r in sel)}
+        total = sum(r.get("process_seconds", 0.0) for r in sel)
+        out_.append({"starts": label, "count": len(sel), "median": med, "seconds": total,
+                     "share_of_peer_time": total / peer_seconds if peer_seconds else None})
+    return out_
+
+
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows summed by how the life ended, then all of them."""
     out_: list[dict[str, Any]] = []
@@ -102,7 +145,19 @@ def main(argv: list[str] | None = None) -> None:
             out.print(f"{ph['phase']}: no 'own=' on any applied line (a run from before the field existed); skipped")
             continue
         summary = summarise(rows)
-        result["phases"][ph["phase"]] = {"lives": rows, "summary": summary}
+        starts = startups(ph)
+        w0, w1 = ph["window_s"]
+        peer_seconds = sum(max(0.0, min(w1, lf["ended"] if lf["ended"] is not None else w1) - max(w0, lf["started"]))
+                           for p in ph["peers"].values() for lf in p["lives"])
+        start_summary = startup_summary(starts, peer_seconds)
+        result["phases"][ph["phase"]] = {"lives": rows, "summary": summary, "startups": starts,
+                                         "startup_summary": start_summary}
+        if start_summary:
+            out.print(table(f"{ph['phase']}: where the starts went (median seconds of each phase; event=started)",
+                            ["starts", "count", *START_FIELDS, "seconds in all", "of the peer time"],
+                            [[x["starts"], x["count"], *[f"{x['median'].get(k, float('nan')):.1f}" for k in START_FIELDS],
+                              f"{x['seconds']:,.0f}", "—" if x["share_of_peer_time"] is None
+                              else f"{x['share_of_peer_time']:.1%}"] for x in start_summary]))
         out.print(table(f"{ph['phase']}: tokens trained and reaching θ, by how each life ended",
               ["life ended", "lives", "trained", "in θ", "kept", "rounds applied", "of them without own Δ"],
               [[s["how"], s["lives"], f"{s['trained']:,}", f"{s['in_theta']:,.0f}",

@@ -32,3 +32,28 @@ def test_tokens_in_theta_follow_each_lives_own_tokens_over_the_fragments(tmp_pat
     total = summarise(rows)[-1]
     assert (total["how"], total["lives"], total["trained"], total["in_theta"]) == ("all", 2, 96, 700.0)
     assert abs(total["kept"] - 700 / 96) < 1e-12
+
+
+def test_each_lives_start_up_line_is_read_and_summarised_by_kind_of_start(tmp_path: Path) -> None:
+    """``event=started`` (p2ptrain/peer/startup.py): a life 0 started in the phase's first minute is a first start,
+    any other a restart or a join; medians per phase, and the seconds in all against the peers' time."""
+    from bench.churn_tokens import startup_summary, startups
+
+    def started(age: float, state: float) -> str:
+        return (f"ts=2026-11-27 01:00:00,000 level=INFO logger=p2ptrain.peer.startup event=started "
+                f"process_seconds={age} before_start={age - 10 - state} cpu_seconds=9.0 connect=8.0 pacing=2.0 "
+                f"state={state}")
+
+    (tmp_path / "a.0.log").write_text("step 1\n" + started(80.0, 0.0) + "\n")
+    (tmp_path / "a.1.log").write_text(started(100.0, 20.0) + "\n" + started(1.0, 0.0) + "\n")  # first line only
+    (tmp_path / "b.0.log").write_text(started(120.0, 10.0) + "\n")  # a joiner: life 0, started late
+    phase = {"work": str(tmp_path), "peers": {
+        "a": {"lives": [{"started": 0.0, "log": "a.0.log"}, {"started": 300.0, "log": "a.1.log"}]},
+        "b": {"lives": [{"started": 200.0, "log": "b.0.log"}, {"started": 500.0, "log": "missing.log"}]}}}
+    rows = startups(phase)
+    assert [(r["log"], r["first"], r["process_seconds"], r["state"]) for r in rows] == [
+        ("a.0.log", True, 80.0, 0.0), ("a.1.log", False, 100.0, 20.0), ("b.0.log", False, 120.0, 10.0)]
+    first, later, both = startup_summary(rows, peer_seconds=1000.0)
+    assert (first["starts"], first["count"], first["seconds"]) == ("first starts", 1, 80.0)
+    assert (later["count"], later["median"]["process_seconds"], later["median"]["state"]) == (2, 110.0, 15.0)
+    assert (both["count"], both["seconds"], both["share_of_peer_time"]) == (3, 300.0, 0.3)
