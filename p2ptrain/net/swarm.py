@@ -460,8 +460,9 @@ class HivemindTransport(Transport):
                     raise RoundFailed(f"round {request.key}: the leader's group is malformed") from None
             membership_check(group, request)
             alone_check(group, self.peer_id, await self._live_ids())
-            unseen_check(group, self.peer_id, set(self._seen_at) | self._contacts.live(), bool(self.cfg.initial_peers),
-                         time.monotonic() - self._born, self.cfg.quorum_memory)
+            if group.members == (self.peer_id,):  # alone: has this peer ever seen its run? (not read otherwise)
+                unseen_check(group, self.peer_id, set(self._seen_at) | self._contacts.live(),
+                             bool(self.cfg.initial_peers), time.monotonic() - self._born, self.cfg.quorum_memory)
             return group
         raise RoundFailed(f"round {request.key}: no group within {timeout:.1f} s")
 
