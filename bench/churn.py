@@ -25,6 +25,7 @@ seconds the measured window of ``--minutes`` starts; in the fault phase a fault 
 What is read, as it happens (every peer's log; the ``--json`` summaries at the end cross-check):
 ``event=applied key fragment members tokens digest`` (a round applied, with θ's digest after it),
 ``event=round_failed``, ``event=round_timeout`` (a stuck round: it outlived its own timeouts),
+``event=round_abandoned`` (a leaving peer's drain limit came before the round's own: it left mid-round),
 ``event=repaired``, and the status line (inner step, train loss). Per round key: outcome, members, how many
 peers applied it and whether their θ agreed (diverged replicas: appliers whose θ differs from the
 majority's right after it), failed and stuck counts. Goodput: tokens that reached θ (the total weight of
@@ -74,6 +75,7 @@ _APPLIED = re.compile(r"event=applied key=(\S+) fragment=(\d+) members=(\d+) tok
                       r"digest=(\w+)")
 _FAILED = re.compile(r"event=round_failed key=(\S+)")
 _STUCK = re.compile(r"event=round_timeout key=(\S+)( when=leaving)?")
+_ABANDONED = re.compile(r"event=round_abandoned key=(\S+)")
 _STATUS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.naif]+)")
 _TS = re.compile(r"^ts=(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
@@ -239,7 +241,8 @@ class Phase:
 
     def round(self, key: str) -> dict[str, Any]:
         return self.rounds.setdefault(key, {"fragment": None, "first": math.inf, "digests": {}, "tokens": {},
-                                            "members": [], "failed": [], "stuck": [], "flagged": 0})
+                                            "members": [], "failed": [], "stuck": [], "abandoned": [],
+                                            "flagged": 0})
 
     def parse(self, rec: PeerRec, line: str, now: float) -> None:
         if (m := _STATUS.match(line)) is not None:
@@ -262,6 +265,8 @@ class Phase:
             self.round(m.group(1))["failed"].append(rec.name)
         elif (m := _STUCK.search(line)) is not None:
             self.round(m.group(1))["stuck"].append(rec.name + (" (leaving)" if m.group(2) else ""))
+        elif (m := _ABANDONED.search(line)) is not None:
+            self.round(m.group(1))["abandoned"].append(rec.name)
 
     # ------------------------------------------------------------------ faults
     def busy(self, rec: PeerRec) -> bool:
@@ -539,7 +544,7 @@ class Phase:
                         "diverged_peers": sorted(p for d, ps in r["digests"].items() if d != top[0] for p in ps),
                         "members_min": min(r["members"], default=0), "members_max": max(r["members"], default=0),
                         "tokens": r["tokens"].get(top[0], 0) if top[0] else 0, "failed_on": r["failed"],
-                        "stuck_on": r["stuck"], "flagged_divergent": r["flagged"],
+                        "stuck_on": r["stuck"], "abandoned_on": r["abandoned"], "flagged_divergent": r["flagged"],
                         "in_window": bool(n) and self.in_window(r["first"])}
         return out
 
@@ -576,6 +581,7 @@ class Phase:
             "round_failures": sum(len(r["failed_on"]) for r in rows.values()),
             "stuck_rounds": len([s for s in stuck if "leaving" not in s]),
             "stuck_rounds_when_leaving": len([s for s in stuck if "leaving" in s]),
+            "rounds_abandoned_when_leaving": sum(len(r["abandoned_on"]) for r in rows.values()),
             # each fragment's round carries the tokens since that fragment's last round that was not aborted (an
             # aborted round's progress rides on the next one's Δ, p2ptrain/driver.py): a token reaches all of θ
             # once every fragment's round that holds it is applied, so the sum over rounds counts it P times
@@ -707,6 +713,7 @@ def phase_figures(ph: dict[str, Any], fragments: int) -> dict[str, Any]:
         "round_failures": sum(len(r["failed_on"]) for r in rows),
         "stuck_rounds": len([s for s in stuck if "leaving" not in s]),
         "stuck_rounds_when_leaving": len([s for s in stuck if "leaving" in s]),
+        "rounds_abandoned_when_leaving": sum(len(r.get("abandoned_on", [])) for r in rows),
         "tokens_in_theta": sum(r["tokens"] for r in win) / fragments,
         "tokens_trained": (ph.get("figures") or {}).get("tokens_trained", 0),
         "members_median": statistics.median([r["members_max"] for r in win]) if win else None,
@@ -733,7 +740,8 @@ def targets(payload: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[tu
     return [
         ("0 diverged replicas after any applied round", f"{f['diverged_replicas']} in {f['rounds_with_diverged_replicas']}"
                                                           " rounds", f["diverged_replicas"] == 0),
-        ("0 stuck rounds", f"{f['stuck_rounds']} (+{f['stuck_rounds_when_leaving']} when leaving)",
+        ("0 stuck rounds", f"{f['stuck_rounds']} (+{f['stuck_rounds_when_leaving']} when leaving; "
+                           f"{f.get('rounds_abandoned_when_leaving', 0)} abandoned by a leave)",
          f["stuck_rounds"] + f["stuck_rounds_when_leaving"] == 0),
         ("goodput ≥ 0.98 of the fault-free run", "-" if g is None else f"{g:.3f}", None if g is None else g >= 0.98),
         (f"memory flat (median growth < {FLAT_MB_PER_MIN} MB/min from minute {WARMUP_S / 60:g} of each process)",

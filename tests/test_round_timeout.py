@@ -138,12 +138,50 @@ def test_the_peers_wait_follows_a_timeout_the_runner_stretches_while_it_waits() 
     timer = threading.Timer(0.6, done.set)  # the round ends after the first limit (0.3 s), inside the stretched one
     timer.start()
     try:
-        assert c._wait_one(done, time.perf_counter())
+        assert c._wait_one(done, time.perf_counter()) == "ended"
     finally:
         timer.cancel()
     assert runner.reads > 1
     # without a stretch the wait gives up at its limit
     c.runner = _runner()
     t0 = time.perf_counter()
-    assert not c._wait_one(threading.Event(), t0)
+    assert c._wait_one(threading.Event(), t0) == "limit"
     assert 0.3 <= time.perf_counter() - t0 < 5.0
+
+
+class _FakeRound:
+    def __init__(self, key: str) -> None:
+        self.key, self.aborted = key, False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_a_round_cut_short_by_the_leaves_drain_limit_is_abandoned_not_stuck() -> None:
+    """A leaving peer's drain deadline that comes before a round's own wait limit abandons the round (counted
+    apart); a round that outlives its own limit during the drain is stuck, as at any other time."""
+    import threading
+    import time
+
+    from p2ptrain.peer.collective import SwarmCollective
+
+    c = SwarmCollective(None, _runner(), peer_id="a", codec=get_codec("fp32"), join_timeout=1.0,  # type: ignore[arg-type]
+                        wait_limit=5.0, step_seconds=lambda: None)
+    c.RECHECK = 0.05
+    cut = _FakeRound("f0.L1")
+    c._done[cut] = threading.Event()  # type: ignore[index]
+    c.deadline = time.perf_counter() + 0.2  # the drain ends long before the round's 5 s
+    t0 = time.perf_counter()
+    assert c.wait([cut])  # type: ignore[list-item]
+    assert time.perf_counter() - t0 < 3.0
+    assert cut.aborted and (c.abandoned, c.stuck) == (1, 0)
+    c.wait_limit = 0.2  # now the round's own limit comes first, inside the drain's
+    late = _FakeRound("f1.L2")
+    c._done[late] = threading.Event()  # type: ignore[index]
+    c.deadline = time.perf_counter() + 10.0
+    assert c.wait([late])  # type: ignore[list-item]
+    assert late.aborted and (c.abandoned, c.stuck) == (1, 1)
+    done = _FakeRound("f2.L3")  # a round that ended is neither
+    ev = c._done[done] = threading.Event()  # type: ignore[index]
+    ev.set()
+    assert c.wait([done]) and not done.aborted and (c.abandoned, c.stuck) == (1, 1)  # type: ignore[list-item]

@@ -134,6 +134,7 @@ def _record(peer: PeerBase, summary: PeerSummary, val: float, method: str, resum
         "compute_seconds": summary.compute_seconds, "stall_seconds": summary.stall_seconds,
         "loop_seconds": summary.loop_seconds, "drain_seconds": summary.drain_seconds,
         "stuck_rounds": summary.stuck_rounds,
+        "abandoned_rounds": summary.abandoned_rounds,
         "utilization": summary.utilization, "rounds_complete": summary.rounds_complete,
         "rounds_partial": summary.rounds_partial, "rounds_failed": summary.rounds_failed,
         "rounds_applied": summary.rounds_applied, "rounds_shared": summary.rounds_shared, "repairs": summary.repairs, "bytes_sent": summary.bytes_sent,

@@ -130,7 +130,7 @@ def _record(staged: StagedPeer, held: StageRange, summaries: list[PeerSummary], 
         "stages": [{"stage": g, "namespace": p.cfg.run_id, "peer_id": s.peer_id,
                     "rounds_complete": s.rounds_complete, "rounds_partial": s.rounds_partial,
                     "rounds_failed": s.rounds_failed, "rounds_applied": s.rounds_applied,
-                    "stuck_rounds": s.stuck_rounds, "bytes_sent": s.bytes_sent,
+                    "stuck_rounds": s.stuck_rounds, "abandoned_rounds": s.abandoned_rounds, "bytes_sent": s.bytes_sent,
                     "applied": {k: v[0] for k, v in s.applied.items()},
                     "contributors": {key: len(c) for key, c, _ in p.history},
                     "theta": {n: float(t.double().sum()) for n, t in s.outer_params.items()}}

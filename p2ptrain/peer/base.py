@@ -449,5 +449,6 @@ class PeerBase:
             bytes_sent=st.bytes_sent if st else 0, bytes_received=st.bytes_received if st else 0,
             final_train_loss=self.last_loss, outer_params=self.theta(), applied=self._applied_digests(),
             loop_seconds=self.loop_seconds, drain_seconds=self.drain_seconds, stuck_rounds=self.stuck,
+            abandoned_rounds=self.collective.abandoned if self.collective is not None else 0,
             eval_seconds=self.eval_seconds, outer_seconds=self.outer_seconds,
             rounds_shared=st.shared if st else 0)

@@ -5,7 +5,8 @@ The driver runs on the compute thread; rounds run on the network loop (:class:`~
 outer loop: a launch is a ``submit`` to the loop, a wait is a bounded wait on the round's completion event, a
 slot negotiation is a future whose decision the leader makes on its own loop thread with the driver's
 :class:`~p2ptrain.algo.slots.SlotLeader`. Every wait has a limit: a round that outlives its own timeouts is
-aborted here and counted as stuck.
+aborted here and counted as stuck; one that a leaving peer's drain limit cuts short first is counted as
+abandoned (the peer left mid-round, as a dead member does; the others end it without it).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class SwarmCollective:
         self.members = 1  # the live view's size, refreshed by the peer's heartbeat
         self.stall = 0.0  # seconds the compute thread waited for rounds
         self.stuck = 0  # rounds aborted here: their own timeouts never fired
+        self.abandoned = 0  # rounds still within their own limits when the leave's drain limit (deadline) ended
         self.deadline: float | None = None  # perf_counter time every wait ends by (leaving: the drain's limit)
 
     def launch(self, rnd: Round, request: RoundRequest) -> None:
@@ -90,27 +92,38 @@ class SwarmCollective:
         t0 = time.perf_counter()
         for r in rounds:
             ev = self._done.get(r)
-            if ev is None or self._wait_one(ev, t0):
+            if ev is None:
                 continue
-            log.warning("event=round_timeout key=%s%s", r.key, "" if self.deadline is None else " when=leaving")
-            self.stuck += 1
+            end = self._wait_one(ev, t0)
+            if end == "ended":
+                continue
+            if end == "leaving":
+                log.warning("event=round_abandoned key=%s reason=the leave's drain limit came before the round's own",
+                            r.key)
+                self.abandoned += 1
+            else:
+                log.warning("event=round_timeout key=%s%s", r.key, "" if self.deadline is None else " when=leaving")
+                self.stuck += 1
             r.abort()
         self.stall += time.perf_counter() - t0
         return True
 
-    def _wait_one(self, ev: threading.Event, t0: float) -> bool:
+    def _wait_one(self, ev: threading.Event, t0: float) -> str:
         """Wait for one round from ``t0`` (perf_counter) on, until ``wait_limit`` times the runner's timeout scale
         as it is *now*: a round whose phases start after the wait did, on a link the runner stretched its
         timeout for, is given the longer time (read once at the start, the wait gave up after the old limit
-        while the round went on, then aborted it). Whether it ended."""
+        while the round went on, then aborted it). ``"ended"``, or why the wait stopped first: ``"limit"`` (the
+        round outlived its own limit: stuck) or ``"leaving"`` (the drain's deadline came first)."""
         while True:
-            limit = self.wait_limit * self.runner.timeout_scale  # rounds on a slow link are given longer (sync.py)
-            end = t0 + limit if self.deadline is None else min(t0 + limit, self.deadline)
+            own = t0 + self.wait_limit * self.runner.timeout_scale  # rounds on a slow link are given longer (sync.py)
+            end = own if self.deadline is None else min(own, self.deadline)
             left = end - time.perf_counter()
             if left <= 0:
-                return ev.is_set()
+                if ev.is_set():
+                    return "ended"
+                return "leaving" if end < own else "limit"
             if ev.wait(min(left, self.RECHECK)):
-                return True
+                return "ended"
 
     def negotiate(self, request: SlotRequest, leader: SlotLeader) -> _GroupPending:
         req = JoinRequest(key=request.key, peer_id=self.peer_id, weight=1.0, fragment=None, scores=request.scores,

@@ -135,6 +135,7 @@ class PeerSummary:
     loop_seconds: float = 0.0  # the inner-step loop alone (no start-up, no final drain)
     drain_seconds: float = 0.0  # waiting for the rounds in flight when leaving
     stuck_rounds: int = 0  # rounds that outlived every timeout of their own and were aborted
+    abandoned_rounds: int = 0  # rounds still within their own limits when the leave's drain limit ended
     eval_seconds: float = 0.0  # evaluations during the run (``eval_every``), inside loop_seconds
     outer_seconds: float = 0.0  # compute-thread time in the outer loop (sends, applies), waits excluded
     rounds_shared: int = 0  # rounds whose average held another peer's contribution (0: trained alone)
