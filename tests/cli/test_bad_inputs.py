@@ -1,9 +1,10 @@
-"""Bad flags, files, addresses and variables, through every subcommand as a user runs it (a ``p2ptrain``
-process): exit code 2, one line on stderr, ``error: ...``, naming the problem, before anything starts, and
-never a traceback.
+"""Bad flags, files, addresses and variables, through every subcommand as a user runs it: exit code 2, one line
+on stderr, ``error: ...``, naming the problem, before anything starts, and never a traceback.
 
-The processes run two at a time (the cases are independent); each gets a safety net of flags that keeps
-it short should a check ever stop failing (``--steps 2``, no metrics server)."""
+Every case runs through the console script's entry point (``p2ptrain.cli:run``) in this process, which pays
+the imports once; the first case of each subcommand also runs as a ``p2ptrain`` process of its own (two at a
+time), so the path a user takes, interpreter to exit code, is covered for each command. Each case gets a
+safety net of flags that keeps it short should a check ever stop failing (``--steps 2``, no metrics server)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -114,19 +116,42 @@ def _argv(command: str, args: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, subprocess.CompletedProcess[str]]]:
-    """Every case run once, two processes at a time, in a folder holding FILES."""
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding FILES, where the cases run."""
     tmp = tmp_path_factory.mktemp("bad_inputs")
     for name, data in FILES.items():
         (tmp / name).write_bytes(data)
+    return tmp
+
+
+#: The first case of each subcommand: also run as a process of its own.
+AS_PROCESS = sorted({c: i for i, (c, _, _) in reversed(list(enumerate(CASES)))}.values())
+
+
+@pytest.fixture(scope="module")
+def processes(folder: Path) -> Iterator[dict[int, tuple[int, str, str]]]:
+    """The AS_PROCESS cases, each a ``python -m p2ptrain`` process, two at a time: exit code, stdout, stderr."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("P2PTRAIN_")} | {"OMP_NUM_THREADS": "1"}
 
-    def run(case: tuple[str, list[str], str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "p2ptrain", *_argv(case[0], case[1])], cwd=tmp, env=env,
-                              capture_output=True, text=True, timeout=120)
+    def run(index: int) -> tuple[int, str, str]:
+        command, args, _ = CASES[index]
+        r = subprocess.run([sys.executable, "-m", "p2ptrain", *_argv(command, args)], cwd=folder, env=env,
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode, r.stdout, r.stderr
 
     with ThreadPoolExecutor(2) as pool:
-        yield dict(enumerate(pool.map(run, CASES)))
+        yield dict(zip(AS_PROCESS, pool.map(run, AS_PROCESS), strict=True))
+
+
+def _check(index: int, code: object, out: str, err: str) -> None:
+    expected = CASES[index][2]
+    everything = out + err
+    assert "Traceback" not in everything, everything[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, f"exit {code}: {everything[-2000:]}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-2000:]
+    assert expected in lines[0], lines[0]
+    assert out == "", out[-2000:]
 
 
 def test_every_subcommand_is_covered() -> None:
@@ -135,17 +160,25 @@ def test_every_subcommand_is_covered() -> None:
     from p2ptrain.cli import app
 
     assert {c for c, _, _ in CASES} == set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    assert {CASES[i][0] for i in AS_PROCESS} == {c for c, _, _ in CASES}
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c} {' '.join(a)}" for c, a, _ in CASES])
-def test_a_bad_input_is_one_line_and_exit_code_2(results: dict[int, subprocess.CompletedProcess[str]],
-                                                  index: int) -> None:
-    expected = CASES[index][2]
-    r = results[index]
-    everything = r.stdout + r.stderr
-    assert "Traceback" not in everything, everything[-3000:]
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2, f"exit {r.returncode}: {everything[-2000:]}"
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-2000:]
-    assert expected in lines[0], lines[0]
-    assert r.stdout == "", r.stdout[-2000:]
+def test_a_bad_input_is_one_line_and_exit_code_2(folder: Path, index: int, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from p2ptrain.cli import run
+
+    monkeypatch.chdir(folder)
+    for name in [k for k in os.environ if k.startswith("P2PTRAIN_")]:
+        monkeypatch.delenv(name)
+    command, args, _ = CASES[index]
+    with pytest.raises(SystemExit) as exited:
+        run(_argv(command, args))
+    captured = capsys.readouterr()
+    _check(index, exited.value.code, captured.out, captured.err)
+
+
+@pytest.mark.parametrize("index", AS_PROCESS, ids=[CASES[i][0] for i in AS_PROCESS])
+def test_a_bad_input_to_a_p2ptrain_process_is_one_line_and_exit_code_2(
+        processes: dict[int, tuple[int, str, str]], index: int) -> None:
+    _check(index, *processes[index])
