@@ -14,7 +14,11 @@ pytestmark = [pytest.mark.net, pytest.mark.timeout(300)]
 
 
 def test_sigkill_mid_allreduce_does_not_stall_the_others(tmp_path: Path) -> None:
-    write_recipe(tmp_path, "killtest")
+    recipe = write_recipe(tmp_path, "killtest")
+    # The survivor that runs last is left with the dead peer counted toward its quorum (it announced no region)
+    # for quorum_memory seconds, rounds failing and compute stalled meanwhile: the cut rule, tested on its own
+    # (tests/net/test_region_partition.py); 10 s instead of the default 120 s keeps this test about the kill.
+    recipe.write_text(recipe.read_text() + "quorum_memory = 10.0\n")
     procs = []
     try:
         a = join(tmp_path, "a", 150, [])
@@ -35,6 +39,6 @@ def test_sigkill_mid_allreduce_does_not_stall_the_others(tmp_path: Path) -> None
             assert s["stuck_rounds"] == 0  # every round, the one c died in too, ended within its own timeout
         common = set(survivors[0]["applied"]) & set(survivors[1]["applied"])
         assert common and all(survivors[0]["applied"][k] == survivors[1]["applied"][k] for k in common)
-        assert time.monotonic() - killed_at < 140
+        assert time.monotonic() - killed_at < 90
     finally:
         kill_all(procs)
