@@ -571,6 +571,10 @@ async def _relay_main(cfg: dict[str, Any]) -> None:
     delays: dict[str, dict[str, float]] = cfg["delays"]
     window = int(cfg["window"])
     servers: list[asyncio.Server] = []
+    # The connections' handler tasks, held here: the server keeps only a weak path to them, and a pending one
+    # collected by the GC printed "Task was destroyed but it is pending" and "coroutine ignored GeneratorExit"
+    # (its finally awaits) in the churn runs' logs. Held, they end or are cancelled when the relay ends.
+    handlers: set[asyncio.Task[Any]] = set()
 
     def region_of(ip: str) -> str | None:
         for name, prefix in prefixes.items():
@@ -610,7 +614,13 @@ async def _relay_main(cfg: dict[str, Any]) -> None:
 
             async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, _t: tuple[str, int] = (tip, tport),
                               _reg: str = region) -> None:
-                await serve(r, w, _t, _reg)
+                task = asyncio.current_task()
+                if task is not None:
+                    handlers.add(task)
+                try:
+                    await serve(r, w, _t, _reg)
+                finally:
+                    handlers.discard(task)  # type: ignore[arg-type]
 
             try:
                 servers.append(await asyncio.start_server(handler, vip, port, limit=1 << 20))
