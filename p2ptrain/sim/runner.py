@@ -100,6 +100,9 @@ class RunResult:
     config: dict[str, Any]
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, sim seconds, val loss of θ)
     final_loss: float = math.nan
+    # the loss of the peers' mean model at the end (what one last exact round of everything each peer holds and θ
+    # lacks would give θ: unsent progress, an error-feedback buffer); NaN for a method without an outer θ
+    final_mean_loss: float = math.nan
     bytes_sent_per_peer: float = 0.0
     peak_bytes_per_sync: float = 0.0
     syncs: int = 0
@@ -137,7 +140,7 @@ class RunResult:
         s, t = self.to_target(target)
         return {
             "label": self.label, "method": self.method, "peers": self.peers, "config": self.config,
-            "final_val_loss": self.final_loss, "steps": self.steps, "evals": self.evals,
+            "final_val_loss": self.final_loss, "final_mean_val_loss": self.final_mean_loss, "steps": self.steps, "evals": self.evals,
             "bytes_sent_per_peer": self.bytes_sent_per_peer, "peak_bytes_per_sync": self.peak_bytes_per_sync,
             "syncs": self.syncs, "compute_utilization": self.utilization, "stall_seconds": self.stall_seconds,
             "sim_seconds": self.sim_seconds, "wall_seconds": self.wall_seconds, "max_delay_steps": self.max_delay,
@@ -288,6 +291,14 @@ class OuterRun(_Run):
         self.drivers = [OuterDriver(o, tr, self.swarm.view(i), hooks=hooks[i], negotiate_at_slot=True)
                         for i, (o, tr) in enumerate(zip(self.outers, self.trainers, strict=True))]
 
+    def _mean_model_loss(self) -> float:
+        """Validation loss of the mean of the peers' own models (each fragment's values as the peers train with them)."""
+        names = list(self.outers[0].outer_params())
+        locals_ = [tr.snapshot(names) for tr in self.trainers]
+        mean = {n: torch.stack([vals[j].detach().double() for vals in locals_]).mean(0).to(locals_[0][j].dtype)
+                for j, n in enumerate(names)}
+        return float(self.trainers[0].evaluate(mean).loss)
+
     @property
     def history(self) -> list[tuple[int, str, int, int]]:
         """(step, "send"/"apply", peer, fragment) of every peer, each peer's in its own order."""
@@ -306,6 +317,7 @@ class OuterRun(_Run):
                 self.on_step(step)
         self._all(lambda i: self.drivers[i].drain(self.sim.steps), "the final drain")
         self._eval(self.sim.steps, self.outers[0].outer_params())
+        self.res.final_mean_loss = self._mean_model_loss()
         corrections = [c for d in self.drivers for c in d.stats.corrections]
         self.res.mean_correction = sum(corrections) / len(corrections) if corrections else 0.0
         self.res.max_delay = max(d.stats.max_delay for d in self.drivers)
