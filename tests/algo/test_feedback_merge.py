@@ -103,3 +103,31 @@ def test_the_alpha_merge_would_count_the_unsent_progress_twice() -> None:
     finally:
         StreamingRules.merge, StreamingRules.keeps_unsent = plain, keeps  # type: ignore[method-assign]
     assert _unaccounted(r, peer, steps) > 0.05
+
+
+@pytest.mark.parametrize("m", [0.25, 0.5])
+def test_sent_merge_keeps_that_share_of_the_sent_positions_distance_from_theta(m: float) -> None:
+    """One peer, one round, outer SGD η 0.5 from θ_0 = 0: the sent part Q moves θ to −ηQ while it alone would have
+    put the peer at −Q, so the position's distance from the new θ is ((1 − η)/η)·θ = θ, and the local fragment
+    with ``sent_merge`` m ends at the one without it plus m·θ (float64, by hand)."""
+    def cfg(sent_merge: float) -> StreamingConfig:
+        return StreamingConfig(H=4, P=1, tau=0, codec="topk2:0.03", outer_lr=0.5, outer_momentum=0.0,
+                               sent_merge=sent_merge)
+
+    r0, plain, _ = _run(cfg(0.0), 4)
+    r1, merged, _ = _run(cfg(m), 4)
+    theta = r1.outers[0].outer_params()
+    assert all(torch.equal(theta[n], t) for n, t in r0.outers[0].outer_params().items())  # θ is not touched
+    assert any(float(theta[n].abs().max()) > 0 for n in theta)
+    for n in theta:
+        expected = plain.x[n] + m * theta[n].double()
+        assert torch.allclose(merged.x[n], expected, rtol=0, atol=1e-6), n
+
+
+def test_sent_merge_is_refused_where_it_does_not_apply() -> None:
+    with pytest.raises(ValueError, match="sent_merge"):
+        StreamingConfig(H=4, P=1, codec="e3m0", sent_merge=0.25)  # no error feedback
+    with pytest.raises(ValueError, match="sent_merge"):
+        StreamingConfig(H=4, P=1, codec="topk2", alpha=0.5, sent_merge=0.25)  # the buffer is not handed over
+    with pytest.raises(ValueError, match="sent_merge"):
+        StreamingConfig(H=4, P=1, codec="topk2", sent_merge=1.0)
