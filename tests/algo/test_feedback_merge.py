@@ -124,10 +124,9 @@ def test_sent_merge_keeps_that_share_of_the_sent_positions_distance_from_theta(m
         assert torch.allclose(merged.x[n], expected, rtol=0, atol=1e-6), n
 
 
-def test_sent_merge_is_refused_where_it_does_not_apply() -> None:
-    with pytest.raises(ValueError, match="sent_merge"):
-        StreamingConfig(H=4, P=1, codec="e3m0", sent_merge=0.25)  # no error feedback
-    with pytest.raises(ValueError, match="sent_merge"):
-        StreamingConfig(H=4, P=1, codec="topk2", alpha=0.5, sent_merge=0.25)  # the buffer is not handed over
+def test_sent_merge_defaults_to_a_quarter_behind_error_feedback_with_alpha_1_only() -> None:
+    assert StreamingConfig(H=4, P=1, codec="topk2").sent_merge == 0.25
+    assert StreamingConfig(H=4, P=1, codec="topk2", alpha=0.5).sent_merge == 0.0
+    assert StreamingConfig(H=4, P=1, codec="e3m0").sent_merge == 0.0
     with pytest.raises(ValueError, match="sent_merge"):
         StreamingConfig(H=4, P=1, codec="topk2", sent_merge=1.0)
