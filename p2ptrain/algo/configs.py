@@ -94,10 +94,10 @@ class StreamingConfig(MethodConfig):
             share of its unsent progress a peer keeps training with (algo/rules.py). Default: 0.5, and 1 behind
             error feedback (at H 20 with topk2:0.03, θ's loss 1.447 against 1.488 at 0.5 and 1.705 at 0:
             bench/results/compression.md).
-        sent_merge: behind error feedback with α 1 (elsewhere it does nothing), the share of the distance from the new θ^(p) to where the
-            part the wire carried would have put the peer alone that the local fragment keeps: the α-merge on what
-            was sent, which the delta rule otherwise drops (a peer keeps that much of its own deviation from the
-            swarm's average, as the α-merge does without error feedback). Default: 0.25 behind error feedback
+        sent_merge: behind error feedback with α 1 (elsewhere it does nothing), the share of the distance from
+            the new θ^(p) to where the part the wire carried would have put the peer alone that the local fragment
+            keeps: the α-merge on what was sent, which the delta rule otherwise drops (a peer keeps that much of
+            its own deviation from the swarm's average, as the α-merge does without error feedback). Default: 0.25 behind error feedback
             with α 1, else 0 (topk2:0.03 at H 20: +3.28% → +2.58% against diloco fp32 on two seeds; topk2:0.15 at
             H 140, seed 0: 1.185 → 1.172, +3.8% → +2.7%; 0.5 overshoots: bench/results/README.md).
         outer_lr: η 0.7, DiLoCo's: at 100 rounds per fragment it ended below the Streaming DiLoCo paper's 0.4 on
@@ -134,8 +134,7 @@ class StreamingConfig(MethodConfig):
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"{self.name}: α must be in [0, 1], got {self.alpha}")
         if self.sent_merge is None:
-            self.sent_merge = 0.25 if (self.name == "streaming" and get_codec(self.codec).error_feedback
-                                       and self.alpha == 1) else 0.0
+            self.sent_merge = 0.25 if get_codec(self.codec).error_feedback and self.alpha == 1 else 0.0
         if not 0 <= self.sent_merge < 1:
             raise ValueError(f"{self.name}: sent_merge must be in [0, 1), got {self.sent_merge}")
         if self.late not in self.LATE:

@@ -282,7 +282,7 @@ class OuterLoop:
         kept = rnd.compressor.hand_over(keep) if keep and isinstance(rnd.compressor, ErrorFeedback) else None
         if kept is not None:  # the buffer's e is in Δ's sign (θ − local): the local model stands at −e from θ
             new = [n - k for n, k in zip(new, kept, strict=True)]
-            if (m := getattr(self.cfg, "sent_merge", 0.0)) and keep == 1:
+            if m := self.rules.sent_merge:
                 # With α 1 the buffer was empty at the send, so what was sent put the peer alone at snapshot + e
                 # (Δ = θ_before − snapshot, e = Δ − sent): keep m of that position's distance from the new θ.
                 new = [n + m * (s + k - t) for n, s, k, t in zip(new, rnd.snapshot, kept, st.theta, strict=True)]

@@ -59,6 +59,8 @@ class Rules:
         links_set_n: a negotiated method whose sends per window N follow the members' links (not fixed).
         keeps_unsent: the share of the error-feedback buffer that an apply moves into the local fragment (the
             peer trains on with it; it re-enters the next Δ_i from there, so the buffer gives it up).
+        sent_merge: with the whole buffer handed over (``keeps_unsent`` 1), the share the local fragment keeps of
+            the distance from the new θ^(p) to where the sent part alone would have put the peer (0: none).
     """
 
     apply_first = False
@@ -69,6 +71,7 @@ class Rules:
     late_ok = False
     negotiated = False
     keeps_unsent = 0.0
+    sent_merge = 0.0
 
     def __init__(self, cfg: MethodConfig) -> None:
         self.cfg = cfg
@@ -128,6 +131,10 @@ class StreamingRules(Rules):
         return self.cfg.alpha if get_codec(self.cfg.codec).error_feedback else 0.0
 
     @property
+    def sent_merge(self) -> float:  # type: ignore[override]
+        return self.cfg.sent_merge if self.keeps_unsent == 1 else 0.0
+
+    @property
     def late_ok(self) -> bool:  # type: ignore[override]
         return self.cfg.late == "apply"
 
@@ -139,6 +146,7 @@ class CoCoDCRules(StreamingRules):
     apply_first = True
     negotiated = True
     keeps_unsent = 0.0  # the delta rule, with or without error feedback (no α)
+    sent_merge = 0.0
 
     @property
     def late_ok(self) -> bool:  # type: ignore[override]

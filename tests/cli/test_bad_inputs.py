@@ -8,6 +8,7 @@ safety net of flags that keeps it short should a check ever stop failing (``--st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -164,16 +165,23 @@ def test_every_subcommand_is_covered() -> None:
     assert {CASES[i][0] for i in AS_PROCESS} == {c for c, _, _ in CASES}
 
 
-@pytest.fixture
-def logger_kept() -> Iterator[None]:
-    """The ``p2ptrain`` logger as it was: a command sets it up (``ui.setup_logging``: a handler on this test's
-    captured stderr, propagation off), and left so, every later test's log lines went to a closed stream."""
+@contextlib.contextmanager
+def _logger_restored() -> Iterator[None]:
+    """The ``p2ptrain`` logger as it was on entry, on exit: a command sets it up (``ui.setup_logging``: a handler
+    on this test's captured stderr, propagation off), and left so, every later test's log lines went to a closed
+    stream."""
     logger = logging.getLogger("p2ptrain")
     kept = (list(logger.handlers), logger.level, logger.propagate)
     try:
         yield
     finally:
         logger.handlers[:], logger.level, logger.propagate = kept
+
+
+@pytest.fixture
+def logger_kept() -> Iterator[None]:
+    with _logger_restored():
+        yield
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c} {' '.join(a)}" for c, a, _ in CASES])
@@ -197,14 +205,16 @@ def test_a_bad_input_to_a_p2ptrain_process_is_one_line_and_exit_code_2(
     _check(index, *processes[index])
 
 
-def test_the_cases_leave_the_logger_as_it_was(folder: Path, monkeypatch: pytest.MonkeyPatch,
-                                               logger_kept: None) -> None:
-    """What ``logger_kept`` undoes: a case that gets as far as setting up logging changes the package's logger."""
+def test_the_cases_leave_the_logger_as_it_was(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A case that gets as far as setting up logging changes the package's logger; ``_logger_restored`` (the
+    fixture every case runs in) puts it back."""
     from p2ptrain.cli import run
 
     logger = logging.getLogger("p2ptrain")
     before = (list(logger.handlers), logger.level, logger.propagate)
     monkeypatch.chdir(folder)
-    with pytest.raises(SystemExit):
-        run(["train", "--steps", "0", "--log-level", "INFO"])
-    assert (list(logger.handlers), logger.level, logger.propagate) != before  # the command did set it up
+    with _logger_restored():
+        with pytest.raises(SystemExit):
+            run(["train", "--steps", "0", "--log-level", "INFO"])
+        assert (list(logger.handlers), logger.level, logger.propagate) != before  # the command did set it up
+    assert (list(logger.handlers), logger.level, logger.propagate) == before
