@@ -107,6 +107,10 @@ def test_a_slower_peer_does_not_slow_the_others(corpus: Corpus, factor: int) -> 
     # the slow peer really is slow: its sleep adds (factor − 1)·step to each step beyond a fast peer's (compared
     # as seconds per step: on a loaded machine every peer's compute grows, and a ratio of rates shrinks with it)
     assert 1 / mixed.step_rates[2] - 1 / fast_mixed > 0.5 * (factor - 1) * step, (mixed.step_rates, fast_mixed)
-    assert fast_mixed >= 0.9 * fast_base, (fast_base, fast_mixed)
+    # and the fast peers keep their pace: had they waited for the straggler, they would step at about its rate
+    # (1/2.5 of their own at factor 3, 1/8 at 10). The two swarms run one after the other, so a change of the
+    # machine's load between them moves this ratio (at >= 0.9 it failed once in a suite with tests beside it); run
+    # at the same time in one process, both swarms stepped 3x slower (five peers' threads on one interpreter).
+    assert fast_mixed >= 0.75 * fast_base, (fast_base, fast_mixed)
     assert all(r is not None and r.rounds_complete + r.rounds_partial > 0 for r in mixed.results), [
         None if r is None else (r.rounds_complete, r.rounds_partial, r.rounds_failed) for r in mixed.results]
