@@ -46,7 +46,7 @@ from .codec_base import (
     _to_bytes,
 )
 from .grouped import TopK2GroupCodec
-from .lowbit import TopK2Codec, TopK2Codec3, TwoBitCodec
+from .lowbit import OneBitCodec, TopK2Codec, TopK2Codec3, TwoBitCodec
 
 __all__ = [
     "CODECS",
@@ -297,7 +297,7 @@ class E3M0Codec(Codec):
 
 CODECS: dict[str, type[Codec]] = {
     cls.name: cls for cls in (FP32Codec, FP16Codec, BF16Codec, Uint8Codec, FP8Codec, E3M0Codec, TwoBitCodec,
-                              TopK2Codec, TopK2Codec3, TopK2GroupCodec)
+                              OneBitCodec, TopK2Codec, TopK2Codec3, TopK2GroupCodec)
 }
 
 

@@ -43,7 +43,7 @@ import torch
 
 from .codec_base import Codec, _blocks, _check_numel, _pad, _read, _read_u8, _to_bytes
 
-__all__ = ["TopK2Codec", "TopK2Codec3", "TwoBitCodec", "pack_bits", "unpack_bits"]
+__all__ = ["OneBitCodec", "TopK2Codec", "TopK2Codec3", "TwoBitCodec", "pack_bits", "two_levels", "unpack_bits"]
 
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 
@@ -75,6 +75,28 @@ def unpack_bits(data: torch.Tensor, count: int, bits: int) -> tuple[torch.Tensor
     body = flat[:used].view(count, bits) if count else flat[:0].view(0, bits)
     vals = (body << torch.arange(bits, dtype=torch.int64)).sum(dim=1)
     return vals, not bool(flat[used:].any())
+
+
+def two_levels(mags: torch.Tensor, rounds: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two magnitudes ``(lo, hi)`` for each row of ``mags`` (rows, k; float32, >= 0) that code its values with
+    little error: Lloyd's iteration (2-means in one dimension: split at the midpoint, each level the mean of its
+    side) from the row's smallest and largest value, ``rounds`` times, with ``hi`` kept at least half the row's
+    largest, so that no value is off by more than ``hi`` (:meth:`TopK2Codec.error_bound`). A row of equal values
+    gives ``lo = hi``. Levels already two (a decoded payload's) are a fixed point: the codec stays idempotent.
+
+    Against the row's smallest and largest (the levels before), the selected values' coding error falls 2.3×
+    (Laplace) to 4.4× (Gaussian) and the error of the whole top-k round trip by 5–17% at 15% of a block
+    (bench/results/README.md, "Levels of the sparse wire").
+    """
+    top = mags.amax(dim=1)
+    lo, hi = mags.amin(dim=1), top
+    k = mags.shape[1]
+    for _ in range(rounds):
+        up = mags * 2.0 >= (lo + hi).unsqueeze(1)  # (rows, k): the upper side, as the codes are chosen
+        n_up = up.sum(dim=1)
+        hi = torch.maximum(torch.where(up, mags, 0.0).sum(dim=1) / n_up.clamp(min=1), top * 0.5)
+        lo = torch.where(n_up < k, torch.where(up, 0.0, mags).sum(dim=1) / (k - n_up).clamp(min=1), hi)
+    return torch.minimum(lo, hi), hi
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
@@ -129,13 +151,67 @@ class TwoBitCodec(Codec):
         return bound.repeat_interleave(self.BLOCK)[:n].clone()
 
 
+class OneBitCodec(Codec):
+    """Dense 1 bit per value: its sign, and per block of 256 one magnitude, the mean of the block's ``|x|``.
+
+    The mean absolute value is the level that keeps the most of a block's energy among sign codes (it minimises
+    ``‖x − s·sign(x)‖²``): a pseudo-gradient of AdamW steps has values of similar size, and this codec carries
+    ~80% of its energy per round at 1.06 bits a value, where ``topk2:0.15`` carries ~35% at 1.03
+    (bench/results/README.md, "A 1-bit wire"). ``s`` is rounded to bfloat16; a value's code is 1 when it is
+    negative (0 and +0 code +s). Error per value ``||x| − s|``: at most ``(L − 1)·s`` in a block of ``L`` values
+    (one value may hold the whole block's mass), which is all a decoded payload tells. A block's mean is over
+    its own values (a shorter last block is not padded). Idempotent: ``±s`` has mean magnitude ``s``.
+    """
+
+    name: ClassVar[str] = "1bit"
+    error_feedback: ClassVar[bool] = True
+    BLOCK: ClassVar[int] = 256
+
+    def encoded_size(self, numel: int) -> int:
+        n = _check_numel(numel)
+        return 2 * _blocks(n, self.BLOCK) + (n + 7) // 8
+
+    def _lengths(self, n: int, nb: int) -> torch.Tensor:
+        """(nb,) the length of each block (the last one may be shorter), as float32."""
+        lengths = torch.full((nb,), float(self.BLOCK))
+        lengths[-1] = float(n - (nb - 1) * self.BLOCK)
+        return lengths
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        n, nb = x.numel(), _blocks(x.numel(), self.BLOCK)
+        xb = _pad(x, nb * self.BLOCK).view(nb, self.BLOCK)  # zero padding: adds nothing to a block's sum
+        scale = _bf16(xb.abs().sum(dim=1) / self._lengths(n, nb))  # (nb,) f32 holding bf16 values
+        signs = (x < 0).to(torch.uint8)
+        return _to_bytes(scale.to(torch.bfloat16).view(torch.int16), pack_bits(signs, 1))
+
+    def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
+        nb = _blocks(numel, self.BLOCK)
+        scale = _read(buf, torch.int16, 0, nb).view(torch.bfloat16).to(torch.float32)
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise ValueError(f"{self.name}: invalid block scale (negative or non-finite)")
+        signs, clean = unpack_bits(_read_u8(buf, 2 * nb, (numel + 7) // 8), numel, 1)
+        if not clean:
+            raise ValueError(f"{self.name}: nonzero padding bits")
+        per = scale.repeat_interleave(self.BLOCK)[:numel]
+        return torch.where(signs.bool(), -per, per)
+
+    def error_bound(self, decoded: torch.Tensor) -> torch.Tensor:
+        # |x| <= L·s − (the other values' magnitudes) <= L·s, so ||x| − s| <= (L − 1)·s; s is read back as the
+        # block's decoded magnitude (rounded to bfloat16 from the mean: a relative 2^-8 more).
+        n, nb = decoded.numel(), _blocks(decoded.numel(), self.BLOCK)
+        s = _pad(decoded, nb * self.BLOCK).view(nb, self.BLOCK).abs().amax(dim=1)
+        bound = s * (self._lengths(n, nb) - 1.0 + 2.0**-7) * (1.0 + 2.0**-7) + 1e-38
+        return bound.repeat_interleave(self.BLOCK)[:n].clone()
+
+
 class TopK2Codec(Codec):
     """Top-k per block of 1024 values, the k largest magnitudes sent at 2 bits with their indices.
 
     ``K = round(fraction·1024)`` slots per block (10 for 1%), ``min(K, L)`` for a last block of ``L`` values.
-    The selected magnitudes are quantised to the block's smallest and largest one, ``lo`` and ``hi`` (each
-    rounded to bfloat16), whichever is nearer; the rest of the block decodes to 0. Per value: an entry not
-    selected had ``|x| <= lo``; a selected one is off by at most ``(hi − lo)/2`` (plus bfloat16's rounding).
+    The selected magnitudes are quantised to two levels ``lo`` and ``hi`` (:func:`two_levels`: the means of the
+    two sides of a 2-means split, ``hi`` at least half the largest; each rounded to bfloat16), whichever is
+    nearer; the rest of the block decodes to 0. Per value: an entry not selected had ``|x| <= lo`` (``lo`` is at
+    least the smallest selected magnitude); a selected one is off by at most ``hi`` (plus bfloat16's rounding).
     Indices are offsets within the block, strictly increasing, in Elias–Fano form (the module docstring). With
     ``K`` selected of 1024 the payload is ``(K·(l + 3) + 1024/2^l + 32)/1024`` bits per value: 0.135 for 1%
     (237× less than fp32; 216× with plain 10-bit indices), 0.305 for 3% (105×; was 81×).
@@ -239,7 +315,8 @@ class TopK2Codec(Codec):
         los, his, codes, lows, highs = [], [], [], [], []
         for idx, vals, length in rows_of:
             mags = vals.abs()  # (rows, k) f32
-            lo_b, hi_b = _bf16(mags.amin(dim=1)), _bf16(mags.amax(dim=1))  # (rows,)
+            lo, hi = two_levels(mags)
+            lo_b, hi_b = _bf16(lo), _bf16(hi)  # (rows,)
             level = (mags * 2.0 >= (lo_b + hi_b).unsqueeze(1)) & (hi_b > lo_b).unsqueeze(1)
             level |= (lo_b == hi_b).unsqueeze(1) & (hi_b > 0).unsqueeze(1)  # one level: code it as hi
             codes.append((level.to(torch.uint8) | ((vals < 0) & (mags > 0)).to(torch.uint8) << 1).reshape(-1))
@@ -266,8 +343,8 @@ class TopK2Codec(Codec):
         return out
 
     def error_bound(self, decoded: torch.Tensor) -> torch.Tensor:
-        # Not selected: |x| <= lo <= hi; selected: off by <= (hi − lo)/2. hi is the block's largest decoded
-        # magnitude (lo and hi are bfloat16-rounded: a relative 2^-8 more).
+        # Not selected: |x| <= lo <= hi; selected: off by <= hi (the largest is at most 2·hi, the rest lie between
+        # 0 and it). hi is the block's largest decoded magnitude (lo and hi are bfloat16-rounded: a relative 2^-8).
         n, nb = decoded.numel(), _blocks(decoded.numel(), self.BLOCK)
         top = _pad(decoded, nb * self.BLOCK).view(nb, self.BLOCK).abs().amax(dim=1)
         bound = top * (1.0 + 2.0**-7) + 1e-38

@@ -14,7 +14,7 @@ from hypothesis.extra.numpy import arrays
 from p2ptrain.collective.codecs import CODECS, Codec, get_codec
 
 NAMES = ["fp32", "fp16", "bf16", "uint8", "fp8", "e3m0"]
-LOWBIT = ["2bit", "topk2", "topk2:0.03", "topk2g4:0.03"]  # behind error feedback: test_lowbit.py, test_grouped.py
+LOWBIT = ["1bit", "2bit", "topk2", "topk2:0.03", "topk2g4:0.03"]  # behind error feedback: test_lowbit.py, test_grouped.py
 F32_MAX = float(torch.finfo(torch.float32).max)
 TINY = 1e-37  # absolute slack for subnormal inputs, far below any value that matters
 

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2ptrain.collective.codecs import get_codec
-from p2ptrain.collective.lowbit import TopK2Codec, pack_bits, unpack_bits
+from p2ptrain.collective.lowbit import TopK2Codec, pack_bits, two_levels, unpack_bits
 
 SPARSE = ["topk2", "topk2:0.03"]
-LOWBIT = ["2bit", *SPARSE]
+LOWBIT = ["1bit", "2bit", *SPARSE]
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -29,6 +29,8 @@ def _data(n: int, seed: int, kind: int = 0) -> torch.Tensor:
 
 
 def _size(name: str, n: int) -> int:
+    if name == "1bit":
+        return 2 * math.ceil(n / 256) + math.ceil(n / 8)
     if name == "2bit":
         return 2 * math.ceil(n / 128) + math.ceil(n / 4)
     k, low = {"topk2": (10, 6), "topk2:0.03": (31, 5)}[name]  # low bits: ⌊log2(1024 / K)⌋
@@ -87,15 +89,18 @@ def test_two_bit_hand_computed() -> None:
 
 
 def test_topk2_hand_computed() -> None:
-    """A block of 12 values keeps min(10, 12) = 10; the two smallest magnitudes decode to 0; lo = 1, hi = 8;
-    magnitudes >= 4.5 code hi."""
+    """A block of 12 values keeps min(10, 12) = 10; the two smallest magnitudes decode to 0. The levels, by
+    2-means from (1, 8): split at 4.5, the sides {1, 1.5, 2, 3, 4} and {4.5, 5, 6, 7, 8} average 2.3 and 6.1
+    (6.1 >= 8/2); split again at 4.2: the same sides, done. In bfloat16 (7 mantissa bits) 2.296875 and 6.09375;
+    magnitudes >= (2.296875 + 6.09375)/2 = 4.1953125 code hi."""
     codec = get_codec("topk2")
     x = torch.tensor([0.0, 8.0, -1.0, 2.0, -5.0, 0.25, 4.0, -7.0, 1.5, 3.0, -6.0, 4.5])
     out = codec.decode(codec.encode(x), 12)
-    assert out.tolist() == [0.0, 8.0, -1.0, 1.0, -8.0, 0.0, 1.0, -8.0, 1.0, 1.0, -8.0, 8.0]
+    lo, hi = 2.296875, 6.09375
+    assert out.tolist() == [0.0, hi, -lo, lo, -hi, 0.0, lo, -hi, lo, lo, -hi, hi]
     data = codec.encode(x)
     header = torch.frombuffer(bytearray(data[:4]), dtype=torch.int16).view(torch.bfloat16).float().tolist()
-    assert header == [1.0, 8.0]
+    assert header == [lo, hi]
     # indices 1, 2, 3, 4, 6, 7, 8, 9, 10, 11: low 6 bits are the indices themselves (60 bits: 8 bytes); all high
     # parts 0, so slot j sets bit j of an 11-bit vector (10 slots + ⌈12 / 64⌉ bucket): 0x3FF (2 bytes)
     idx, clean = unpack_bits(torch.frombuffer(bytearray(data[4:4 + 8]), dtype=torch.uint8), 10, 6)
@@ -113,8 +118,14 @@ def _reference_topk2(x: torch.Tensor, k: int) -> torch.Tensor:
         kk = min(k, blk.numel())
         order = sorted(range(blk.numel()), key=lambda i: (-abs(float(blk[i])), i))[:kk]
         mags = [abs(float(blk[i])) for i in order]
-        lo = float(torch.tensor(min(mags)).float().bfloat16().double())
-        hi = float(torch.tensor(max(mags)).float().bfloat16().double())
+        lo, hi = min(mags), max(mags)
+        for _ in range(4):  # 2-means from (smallest, largest), the upper level at least half the largest
+            up = [m for m in mags if 2 * m >= lo + hi]
+            down = [m for m in mags if 2 * m < lo + hi]
+            hi = max(sum(up) / len(up), max(mags) / 2)
+            lo = sum(down) / len(down) if down else hi
+        lo = float(torch.tensor(lo).float().bfloat16().double())
+        hi = float(torch.tensor(hi).float().bfloat16().double())
         for i in order:
             m = abs(float(blk[i]))
             level = hi if (lo == hi and hi > 0) or (hi > lo and 2 * m >= lo + hi) else lo
@@ -129,6 +140,35 @@ def test_topk2_matches_a_float64_reference(name: str, seed: int) -> None:
     x = _data(2500, seed)
     got = codec.decode(codec.encode(x), x.numel()).double()
     assert torch.equal(got, _reference_topk2(x, type(codec).slots()))
+
+
+def test_one_bit_hand_computed() -> None:
+    """Two blocks (256 + 3 values): the first all ±2 but one 0 (mean |x| = 510/256 = 1.9921875, exact in bfloat16),
+    the last [-1, 0.5, 4.5] (mean 2.0); signs LSB first, 1 for a negative value (0 codes +s)."""
+    codec = get_codec("1bit")
+    first = [2.0 if i % 3 else -2.0 for i in range(256)]
+    first[5] = 0.0
+    x = torch.tensor([*first, -1.0, 0.5, 4.5])
+    data = codec.encode(x)
+    assert len(data) == 2 * 2 + math.ceil(259 / 8)
+    header = torch.frombuffer(bytearray(data[:4]), dtype=torch.int16).view(torch.bfloat16).float().tolist()
+    assert header == [1.9921875, 2.0]
+    assert data[4:] == _bits_to_bytes([1 if v < 0 else 0 for v in x.tolist()])
+    out = codec.decode(data, 259).tolist()
+    assert out == [-1.9921875 if v < 0 else 1.9921875 for v in first] + [-2.0, 2.0, 2.0]
+
+
+def test_one_bit_matches_a_float64_reference() -> None:
+    codec = get_codec("1bit")
+    x = _data(1000, 4, kind=1)
+    got = codec.decode(codec.encode(x), x.numel()).double()
+    ref = torch.zeros(1000, dtype=torch.float64)
+    for a in range(0, 1000, 256):
+        blk = x[a : a + 256].double()
+        s = float(torch.tensor(sum(abs(v) for v in blk.tolist()) / blk.numel()).float().bfloat16().double())
+        for i, v in enumerate(blk.tolist()):
+            ref[a + i] = -s if v < 0 else s
+    assert torch.equal(got, ref)
 
 
 def test_two_bit_matches_a_float64_reference() -> None:
@@ -227,15 +267,39 @@ def test_a_high_bitvector_without_one_set_bit_per_slot_is_refused() -> None:
         codec.decode(topk2_payload(1.0, 2.0, [0, 3, 5, 6, 7, 8, 9, 10, 11, 64], [0] * 10), 13)
 
 
-def test_two_bit_refuses_bad_scales_and_padding() -> None:
-    codec = get_codec("2bit")
+@pytest.mark.parametrize("name", ["1bit", "2bit"])
+def test_dense_low_bit_refuses_bad_scales_and_padding(name: str) -> None:
+    codec = get_codec(name)
     for s in (-1.0, float("inf"), float("nan")):
         scale = torch.tensor([s], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
         with pytest.raises(ValueError, match="scale"):
             codec.decode(scale + b"\0", 3)
+    # 3 values: 2bit's codes fill 6 bits of the byte, 1bit's signs 3; the top two bits are padding either way
     with pytest.raises(ValueError, match="padding"):
         codec.decode(b"\x40\x40\xc0", 3)
+    # scale 3.0; 1bit: signs 1, 0, 1 (all of magnitude 3); 2bit: codes 01, 01, 00 (levels s, s, s/3)
+    assert codec.decode(b"\x40\x40\x05", 3).tolist() == ([-3.0, 3.0, -3.0] if name == "1bit" else [3.0, 3.0, 1.0])
 
 
 def test_slots_of_the_presets() -> None:
     assert TopK2Codec.slots() == 10 and get_codec("topk2:0.03").slots() == 31
+
+
+@HYP
+@given(rows=st.integers(1, 8), k=st.integers(1, 200), seed=st.integers(0, 2**31 - 1), kind=st.integers(0, 2))
+def test_two_levels_code_no_worse_than_the_extremes_and_within_hi(rows: int, k: int, seed: int, kind: int) -> None:
+    """The 2-means levels never code a row's magnitudes with a larger squared error than its smallest and largest
+    did (each of Lloyd's steps lowers it, the floor at half the largest included), and no magnitude is off by more
+    than ``hi`` (the codec's error bound)."""
+    mags = _data(rows * k, seed, kind).abs().view(rows, k).double()
+    lo, hi = two_levels(mags.float())
+    lo, hi = lo.double().unsqueeze(1), hi.double().unsqueeze(1)
+    mn, mx = mags.amin(dim=1, keepdim=True), mags.amax(dim=1, keepdim=True)
+
+    def sse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        coded = torch.where(2 * mags >= a + b, b, a)
+        return ((mags - coded) ** 2).sum(dim=1)
+
+    assert bool((sse(lo, hi) <= sse(mn, mx) * (1 + 1e-5) + 1e-30).all())
+    assert bool((lo <= hi).all()) and bool((lo >= mn * (1 - 1e-6)).all()) and bool((hi <= mx * (1 + 1e-6)).all())
+    assert bool(((mags - torch.where(2 * mags >= lo + hi, hi, lo)).abs() <= hi * (1 + 1e-6)).all())
