@@ -1,6 +1,6 @@
-"""2-bit wire codecs, dense and sparse (top-k), meant to be used with error feedback (torch and stdlib only).
+"""1- and 2-bit wire codecs, dense and sparse (top-k), meant to be used with error feedback (torch and stdlib only).
 
-Both are lossy far beyond the other codecs: they are only useful when each peer keeps what it did not send and
+All are lossy far beyond the other codecs: they are only useful when each peer keeps what it did not send and
 adds it to its next round (:class:`p2ptrain.algo.feedback.ErrorFeedback`, which the outer-loop rules put in
 front of them). SparseLoCo (arXiv 2508.15706) sends the top 1–3% of each chunk's entries at 2 bits this way.
 
@@ -9,6 +9,7 @@ Payload layouts (little-endian; ``n`` values; blocks of ``B`` values, the last o
 ==============  ===========================================================================  ======================
 codec           layout                                                                       bytes
 ==============  ===========================================================================  ======================
+``1bit``        per block of 256: mean |x| bf16; then ``n`` sign bits, 8 per byte            ``2*nb + ceil(n/8)``
 ``2bit``        per block of 128: absmax bf16; then ``n`` 2-bit codes, 4 per byte            ``2*nb + ceil(n/4)``
 ``topk2``       per block of 1024 (``K = 10`` slots, ``min(K, L)`` for a last block of       ``4*nb + ceil(l*S/8)
 ``topk2:0.03``  ``L`` values): (lo, hi) bf16; then the ``S`` slot indices in Elias–Fano form:   + ceil(Σ_b h_b/8)
@@ -24,10 +25,11 @@ bits that is ``l + 2`` bits an index instead of 10 (7 for 3%: a payload 1.3× sm
 encoded and decoded with tensor operations, no loop over the values.
 
 A 2-bit code is ``sign << 1 | level`` (bit 0 the level, bit 1 the sign; the earliest value in the lowest bits
-of a byte). ``2bit``'s levels are ``absmax·{1/3, 1}`` (uniform, symmetric); ``topk2``'s are the block's
-smallest and largest selected magnitude ``{lo, hi}``. Both are *idempotent*: a payload's decoded values encode
-to the same payload again (block by block), so error feedback measured on one peer's own round trip is what
-the owner of a part receives, provided the part starts on a block boundary of the sender's layout.
+of a byte). ``2bit``'s levels are ``absmax·{1/3, 1}`` (uniform, symmetric); ``topk2``'s are two levels
+``{lo, hi}`` fitted to the block's selected magnitudes (:func:`two_levels`); ``1bit`` sends a sign (1: negative)
+and one level per block, the mean magnitude. All are *idempotent*: a payload's decoded values encode to the same
+payload again (block by block), so error feedback measured on one peer's own round trip is what the owner of a
+part receives, provided the part starts on a block boundary of the sender's layout.
 
 Hostile payloads are refused (ValueError): a header that is not finite or has ``lo > hi`` or a negative
 scale, a high bitvector without exactly one set bit per slot, an index outside its block, indices of a block that
@@ -84,9 +86,10 @@ def two_levels(mags: torch.Tensor, rounds: int = 4) -> tuple[torch.Tensor, torch
     largest, so that no value is off by more than ``hi`` (:meth:`TopK2Codec.error_bound`). A row of equal values
     gives ``lo = hi``. Levels already two (a decoded payload's) are a fixed point: the codec stays idempotent.
 
-    Against the row's smallest and largest (the levels before), the selected values' coding error falls 2.3×
-    (Laplace) to 4.4× (Gaussian) and the error of the whole top-k round trip by 5–17% at 15% of a block
-    (bench/results/README.md, "Levels of the sparse wire").
+    Against the row's smallest and largest (the levels before), the selected values' coding error falls 2.2×
+    (Student-t 3) to 4.6× (the micro model's pseudo-gradient) at 15% of a block; the whole round trip's by 23%
+    on heavy tails but 0.7% on that pseudo-gradient, whose top 15% hold only a third of its energy
+    (``python bench/topk_levels.py``; bench/results/README.md, "The wire's levels, and a 1-bit wire").
     """
     top = mags.amax(dim=1)
     lo, hi = mags.amin(dim=1), top
@@ -157,7 +160,7 @@ class OneBitCodec(Codec):
     The mean absolute value is the level that keeps the most of a block's energy among sign codes (it minimises
     ``‖x − s·sign(x)‖²``): a pseudo-gradient of AdamW steps has values of similar size, and this codec carries
     ~80% of its energy per round at 1.06 bits a value, where ``topk2:0.15`` carries ~35% at 1.03
-    (bench/results/README.md, "A 1-bit wire"). ``s`` is rounded to bfloat16; a value's code is 1 when it is
+    (``python bench/topk_levels.py``; bench/results/README.md, "The wire's levels, and a 1-bit wire"). ``s`` is rounded to bfloat16; a value's code is 1 when it is
     negative (0 and +0 code +s). Error per value ``||x| − s|``: at most ``(L − 1)·s`` in a block of ``L`` values
     (one value may hold the whole block's mass), which is all a decoded payload tells. A block's mean is over
     its own values (a shorter last block is not padded). Idempotent: ``±s`` has mean magnitude ``s``.

@@ -1,4 +1,4 @@
-"""The 2-bit codecs on both transports: peers' error-feedback payloads go through the real all-reduce (parts,
+"""The 1- and 2-bit codecs on both transports: peers' error-feedback payloads go through the real all-reduce (parts,
 owners, audit) and every member ends with what the simulator's butterfly computes, bit for bit; no honest
 owner is taken for a liar although the sparse codecs round far more than the others."""
 
@@ -20,7 +20,7 @@ from .test_transport_contract import SWARMS, Make, _round, run
 
 
 @pytest.mark.parametrize("make", SWARMS)
-@pytest.mark.parametrize("codec", ["topk2", "2bit"])
+@pytest.mark.parametrize("codec", ["topk2", "2bit", "1bit"])
 def test_error_feedback_payloads_reduce_as_in_the_simulator(make: Make, codec: str) -> None:
     wire = get_codec(codec)
 
