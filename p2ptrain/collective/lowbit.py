@@ -107,6 +107,18 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(max=_BF16_MAX).to(torch.bfloat16).to(torch.float32)
 
 
+def _scales_and_codes(name: str, buf: memoryview, nb: int, numel: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense low-bit payload's ``nb`` bfloat16 block scales (as float32) and the ``numel`` codes of ``bits`` bits
+    after them; ValueError for a negative or non-finite scale, or nonzero padding bits."""
+    scale = _read(buf, torch.int16, 0, nb).view(torch.bfloat16).to(torch.float32)
+    if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+        raise ValueError(f"{name}: invalid block scale (negative or non-finite)")
+    codes, clean = unpack_bits(_read_u8(buf, 2 * nb, (numel * bits + 7) // 8), numel, bits)
+    if not clean:
+        raise ValueError(f"{name}: nonzero padding bits")
+    return scale, codes
+
+
 class TwoBitCodec(Codec):
     """Dense 2 bits per value: sign and one magnitude bit, levels ``absmax·{1/3, 1}`` per block of 128.
 
@@ -134,13 +146,7 @@ class TwoBitCodec(Codec):
         return _to_bytes(scale.to(torch.bfloat16).view(torch.int16), packed)
 
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
-        nb = _blocks(numel, self.BLOCK)
-        scale = _read(buf, torch.int16, 0, nb).view(torch.bfloat16).to(torch.float32)
-        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
-            raise ValueError(f"{self.name}: invalid block scale (negative or non-finite)")
-        codes, clean = unpack_bits(_read_u8(buf, 2 * nb, (numel + 3) // 4), numel, 2)
-        if not clean:
-            raise ValueError(f"{self.name}: nonzero padding bits")
+        scale, codes = _scales_and_codes(self.name, buf, _blocks(numel, self.BLOCK), numel, 2)
         mag = torch.where((codes & 1).bool(), 1.0, 1.0 / 3.0).to(torch.float32)
         sign = 1.0 - 2.0 * ((codes >> 1) & 1).to(torch.float32)
         per = scale.repeat_interleave(self.BLOCK)[:numel]
@@ -188,13 +194,7 @@ class OneBitCodec(Codec):
         return _to_bytes(scale.to(torch.bfloat16).view(torch.int16), pack_bits(signs, 1))
 
     def _decode(self, buf: memoryview, numel: int) -> torch.Tensor:
-        nb = _blocks(numel, self.BLOCK)
-        scale = _read(buf, torch.int16, 0, nb).view(torch.bfloat16).to(torch.float32)
-        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
-            raise ValueError(f"{self.name}: invalid block scale (negative or non-finite)")
-        signs, clean = unpack_bits(_read_u8(buf, 2 * nb, (numel + 7) // 8), numel, 1)
-        if not clean:
-            raise ValueError(f"{self.name}: nonzero padding bits")
+        scale, signs = _scales_and_codes(self.name, buf, _blocks(numel, self.BLOCK), numel, 1)
         per = scale.repeat_interleave(self.BLOCK)[:numel]
         return torch.where(signs.bool(), -per, per)
 

@@ -4,6 +4,7 @@ reference, idempotence (what error feedback relies on), error bounds and hostile
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -158,30 +159,28 @@ def test_one_bit_hand_computed() -> None:
     assert out == [-1.9921875 if v < 0 else 1.9921875 for v in first] + [-2.0, 2.0, 2.0]
 
 
-def test_one_bit_matches_a_float64_reference() -> None:
-    codec = get_codec("1bit")
-    x = _data(1000, 4, kind=1)
-    got = codec.decode(codec.encode(x), x.numel()).double()
-    ref = torch.zeros(1000, dtype=torch.float64)
-    for a in range(0, 1000, 256):
-        blk = x[a : a + 256].double()
-        s = float(torch.tensor(sum(abs(v) for v in blk.tolist()) / blk.numel()).float().bfloat16().double())
-        for i, v in enumerate(blk.tolist()):
-            ref[a + i] = -s if v < 0 else s
-    assert torch.equal(got, ref)
+def _one_bit_level(blk: list[float], v: float) -> float:
+    s = float(torch.tensor(sum(abs(u) for u in blk) / len(blk)).float().bfloat16().double())
+    return -s if v < 0 else s
 
 
-def test_two_bit_matches_a_float64_reference() -> None:
-    codec = get_codec("2bit")
+def _two_bit_level(blk: list[float], v: float) -> float:
+    s = float(torch.tensor(max(abs(u) for u in blk)).float().bfloat16().double())
+    level = s if abs(v) >= s * 2 / 3 else s / 3
+    return -level if v < 0 else level
+
+
+@pytest.mark.parametrize("name,block,level", [("1bit", 256, _one_bit_level), ("2bit", 128, _two_bit_level)])
+def test_dense_low_bit_matches_a_float64_reference(name: str, block: int, level: Callable[[list[float], float], float]
+                                                   ) -> None:
+    codec = get_codec(name)
     x = _data(1000, 3, kind=1)
     got = codec.decode(codec.encode(x), x.numel()).double()
     ref = torch.zeros(1000, dtype=torch.float64)
-    for a in range(0, 1000, 128):
-        blk = x[a : a + 128].double()
-        s = float(blk.abs().max().float().bfloat16().double())
-        for i, v in enumerate(blk.tolist()):
-            level = s if abs(v) >= s * 2 / 3 else s / 3
-            ref[a + i] = -level if v < 0 else level
+    for a in range(0, 1000, block):
+        blk = x[a : a + block].double().tolist()
+        for i, v in enumerate(blk):
+            ref[a + i] = level(blk, v)
     assert torch.allclose(got, ref, rtol=1e-6, atol=0)
 
 
