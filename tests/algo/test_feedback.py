@@ -1,4 +1,4 @@
-"""Error feedback in front of the 2-bit codecs: nothing is lost over rounds, the buffer stays bounded, every
+"""Error feedback in front of the 1- and 2-bit codecs: nothing is lost over rounds, the buffer stays bounded, every
 coordinate is sent eventually, and the buffer is per-peer state (checkpointed, not handed to a joiner)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _send(ef: ErrorFeedback, delta: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
-@pytest.mark.parametrize("name", ["topk2", "topk2:0.03", "2bit"])
+@pytest.mark.parametrize("name", ["topk2", "topk2:0.03", "2bit", "1bit"])
 @HYP
 @given(seed=st.integers(0, 2**31 - 1), members=st.integers(1, 4), heavy=st.booleans())
 def test_every_coordinates_mass_is_sent_and_the_residual_stays_bounded(name: str, seed: int, members: int,
