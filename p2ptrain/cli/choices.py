@@ -11,7 +11,7 @@ __all__ = ["AGGREGATIONS", "CODECS", "DTYPES", "LOG_LEVELS", "METHODS", "PRESETS
 
 Preset = Literal["micro", "tiny", "small", "150m", "1b"]
 Method = Literal["ddp", "diloco", "streaming", "eager", "cocodc", "dilocox"]
-Codec = Literal["fp32", "fp16", "bf16", "uint8", "fp8", "e3m0", "2bit", "topk2", "topk2:0.03", "topk2g4:0.03"]
+Codec = Literal["fp32", "fp16", "bf16", "uint8", "fp8", "e3m0", "1bit", "2bit", "topk2", "topk2:0.03", "topk2g4:0.03"]
 Aggregation = Literal["mean", "trimmed-mean", "centered-clip"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Schedule = Literal["1f1b", "gpipe"]

@@ -76,7 +76,7 @@ def _unaccounted(r: OuterRun, peer: DriftPeer, steps: int) -> float:
     return worst / scale
 
 
-@pytest.mark.parametrize("codec", ["topk2", "topk2:0.03", "2bit"])
+@pytest.mark.parametrize("codec", ["topk2", "topk2:0.03", "2bit", "1bit"])
 @pytest.mark.parametrize(("tau", "alpha"), [(0, 0.5), (1, 0.0), (1, 0.5), (3, 1.0)])
 def test_streaming_behind_error_feedback_counts_progress_once(codec: str, tau: int, alpha: float) -> None:
     cfg = StreamingConfig(H=8, P=4, tau=tau, alpha=alpha, codec=codec, outer_lr=1.0, outer_momentum=0.0)

@@ -172,7 +172,7 @@ def test_an_audit_of_a_slice_recomputes_it_exactly(lie_at: int | None, held: boo
     assert why is not None and "not the one it claimed" in why
 
 
-@pytest.mark.parametrize("codec", ["fp32", "fp16", "bf16", "uint8", "fp8", "e3m0", "2bit", "topk2", "topk2:0.03"])
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "bf16", "uint8", "fp8", "e3m0", "1bit", "2bit", "topk2", "topk2:0.03"])
 def test_every_codec_encodes_a_slice_from_a_multiple_of_1024_as_it_does_inside_its_chunk(codec: str) -> None:
     """What lets an audit recompute a slice of a result chunk on its own (AUDIT_GRAIN is a multiple of 1024)."""
     c = get_codec(codec)
