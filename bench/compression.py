@@ -94,9 +94,9 @@ def variant(H: int, P: int, spec: str) -> tuple[str, MethodConfig]:
 
 def runs(H: int, P: int, variants: list[str] | None = None) -> list[tuple[str, MethodConfig]]:
     """(label, method) of every run: diloco with an fp32 wire (the baseline), then streaming with each codec
-    (the sparse ones first: they are what the target is about), then the ``--variant`` recipes."""
+    (the 1-bit and sparse ones first: they are what the target is about), then the ``--variant`` recipes."""
     out_: list[tuple[str, MethodConfig]] = [(BASELINE, DiLoCoConfig(H=H, codec="fp32"))]
-    for codec in ("topk2", "topk2:0.03"):
+    for codec in ("1bit", "topk2", "topk2:0.03"):
         out_.append((f"streaming {codec} + EF", StreamingConfig(H=H, P=P, codec=codec, **EF_KNOBS)))
     out_.append(("streaming e3m0", StreamingConfig(H=H, P=P, codec="e3m0")))
     out_.append(("streaming 2bit + EF", StreamingConfig(H=H, P=P, codec="2bit", **EF_KNOBS)))
