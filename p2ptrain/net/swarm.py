@@ -529,10 +529,12 @@ class HivemindTransport(Transport):
         except RoundFailed as e:
             log.debug("event=hello_failed peer=%s reason=%s", peer[-8:], e)
 
-    async def rtt(self, peer: str, *, tries: int = 3, timeout: float = 5.0) -> float | None:
+    async def rtt(self, peer: str, *, tries: int = 3, timeout: float = 5.0, gap: float = 0.0) -> float | None:
         best: float | None = None
         deadline = time.monotonic() + timeout
-        for _ in range(tries):
+        for i in range(tries):
+            if i and gap > 0:
+                await asyncio.sleep(min(gap, max(0.0, deadline - time.monotonic())))
             try:
                 _, seconds = await self._call(peer, "hello", {"key": "hello"},
                                               timeout=max(0.1, deadline - time.monotonic()))
