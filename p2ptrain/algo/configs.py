@@ -97,9 +97,10 @@ class StreamingConfig(MethodConfig):
         sent_merge: behind error feedback with α 1 (elsewhere it does nothing), the share of the distance from
             the new θ^(p) to where the part the wire carried would have put the peer alone that the local fragment
             keeps: the α-merge on what was sent, which the delta rule otherwise drops (a peer keeps that much of
-            its own deviation from the swarm's average, as the α-merge does without error feedback). Default: 0.25 behind error feedback
-            with α 1, else 0 (topk2:0.03 at H 20: +3.28% → +2.58% against diloco fp32 on two seeds; topk2:0.15 at
-            H 140, seed 0: 1.185 → 1.172, +3.8% → +2.7%; 0.5 overshoots: bench/results/README.md).
+            its own deviation from the swarm's average, as the α-merge does without error feedback). Default:
+            0.25 behind error feedback with α 1, else 0 (topk2:0.03 at H 20: +3.28% → +2.58% against diloco fp32
+            on two seeds; topk2:0.15 at H 140, seed 0: 1.185 → 1.172, +3.8% → +2.7%; 0.5 overshoots:
+            bench/results/README.md).
         outer_lr: η 0.7, DiLoCo's: at 100 rounds per fragment it ended below the Streaming DiLoCo paper's 0.4 on
             every seed and corpus measured (0.3–0.9% lower loss, bench/results/methods.md); ``--outer-lr 0.4``
             gives the paper's.

@@ -145,8 +145,7 @@ class CoCoDCRules(StreamingRules):
     cfg: CoCoDCConfig
     apply_first = True
     negotiated = True
-    keeps_unsent = 0.0  # the delta rule, with or without error feedback (no α)
-    sent_merge = 0.0
+    keeps_unsent = 0.0  # the delta rule, with or without error feedback (no α): so no sent_merge either
 
     @property
     def late_ok(self) -> bool:  # type: ignore[override]
