@@ -5,7 +5,7 @@ glibc's own rule against thresholds pinned at several sizes, each in a fresh pro
     python bench/mmap_threshold.py --preset small --batch-size 4 --steps 8 --repeats 2
 
 A threshold too small maps (and faults in, zeroed) every activation and gradient of that size anew at each step;
-the peer's default (1 MiB) must cost nothing measurable. Writes bench/results/mmap_threshold.json and prints a
+the peer's default (4 MiB) must cost nothing measurable. Writes bench/results/mmap_threshold.json and prints a
 table (median of the repeats' medians, and the range).
 """
 

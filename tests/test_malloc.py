@@ -31,8 +31,8 @@ print(json.dumps({"pinned": pinned, "mapped": mapped}))
 """
 
 
-def test_the_setting_defaults_to_one_mib_and_refuses_nonsense() -> None:
-    assert mmap_threshold({}) == DEFAULT == 1 << 20
+def test_the_setting_defaults_to_four_mib_and_refuses_nonsense() -> None:
+    assert mmap_threshold({}) == DEFAULT == 4 << 20
     assert mmap_threshold({ENV: "0"}) == 0 and mmap_threshold({ENV: " 4194304 "}) == 4 << 20
     for bad in ("1M", "-1", "1.5", str((32 << 20) + 1)):
         with pytest.raises(ValueError, match=ENV):

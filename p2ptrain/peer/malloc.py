@@ -8,9 +8,12 @@ churn benchmark the heap's free part grew from 6 to 71 MB in 12 minutes on one p
 flat; ``malloc_trim`` could not return it. Pinning the threshold (``mallopt``, which also stops it from rising)
 keeps those buffers mapped: with it pinned at 128 KiB the median peer grew +0.52 MB/min instead of +1.14.
 
-At 128 KiB the inner step of the tiny preset on CPU took 1.9× as long (each activation mapped and faulted in
-anew); at 1 MiB, 4 MiB and 32 MiB it took as long as with glibc's own rule (bench/results/README.md, "Memory"),
-so the default pins 1 MiB. ``P2PTRAIN_MMAP_THRESHOLD`` sets another threshold in bytes (0: glibc's own rule), and a
+A threshold below the inner step's activations maps them and faults them in, zeroed, anew at every step: at
+128 KiB the tiny preset's step on CPU took 1.76× as long, and at 1 MiB (the default before) the small preset's
+(batch 2: activations of 0.5–2.9 MB) took 1.22× as long alone and about 1.75× with four peers sharing two
+cores, whose page faults contend in the kernel. At 4 MiB both took as long as with glibc's own rule
+(bench/results/README.md, "Memory"), so the default pins 4 MiB: a round's chunks (≤ 1 MiB) live in the heap, whose
+threshold no longer rises, and whole parts and fragments of a real model (tens of MB) are mapped. ``P2PTRAIN_MMAP_THRESHOLD`` sets another threshold in bytes (0: glibc's own rule), and a
 ``MALLOC_MMAP_THRESHOLD_`` the user exported is left alone (glibc has applied it already).
 """
 
@@ -24,13 +27,13 @@ __all__ = ["DEFAULT", "ENV", "M_MMAP_THRESHOLD", "mmap_threshold", "pin_mmap_thr
 
 log = logging.getLogger(__name__)
 ENV = "P2PTRAIN_MMAP_THRESHOLD"
-DEFAULT = 1 << 20
+DEFAULT = 4 << 20
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 _GLIBC_MAX = 32 << 20  # HEAP_MAX / 2 on 64-bit: glibc refuses a larger threshold
 
 
 def mmap_threshold(env: dict[str, str] | None = None) -> int:
-    """The threshold to pin, in bytes, from ``P2PTRAIN_MMAP_THRESHOLD`` (default 1 MiB; 0: none). ValueError for a
+    """The threshold to pin, in bytes, from ``P2PTRAIN_MMAP_THRESHOLD`` (default 4 MiB; 0: none). ValueError for a
     value that is not a whole number of bytes from 0 to 32 MiB."""
     raw = (os.environ if env is None else env).get(ENV, "").strip()
     if not raw:
