@@ -246,6 +246,8 @@ class RoundRunner:
                      print_of: list[torch.Tensor] | None, done: threading.Event | None) -> None:
         last: ReduceResult | None = None
         t0 = time.monotonic()
+        # a deferred first payload (error feedback's codec round trip) is computed while the group forms
+        prepared = asyncio.ensure_future(asyncio.to_thread(rnd.prepare))
         try:
             if print_ is None and print_of is not None:
                 print_ = await asyncio.to_thread(fingerprint, print_of)
@@ -254,7 +256,7 @@ class RoundRunner:
             else:
                 group = await self.transport.form_group(group_or_request, None, timeout=self.join_timeout)
             phase, partial = 0, False
-            payload = rnd.payload
+            payload = await prepared
             plan = plan_for(group, self.transport.peer_id, self.max_group) if self.hierarchical else None
             while payload is not None:
                 n0 = time.monotonic()
@@ -292,7 +294,7 @@ class RoundRunner:
             log.debug("event=round_done key=%s members=%d partial=%s hierarchical=%s", rnd.key, len(group.members),
                       partial, plan is not None)
         except asyncio.CancelledError:
-            rnd.abort()
+            rnd.abort()  # (a begin still running in its thread is undone when it ends: Round.prepare)
             raise
         except StateMismatch as e:
             self.stats.failed += 1
@@ -305,6 +307,8 @@ class RoundRunner:
             level = logging.INFO if isinstance(e, (RoundFailed, TimeoutError, ConnectionError, OSError)) else logging.WARNING
             log.log(level, "event=round_failed key=%s reason=%s: %s", rnd.key, type(e).__name__, e)
         finally:
+            # (a failure before the payload was awaited: its begin's own error, if any, is not the round's)
+            prepared.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.stats.in_flight -= 1
             if self.hierarchical:  # whatever we did not offer of it by now, we never will: say so to who asks
                 decline_round(self.transport, group_or_request.key)

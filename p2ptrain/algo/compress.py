@@ -55,6 +55,9 @@ class Compressor(ABC):
     """
 
     stateless = False
+    #: ``begin`` is costly: a round defers it to :meth:`~p2ptrain.algo.rounds.Round.prepare`, run by whoever first
+    #: needs the payload (a real peer's round runner, in a worker thread), not by the compute thread at the send
+    deferred = False
 
     def expect_members(self, members: int) -> None:
         """The number of members the next round is expected to have (a compressor that mirrors the

@@ -15,8 +15,10 @@ fed back (a dropped peer's round, rare).
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,17 +28,31 @@ __all__ = ["ErrorFeedback"]
 
 #: (flat fp32 vector, members) -> what the members receive of it.
 RoundTrip = Callable[[torch.Tensor, int], torch.Tensor]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """Run ``method`` under the instance's lock (the buffer may change on a round runner's worker thread)."""
+    @functools.wraps(method)
+    def run(self: ErrorFeedback, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 class ErrorFeedback(Compressor):
     """One all-reduce phase whose payload is ``Q(Δ_i + e)``; ``e`` keeps the rest (see the module docstring).
 
     The buffer is this peer's own (checkpointed; a joining peer starts from zero: it sent nothing yet). It is
-    committed when the round starts; :meth:`abort` (a failed all-reduce, whose progress re-enters the next
-    pseudo-gradient) puts back the buffer from before that round, unless a later round started meanwhile.
+    committed when the round begins; :meth:`abort` (a failed all-reduce, whose progress re-enters the next
+    pseudo-gradient) puts back the buffer from before that round, unless a later round began meanwhile.
+    :meth:`begin` (the codec's round trip of the whole fragment) is ``deferred``: a real peer runs it in a
+    worker thread while its compute thread trains on, and may checkpoint meanwhile, so the buffer's changes
+    are made under a lock.
     """
 
     stateless = False
+    deferred = True
 
     def __init__(self, roundtrip: RoundTrip, decay: float = 1.0) -> None:
         if not 0 < decay <= 1:
@@ -49,6 +65,7 @@ class ErrorFeedback(Compressor):
         self._shapes: list[torch.Size] = []
         self._devices: list[torch.device] = []
         self._result: list[torch.Tensor] | None = None
+        self._lock = threading.Lock()
 
     def expect_members(self, members: int) -> None:
         self.members = max(1, int(members))
@@ -58,6 +75,7 @@ class ErrorFeedback(Compressor):
         """This peer's buffer (flat, float32), None before the first round."""
         return self._error
 
+    @_locked
     def begin(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors]) if tensors \
             else torch.zeros(0)
@@ -76,6 +94,7 @@ class ErrorFeedback(Compressor):
             offset += t.numel()
         return out
 
+    @_locked
     def hand_over(self, share: float) -> list[torch.Tensor] | None:
         """Take ``share`` of the buffer out of it and return it shaped as the round's tensors (None before the
         first round or for share 0): the caller keeps that part of the unsent progress in the local model
@@ -93,6 +112,7 @@ class ErrorFeedback(Compressor):
             offset += n
         return out
 
+    @_locked
     def receive(self, averaged: list[torch.Tensor]) -> list[torch.Tensor] | None:
         if self._open == 0:
             raise RuntimeError("receive() called without a round in progress")
@@ -105,11 +125,13 @@ class ErrorFeedback(Compressor):
             raise RuntimeError("result() called before the round finished")
         return list(self._result)
 
+    @_locked
     def abort(self) -> None:
         if self._open == 1:  # the only open round is the latest: its buffer update is undone
             self._error = self._before
         self._open = max(0, self._open - 1)
 
+    @_locked
     def withdraw(self) -> bool:
         """Put back the buffer from before the latest round, if no round is open (False otherwise). The round
         withdrawn must be the latest begun: true where it is used (rules whose rounds of one fragment never
@@ -119,10 +141,12 @@ class ErrorFeedback(Compressor):
         self._error = self._before
         return True
 
+    @_locked
     def state_dict(self) -> dict[str, Any]:
         """``error``: [the flat buffer] (a CPU copy), or [] before the first round."""
         return {"error": [] if self._error is None else [self._error.clone()]}
 
+    @_locked
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
             errors = list(state["error"])

@@ -13,6 +13,8 @@ joining peer downloads) stays that version without a copy.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,6 +51,7 @@ class _FragmentState:
     last_send: int | None = None
     seq: int = 0
     own: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # eager: Δ_i of recent rounds by seq
+    last_round: weakref.ref[Round] | None = None  # (weak: a finished round's tensors are not kept for it)
 
 
 class OuterLoop:
@@ -231,8 +234,14 @@ class OuterLoop:
         comp = self.rules.compressor(frag.index, self.seed) if st.compressor.stateless else st.compressor
         rnd = Round(fragment, st.seq, step, step + self.tau, snap, delta, float(weight), comp, name=name,
                     theta=st.theta)
+        if st.last_round is not None and (prev := st.last_round()) is not None:
+            prev.prepare()  # a deferred begin of this compressor runs before the next one (eager's rounds overlap)
         comp.expect_members(members or self.num_peers)
-        rnd.payload = comp.begin(delta)
+        if comp.deferred:
+            rnd.pending = functools.partial(comp.begin, delta)
+        else:
+            rnd.payload = comp.begin(delta)
+        st.last_round = weakref.ref(rnd)
         rnd.state = RoundState.AVERAGING
         k = self.tau // self.cfg.H
         if self.rules.eager and st.seq < k:

@@ -4,11 +4,18 @@ A round is one all-reduce of one fragment's pseudo-gradient, from send to apply:
 SNAPSHOT → AVERAGING → ARRIVED → APPLIED, or ABORTED. The driver feeds each phase's averaged payload to
 :meth:`Round.receive` until it returns None (arrived), or calls :meth:`Round.abort`. Whoever waits for a
 round (a thread, a virtual clock) keeps its own means of waiting: the record only says where it is.
+
+A compressor whose first payload is costly (a lossy codec's round trip behind error feedback: a fragment of a
+1B model is seconds of CPU) is begun by whoever first needs the payload (:meth:`Round.prepare`: a worker thread
+of the round's runner), not by the compute thread at the send. The one lock here orders that with an abort
+from another thread; it is never held while the compressor computes.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +70,10 @@ class Round:
     contributors: tuple[str, ...] = ()
     counted: bool = True  # this peer's own Δ is in the arrived average (False: outvoted, its θ diverged)
     theta: list[torch.Tensor] = field(default_factory=list)  # θ^(p) at send time (never written in place)
+    # the compressor's begin, not yet run (see the module docstring); prepare() runs it once
+    pending: Callable[[], list[torch.Tensor]] | None = field(default=None, repr=False)
+    _preparing: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def key(self) -> str:
@@ -83,6 +94,27 @@ class Round:
         """Nothing more will arrive: ARRIVED, APPLIED or ABORTED."""
         return self.state in (RoundState.ARRIVED, RoundState.APPLIED, RoundState.ABORTED)
 
+    def prepare(self) -> list[torch.Tensor] | None:
+        """The first phase's payload, begun here if it was deferred (once: later calls return it, or None once
+        the round is aborted). An abort while the compressor computes is honoured when it ends: the begin is
+        undone and None returned."""
+        with self._lock:
+            begin, self.pending = self.pending, None
+            if begin is None:
+                return self.payload
+            self._preparing = True
+        try:
+            payload = begin()
+        finally:
+            with self._lock:
+                self._preparing = False
+                aborted = self.state is RoundState.ABORTED
+        if aborted:
+            self.compressor.abort()
+            return None
+        self.payload = payload
+        return payload
+
     def receive(self, averaged: list[torch.Tensor], *, total_weight: float, members: int) -> list[torch.Tensor] | None:
         """Feed one phase's weighted average; returns the next phase's payload or None when arrived."""
         if self.state is not RoundState.AVERAGING:
@@ -101,11 +133,15 @@ class Round:
 
     def abort(self) -> None:
         """Give up on this round: nothing is applied; the lost progress stays in θ − θ_i."""
-        if self.state in (RoundState.APPLIED, RoundState.ABORTED):
-            return
-        self.compressor.abort()
-        self.state = RoundState.ABORTED
-        self.payload = None
+        with self._lock:
+            if self.state in (RoundState.APPLIED, RoundState.ABORTED):
+                return
+            if self.pending is not None:
+                self.pending = None  # never begun: nothing of it to undo
+            elif not self._preparing:  # (while preparing, prepare() undoes the begin when it ends)
+                self.compressor.abort()
+            self.state = RoundState.ABORTED
+            self.payload = None
 
 
 @dataclass

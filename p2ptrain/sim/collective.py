@@ -119,6 +119,7 @@ class VirtualCollective:
         self.swarm, self.i = swarm, i
 
     def launch(self, rnd: Round, request: RoundRequest) -> None:
+        rnd.prepare()  # one thread here: a deferred begin runs at the send, as it did on the compute thread
         self.swarm.events += 1
         col = self.swarm.open.setdefault(request.key, _Open())
         col.rounds[self.i] = rnd
