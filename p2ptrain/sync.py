@@ -38,6 +38,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+
+async def _prepare(rnd: Round) -> list[torch.Tensor] | Exception | None:
+    """``rnd``'s first payload, begun in a worker thread (:meth:`~p2ptrain.algo.rounds.Round.prepare`); its error
+    returned, not raised (a task of the runner's TaskGroup that raised would cancel every other round)."""
+    try:
+        return await asyncio.to_thread(rnd.prepare)
+    except Exception as e:
+        return e
+
 class NetLoop:
     """An event loop in a daemon thread (uvloop when installed). ``closed`` once :meth:`close` ran (a context
     manager: leaving the ``with`` block closes it); a closed loop refuses new work."""
@@ -247,7 +256,8 @@ class RoundRunner:
         last: ReduceResult | None = None
         t0 = time.monotonic()
         # a deferred first payload (error feedback's codec round trip) is computed while the group forms
-        prepared = asyncio.ensure_future(asyncio.to_thread(rnd.prepare))
+        assert self._group is not None
+        prepared = self._group.create_task(_prepare(rnd), name=f"prepare-{rnd.key}")
         try:
             if print_ is None and print_of is not None:
                 print_ = await asyncio.to_thread(fingerprint, print_of)
@@ -257,6 +267,8 @@ class RoundRunner:
                 group = await self.transport.form_group(group_or_request, None, timeout=self.join_timeout)
             phase, partial = 0, False
             payload = await prepared
+            if isinstance(payload, Exception):
+                raise payload
             plan = plan_for(group, self.transport.peer_id, self.max_group) if self.hierarchical else None
             while payload is not None:
                 n0 = time.monotonic()
@@ -307,8 +319,6 @@ class RoundRunner:
             level = logging.INFO if isinstance(e, (RoundFailed, TimeoutError, ConnectionError, OSError)) else logging.WARNING
             log.log(level, "event=round_failed key=%s reason=%s: %s", rnd.key, type(e).__name__, e)
         finally:
-            # (a failure before the payload was awaited: its begin's own error, if any, is not the round's)
-            prepared.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.stats.in_flight -= 1
             if self.hierarchical:  # whatever we did not offer of it by now, we never will: say so to who asks
                 decline_round(self.transport, group_or_request.key)

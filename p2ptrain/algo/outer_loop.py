@@ -9,6 +9,10 @@ Outer state per fragment (never one optimizer over all fragments: a fragment tha
 move) is **copy-on-write**: θ^(p) and its momentum are replaced by new tensors at every outer step, repair or
 load, never written in place, so a reference taken at any moment (a round's θ at send time, the state a
 joining peer downloads) stays that version without a copy.
+
+Why it is long: the plan, both ends of a round (send, outer step and merge, the outvoted case) and the state a
+checkpoint or a joiner takes read and replace the same per-fragment state; split, each part would pass it
+around. The math they use is in :mod:`~p2ptrain.algo.outer` and :mod:`~p2ptrain.algo.rules`.
 """
 
 from __future__ import annotations
