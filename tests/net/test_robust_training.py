@@ -31,10 +31,28 @@ def _run(corpus: Corpus, peers: int, aggregation: str, attacker: bool) -> tuple[
     return run, run.peers[0].trainer.evaluate(honest.outer_params).loss
 
 
+def _rounds_with_the_attacker(run: SwarmRun) -> int:
+    """Rounds the first (honest) peer applied with the last peer's Δ in the average."""
+    mark = run.peers[-1].peer_id[-4:]  # (the history keeps the contributors' last 4 characters)
+    return sum(mark in contributors for _, contributors, _ in run.peers[0].history)
+
+
+def _run_with_the_attacker(corpus: Corpus, aggregation: str) -> float:
+    """θ's loss of a 5-peer run whose last peer scales its Δ, from a run whose rounds held it: on a loaded
+    machine a late peer can miss every round of a short run, and a run without it tests nothing (one more run,
+    not a weaker bound)."""
+    for _ in range(2):
+        run, loss = _run(corpus, 5, aggregation, attacker=True)
+        if _rounds_with_the_attacker(run):
+            break
+    assert _rounds_with_the_attacker(run) >= 1, f"the attacker's Δ was in none of the {aggregation} rounds"
+    return loss
+
+
 def test_centered_clip_holds_one_scaled_peer_of_five_where_the_mean_does_not(corpus: Corpus) -> None:
     _, honest = _run(corpus, 4, "mean", attacker=False)
-    _, clipped = _run(corpus, 5, "centered-clip", attacker=True)
-    _, plain = _run(corpus, 5, "mean", attacker=True)
+    clipped = _run_with_the_attacker(corpus, "centered-clip")
+    plain = _run_with_the_attacker(corpus, "mean")
     assert clipped <= 1.05 * honest, (honest, clipped)
     assert not plain <= 1.05 * honest, (honest, plain)  # also when the mean turned θ into NaN
     assert math.isfinite(clipped)
