@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-
 async def _prepare(rnd: Round) -> list[torch.Tensor] | Exception | None:
     """``rnd``'s first payload, begun in a worker thread (:meth:`~p2ptrain.algo.rounds.Round.prepare`); its error
     returned, not raised (a task of the runner's TaskGroup that raised would cancel every other round)."""
@@ -46,6 +45,7 @@ async def _prepare(rnd: Round) -> list[torch.Tensor] | Exception | None:
         return await asyncio.to_thread(rnd.prepare)
     except Exception as e:
         return e
+
 
 class NetLoop:
     """An event loop in a daemon thread (uvloop when installed). ``closed`` once :meth:`close` ran (a context
@@ -255,10 +255,11 @@ class RoundRunner:
                      print_of: list[torch.Tensor] | None, done: threading.Event | None) -> None:
         last: ReduceResult | None = None
         t0 = time.monotonic()
-        # a deferred first payload (error feedback's codec round trip) is computed while the group forms
-        assert self._group is not None
-        prepared = self._group.create_task(_prepare(rnd), name=f"prepare-{rnd.key}")
         try:
+            # a deferred first payload (error feedback's codec round trip) is computed while the group forms
+            # (a runner closing meanwhile has no TaskGroup left: the payload is then computed in turn)
+            tasks = self._group
+            prepared = tasks.create_task(_prepare(rnd), name=f"prepare-{rnd.key}") if tasks is not None else None
             if print_ is None and print_of is not None:
                 print_ = await asyncio.to_thread(fingerprint, print_of)
             if isinstance(group_or_request, Group):
@@ -266,7 +267,7 @@ class RoundRunner:
             else:
                 group = await self.transport.form_group(group_or_request, None, timeout=self.join_timeout)
             phase, partial = 0, False
-            payload = await prepared
+            payload = await (prepared if prepared is not None else _prepare(rnd))
             if isinstance(payload, Exception):
                 raise payload
             plan = plan_for(group, self.transport.peer_id, self.max_group) if self.hierarchical else None
