@@ -42,7 +42,7 @@ async def _prepare(rnd: Round) -> list[torch.Tensor] | Exception | None:
     """``rnd``'s first payload, begun in a worker thread (:meth:`~p2ptrain.algo.rounds.Round.prepare`); its error
     returned, not raised (a task of the runner's TaskGroup that raised would cancel every other round)."""
     try:
-        return await asyncio.to_thread(rnd.prepare)
+        return await asyncio.to_thread(rnd.prepare) if rnd.pending is not None else rnd.prepare()
     except Exception as e:
         return e
 

@@ -105,15 +105,17 @@ class Round:
             self._preparing = True
         try:
             payload = begin()
-        finally:
+        except BaseException:
             with self._lock:
                 self._preparing = False
-                aborted = self.state is RoundState.ABORTED
-        if aborted:
-            self.compressor.abort()
-            return None
-        self.payload = payload
-        return payload
+            raise
+        with self._lock:  # (the payload is set under it: an abort right after sees a begun round and undoes it)
+            self._preparing = False
+            if self.state is not RoundState.ABORTED:
+                self.payload = payload
+                return payload
+        self.compressor.abort()
+        return None
 
     def receive(self, averaged: list[torch.Tensor], *, total_weight: float, members: int) -> list[torch.Tensor] | None:
         """Feed one phase's weighted average; returns the next phase's payload or None when arrived."""

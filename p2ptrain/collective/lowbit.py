@@ -168,8 +168,9 @@ class OneBitCodec(Codec):
     ``‖x − s·sign(x)‖²``): a pseudo-gradient of AdamW steps has values of similar size, and this codec carries
     ~80% of its energy per round at 1.06 bits a value, where ``topk2:0.15`` carries ~35% at 1.03
     (``python bench/topk_levels.py``; bench/results/README.md, "The wire's levels, and a 1-bit wire"). ``s`` is
-    rounded to bfloat16; a value's code is 1 when it is negative (0 and +0 code +s). Error per value ``||x| − s|``: at most ``(L − 1)·s`` in a block of ``L`` values
-    (one value may hold the whole block's mass), which is all a decoded payload tells. A block's mean is over
+    rounded to bfloat16; a value's code is 1 when it is negative (0 and +0 code +s). Error per value
+    ``||x| − s|``: at most ``(L − 1)·s`` in a block of ``L`` values (one value may hold the whole block's mass),
+    which is all a decoded payload tells. A block's mean is over
     its own values (a shorter last block is not padded). Idempotent: ``±s`` has mean magnitude ``s``.
     """
 
