@@ -117,8 +117,8 @@ class RunSession:
             if signals > 1:
                 console.print(f"signal {name} again: leaving now", highlight=False)
                 raise SystemExit(130)
-            console.print(f"signal {name}: leaving after this step, once the progress no round carries yet is "
-                          "sent (a second signal leaves at once)", highlight=False)
+            console.print(f"signal {name}: leaving once the progress no round carries yet is sent, training on "
+                          "meanwhile (a second signal leaves at once)", highlight=False)
             self._watchdog = threading.Timer(grace, watchdog)
             self._watchdog.daemon = True
             self._watchdog.start()

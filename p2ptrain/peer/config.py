@@ -40,10 +40,10 @@ class PeerConfig:
             expired (SwarmConfig.quorum_memory): a cut-off minority waits instead of forking θ.
         sync_on_join: a peer that finds a live swarm downloads θ and the outer state first.
         drain_timeout: seconds to wait for rounds still in flight when leaving.
-        leave_flush: a leave by signal (SIGTERM, Ctrl-C) takes no more inner steps but stays in the swarm's
-            rounds until every fragment has sent the progress no round carries yet, at most this many seconds
-            (0: leave after the drain, and that progress is lost); ``--steps`` reached leaves without it, and so
-            does a staged peer (p2ptrain/staged.py drains its stage groups directly).
+        leave_flush: a leave by signal (SIGTERM, Ctrl-C) stays in the swarm's rounds, training on, until every
+            fragment has sent the progress no round carries yet, at most this many seconds (0: leave after the
+            drain, and that progress is lost); ``--steps`` reached leaves without it, and so does a staged peer
+            (p2ptrain/staged.py drains its stage groups directly).
         min_step_seconds: pad every inner step to at least this long (emulates a slower device in
             tests and demos; the padding counts as compute).
         warmup: seconds after joining before taking part in rounds (None: three heartbeats), so that

@@ -223,11 +223,13 @@ class Peer(PeerBase):
             self.checkpoints.save_if_due(self)
 
     def flush(self) -> None:
-        """A leave by signal: no more inner steps, but the swarm's clock followed until every fragment has sent
-        the progress no round carries yet (each at its own slot, so within H logical steps), at most
-        ``leave_flush`` seconds. Without it a leaving peer's last ~H/2 steps of work never reach θ. Not for a
-        peer paced by its own steps (``clock="steps"``: its clock stops with its steps), nor in its warm-up (it
-        has sent nothing yet)."""
+        """A leave by signal: the swarm's clock followed until every fragment has sent the progress no round
+        carries yet (each at its own slot, so within H logical steps), at most ``leave_flush`` seconds. Without
+        it a leaving peer's last ~H/2 steps of work never reach θ. It keeps training meanwhile (up to
+        ``--steps``): a step taken before a fragment's last send reaches that fragment's θ, so about half of
+        what it trains in the flush is kept, where idling kept none (the rest stays in its leave checkpoint).
+        Not for a peer paced by its own steps (``clock="steps"``: its clock stops with its steps), nor in its
+        warm-up (it has sent nothing yet)."""
         if self.driver is None or self.lockstep or self.step_seconds is None or time.monotonic() < self._warm_until:
             return
         left = self.driver.unsent()
@@ -235,16 +237,22 @@ class Peer(PeerBase):
             return
         t0, history = time.monotonic(), self.driver.stats.history
         deadline, mark = t0 + self.cfg.leave_flush, len(history)
-        log.info("event=leave_flush fragments=%s budget=%.0f", ",".join(map(str, left)), self.cfg.leave_flush)
+        log.info("event=leave_flush fragments=%s budget=%.0f step=%d", ",".join(map(str, left)), self.cfg.leave_flush,
+                 self.trainer.step_count)
         while left and time.monotonic() < deadline:
-            wake = (self.logical_step() + 1) * self.step_seconds  # the next logical step, on the swarm's clock
-            time.sleep(max(0.0, min(wake - time.time(), deadline - time.monotonic())) + 0.001)
+            if self.trainer.step_count < self.cfg.steps:
+                self._inner_step()
+                self._status()
+            else:
+                wake = (self.logical_step() + 1) * self.step_seconds  # the next logical step, on the swarm's clock
+                time.sleep(max(0.0, min(wake - time.time(), deadline - time.monotonic())) + 0.001)
             self.after_step()
             # one send per fragment: a round that fails gives its tokens back, and a peer left alone must not
             # wait out the whole budget for rounds that cannot form
             sent = {f for _, kind, f in history[mark:] if kind == "send"}
             left = [f for f in self.driver.unsent() if f not in sent]
-        log.info("event=leave_flushed seconds=%.1f unsent=%s", time.monotonic() - t0, ",".join(map(str, left)) or "none")
+        log.info("event=leave_flushed seconds=%.1f unsent=%s step=%d", time.monotonic() - t0,
+                 ",".join(map(str, left)) or "none", self.trainer.step_count)
 
     def drain(self) -> None:
         """Apply what is still in flight (waiting at most ``drain_timeout`` in all)."""

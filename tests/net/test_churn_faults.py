@@ -169,17 +169,23 @@ def test_a_graceful_leave_keeps_the_swarm_going(tmp_path: Path) -> None:
         left = time.time()
         summary = json.loads((tmp_path / "c.json").read_text())
         assert summary["stuck_rounds"] == 0
-        # It left no work behind: no more inner steps after the signal, each fragment's unsent progress sent at
-        # its slot (PeerConfig.leave_flush), so every token it trained is in a round it applied. `own` is its
+        # It left no work behind: after the signal it trains on while each fragment sends the progress no round
+        # carries yet at its slot (PeerConfig.leave_flush), so every token it trained before the signal is in a
+        # round it applied, and so is a step of the flush trained before a fragment's last send. `own` is its
         # tokens in a round's average (0 when outvoted: they go to the fragment's next round); over P = 2
-        # fragments of batch 2 × 32 tokens a step, their sum is 2 × 64 a step (and a round that carried no new
-        # token weighs 1: the driver's floor, so at most one more per round).
+        # fragments of batch 2 × 32 tokens a step that is 64 per fragment and step (and a round that carried no
+        # new token weighs 1: the driver's floor, so at most one more per round).
         # (When the signal came just after both fragments were sent, there is nothing to flush and no line.)
         text = (tmp_path / "c.log").read_text(errors="replace")
-        if re.search(r"event=leave_flush fragments=\S+ budget=120", text):
-            assert re.search(r"event=leave_flushed seconds=\S+ unsent=none", text), text[-2000:]
         owns = [int(x) for x in re.findall(r"event=applied .* own=(\d+)", text)]
-        assert 0 <= sum(owns) - 2 * 64 * summary["steps"] <= len(owns), (owns, summary["steps"])
+        at_signal = summary["steps"]
+        if (flush := re.search(r"event=leave_flush fragments=\S+ budget=120 step=(\d+)", text)) is not None:
+            flushed = re.search(r"event=leave_flushed seconds=\S+ unsent=none step=(\d+)", text)
+            assert flushed is not None, text[-2000:]
+            at_signal = int(flush.group(1))
+            assert summary["steps"] == int(flushed.group(1)) > at_signal  # it trained on while flushing
+        assert 0 <= sum(owns) - 2 * 64 * at_signal <= 2 * 64 * (summary["steps"] - at_signal) + len(owns), (
+            owns, at_signal, summary["steps"])
         _wait(lambda: len(_agreeing_after(tmp_path, ["a", "b"], left + 2.0)) >= 3, 25, "a and b go on after the leave")
         for n in ("a", "b"):
             assert "event=round_timeout " not in (tmp_path / f"{n}.log").read_text(errors="replace")  # (not _stretched)
