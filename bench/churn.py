@@ -15,8 +15,8 @@ seconds the measured window of ``--minutes`` starts; in the fault phase a fault 
 
 * ``kill``: SIGKILL to a peer and its libp2p daemon (its process group: a crashed machine), restarted
   ``--restart-after`` seconds later on the same host with ``--resume`` (its checkpoints, one every
-  ``--checkpoint-every`` applied rounds: the steps since the last one are lost; a new peer id, as a restarted
-  container without ``--identity``);
+  ``--checkpoint-every`` applied rounds: the steps since the last one are lost; the same peer id, its key kept in
+  the checkpoint folder);
 * ``stop``: SIGSTOP to a peer and its daemon, SIGCONT ``--stop-seconds`` (20) later (a frozen machine);
 * ``partition``: a region is cut off from the others for ``--partition-seconds`` (60) (a blackhole route in
   its gateway and in the core: :meth:`Testbed.partition`), then healed;
