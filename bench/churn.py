@@ -74,7 +74,7 @@ KINDS = ("kill", "stop", "partition", "join", "leave")
 REGION_NAMES = ("us", "eu", "ap")
 
 _APPLIED = re.compile(r"event=applied key=(\S+) fragment=(\d+) members=(\d+) tokens=(\d+) divergent=(\w+) "
-                      r"digest=(\w+)")
+                      r"digest=(\w+)(?: own=(\d+))?")
 _FAILED = re.compile(r"event=round_failed key=(\S+)")
 _STUCK = re.compile(r"event=round_timeout key=(\S+)( when=leaving)?")
 _ABANDONED = re.compile(r"event=round_abandoned key=(\S+)")
@@ -244,7 +244,7 @@ class Phase:
     def round(self, key: str) -> dict[str, Any]:
         return self.rounds.setdefault(key, {"fragment": None, "first": math.inf, "digests": {}, "tokens": {},
                                             "members": [], "failed": [], "stuck": [], "abandoned": [],
-                                            "flagged": 0})
+                                            "flagged": 0, "own": 0})
 
     def parse(self, rec: PeerRec, line: str, now: float) -> None:
         if (m := _STATUS.match(line)) is not None:
@@ -255,13 +255,14 @@ class Phase:
             return
         t = _ts(line, now)
         if (m := _APPLIED.search(line)) is not None:
-            key, frag, members, tokens, divergent, digest = m.groups()
+            key, frag, members, tokens, divergent, digest, own = m.groups()
             r = self.round(key)
             r["fragment"], r["first"] = int(frag), min(r["first"], t)
             r["digests"].setdefault(digest, []).append(rec.name)
             r["tokens"][digest] = max(r["tokens"].get(digest, 0), int(tokens))
             r["members"].append(int(members))
             r["flagged"] += divergent == "True"
+            r["own"] += int(own or 0)
             rec.applied.append((t, key, digest))
         elif (m := _FAILED.search(line)) is not None:
             self.round(m.group(1))["failed"].append(rec.name)
@@ -547,6 +548,7 @@ class Phase:
                         "members_min": min(r["members"], default=0), "members_max": max(r["members"], default=0),
                         "tokens": r["tokens"].get(top[0], 0) if top[0] else 0, "failed_on": r["failed"],
                         "stuck_on": r["stuck"], "abandoned_on": r["abandoned"], "flagged_divergent": r["flagged"],
+                        "own": r["own"],
                         "in_window": bool(n) and self.in_window(r["first"])}
         return out
 
@@ -588,6 +590,7 @@ class Phase:
             # aborted round's progress rides on the next one's Δ, p2ptrain/driver.py): a token reaches all of θ
             # once every fragment's round that holds it is applied, so the sum over rounds counts it P times
             "tokens_in_theta": sum(r["tokens"] for r in win) / self.fragments,
+            "tokens_in_theta_own": sum(r["own"] for r in win) / self.fragments,
             "tokens_trained": steps * seq,
             "members_median": statistics.median([r["members_max"] for r in win]) if win else None,
             "faults": by_kind, "rss_growth": growth,
@@ -635,6 +638,8 @@ class Report:
         ended = all(p.ended for p in self.phases if p.name in ("faults", "baseline"))
         if ended and "faults" in figs and "baseline" in figs and figs["baseline"]["tokens_in_theta"]:
             out["goodput"] = figs["faults"]["tokens_in_theta"] / figs["baseline"]["tokens_in_theta"]
+            if figs["baseline"]["tokens_in_theta_own"]:
+                out["goodput_own"] = figs["faults"]["tokens_in_theta_own"] / figs["baseline"]["tokens_in_theta_own"]
             if figs["baseline"]["tokens_trained"]:
                 out["tokens_trained_ratio"] = figs["faults"]["tokens_trained"] / figs["baseline"]["tokens_trained"]
         return out
@@ -717,6 +722,8 @@ def phase_figures(ph: dict[str, Any], fragments: int) -> dict[str, Any]:
         "stuck_rounds_when_leaving": len([s for s in stuck if "leaving" in s]),
         "rounds_abandoned_when_leaving": sum(len(r.get("abandoned_on", [])) for r in rows),
         "tokens_in_theta": sum(r["tokens"] for r in win) / fragments,
+        # the appliers' own tokens (``own=`` on their applied lines; 0 in records from before it was kept)
+        "tokens_in_theta_own": sum(r.get("own", 0) for r in win) / fragments,
         "tokens_trained": (ph.get("figures") or {}).get("tokens_trained", 0),
         "members_median": statistics.median([r["members_max"] for r in win]) if win else None,
         "faults": kinds, "rss_growth": growth,
@@ -854,6 +861,11 @@ def _markdown(payload: dict[str, Any]) -> str:
     if "goodput" in payload:
         lines += ["", f"Goodput (tokens that reached θ, faults / fault-free): **{payload['goodput']:.3f}**; "
                       f"tokens trained, faults / fault-free: {payload.get('tokens_trained_ratio', math.nan):.3f}."]
+        if "goodput_own" in payload:
+            lines += ["", f"Goodput counted by the appliers' own tokens (each applier's `own=`: a contributor that "
+                          f"died or left before applying is missed): {payload['goodput_own']:.3f}. The two differ where a round's "
+                          "total holds weight of members that did not apply it, or of members outvoted in it (`own=0`: "
+                          "their tokens ride on their next round, and would count twice)."]
     if ts := targets(payload, figs):
         lines += ["", "| done-when target | measured | holds |", "|---|---|---|"]
         for what, measured, ok in ts:

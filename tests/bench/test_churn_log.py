@@ -33,3 +33,27 @@ def test_abandoned_and_stuck_rounds_are_told_apart(tmp_path: Path) -> None:
     for r in rows.values():  # a record written before abandoned rounds were told apart
         del r["abandoned_on"]
     assert phase_figures(record, fragments=2)["rounds_abandoned_when_leaving"] == 0
+
+
+def test_the_appliers_own_tokens_are_summed_beside_the_rounds_total(tmp_path: Path) -> None:
+    """Each applied line's ``own=`` is summed per round (every applier, whatever its digest), so that goodput can
+    also be counted by the tokens the appliers say are theirs; a line from before ``own`` was logged counts 0."""
+    ph = _phase(tmp_path)
+    ts = "ts=2026-11-27 07:00:30,000 "
+    lines = [("s00g0", "event=applied key=f0.L9 fragment=0 members=3 tokens=300 divergent=False digest=aa own=100"),
+             ("s01g0", "event=applied key=f0.L9 fragment=0 members=3 tokens=300 divergent=True digest=aa own=0"),
+             ("s02g0", "event=applied key=f0.L9 fragment=0 members=3 tokens=300 divergent=False digest=aa own=120"),
+             ("s00g0", "event=applied key=f1.L9 fragment=1 members=2 tokens=50 divergent=False digest=bb")]
+    for name, line in lines:
+        ph.parse(PeerRec(name=name, slot=0, host="us0", region="us", fresh=True), ts + line, 0.0)
+    rows = ph.round_rows()
+    assert (rows["f0.L9"]["tokens"], rows["f0.L9"]["own"]) == (300, 220)
+    assert (rows["f1.L9"]["tokens"], rows["f1.L9"]["own"]) == (50, 0)
+    for r in rows.values():
+        r["in_window"] = True
+    record = {"rounds": rows, "faults": [], "window_s": [0.0, 60.0], "live": [], "peers": {}}
+    f = phase_figures(record, fragments=2)
+    assert (f["tokens_in_theta"], f["tokens_in_theta_own"]) == (175.0, 110.0)
+    for r in rows.values():  # a record written before the own tokens were kept
+        del r["own"]
+    assert phase_figures(record, fragments=2)["tokens_in_theta_own"] == 0
