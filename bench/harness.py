@@ -300,12 +300,23 @@ def run_swarm(launches: Sequence[PeerLaunch], *, work: Path, deadline: float, tb
                     wall_seconds=wall, logs=work, terminated=terminated)
 
 
+def message_bytes_per_step(summaries: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per message kind, the mean over the peers that counted their messages of the bytes each sent per inner
+    step (``traffic`` in a peer's summary); {} when none did."""
+    counted = [s for s in summaries if s.get("traffic")]
+    kinds = sorted({k for s in counted for k in s["traffic"]})
+    return {k: statistics.fmean([s["traffic"].get(k, {}).get("sent", 0) / max(1, s["steps"]) for s in counted])
+            for k in kinds}
+
+
 def summarize(run: SwarmRun) -> dict[str, Any]:
     """The figures of one swarm run, averaged over the peers that left a summary.
 
     ``utilization``: compute seconds over the inner-step loop's wall time (evaluations taken out);
     ``payload_bytes_per_step``: what the peer's all-reduces sent (its own count) per inner step;
-    ``wire_bytes_per_step``: what its namespace's link sent per inner step (testbed only)."""
+    ``wire_bytes_per_step``: what its namespace's link sent per inner step (testbed only);
+    ``message_bytes_per_step``: per message kind, the bytes of its own messages it sent per inner step (the
+    transport's count, net/traffic.py: payload and protocol alike, without TCP/IP, libp2p or the DHT)."""
     ok = [(s, w) for s, w in zip(run.summaries, run.wire_tx_bytes, strict=True) if s is not None]
     if not ok:
         return {"peers": 0, "logs": str(run.logs)}
@@ -326,6 +337,7 @@ def summarize(run: SwarmRun) -> dict[str, Any]:
         "payload_bytes_per_step": mean([s["bytes_sent"] / max(1, s["steps"]) for s in ss
                                         if s.get("bytes_sent") is not None]),
         "wire_bytes_per_step": mean(wire) if wire else None,
+        "message_bytes_per_step": message_bytes_per_step(ss),
         "rounds_mean": mean([s.get("rounds_complete", 0) + s.get("rounds_partial", 0) for s in ss]),
         "rounds_failed_mean": mean([s.get("rounds_failed", 0) for s in ss]),
         "round_seconds_median": median([x for r in rounds for x in r]),

@@ -148,6 +148,24 @@ def main() -> None:
                     f"{a.preset}, batch {a.batch_size}, H={a.H}",
                     ["method", "peers", "inner steps", "val loss of θ", "compute utilization", "wire MB/step",
                      "payload MB/step", "fewer bytes than ddp", "rounds"], rows))
+    out.print(_where_bytes_go(report))
+
+
+def _where_bytes_go(report: dict[str, dict[str, Any]]) -> Any:
+    """Per method, kB per inner step sent by each message kind (the peers' own counts), their sum, and what the
+    link sent beyond it (the DHT, TCP/IP headers, libp2p's and the direct path's framing)."""
+    from p2ptrain.ui import table
+
+    kinds = sorted({k for s in report.values() for k in s.get("message_bytes_per_step", {})})
+    rows = []
+    for m, s in report.items():
+        per = s.get("message_bytes_per_step") or {}
+        if not per:
+            continue
+        total, wire = sum(per.values()), s.get("wire_bytes_per_step")
+        rows.append([m, *(f"{per.get(k, 0) / 1e3:.1f}" for k in kinds), f"{total / 1e3:.1f}",
+                     "-" if wire is None else f"{(wire - total) / 1e3:.1f}"])
+    return table("kB sent per inner step, by message kind", ["method", *kinds, "messages", "wire − messages"], rows)
 
 
 def _plot(report: dict[str, dict[str, Any]], path: Path, a: argparse.Namespace) -> None:

@@ -9,9 +9,11 @@ registry, so several peers can live in one process (tests, the simulator).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 from . import __version__
 
@@ -75,6 +77,13 @@ class PeerMetrics:
         self.bytes_received.labels(codec=codec).inc(max(0, stats.bytes_received - seen[1]))
         return stats.bytes_sent, stats.bytes_received
 
+    def watch_traffic(self, read: Callable[[], dict[str, dict[str, int]]]) -> None:
+        """Export ``p2ptrain_message_bytes_total{kind, direction}`` from ``read()`` (the transport's counts of its
+        own messages, net/traffic.py) at each scrape. Once per registry: a second call is ignored."""
+        if getattr(self, "_traffic", None) is None:
+            self._traffic = _TrafficCollector(read)
+            self.registry.register(self._traffic)
+
     def step_done(self, tokens: int, loss: float, tokens_seen: int, compute: float, elapsed: float | None) -> None:
         """An inner step of ``tokens`` at ``loss``; throughput from the totals, utilization from the loop's
         ``elapsed`` wall time (None before the loop)."""
@@ -101,3 +110,19 @@ class PeerMetrics:
             server.shutdown()
             server.server_close()
             self._server = None
+
+
+class _TrafficCollector:
+    """The transport's message bytes by kind and direction, read when Prometheus scrapes (kinds are the protocol's
+    dozen message names: low cardinality)."""
+
+    def __init__(self, read: Callable[[], dict[str, dict[str, int]]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily("p2ptrain_message_bytes", "Bytes of this peer's own messages by kind and direction "
+                                  "(frames; not TCP/IP, libp2p or DHT overhead).", labels=["kind", "direction"])
+        for kind, counts in self.read().items():
+            for direction, n in counts.items():
+                fam.add_metric([kind, direction], n)
+        yield fam

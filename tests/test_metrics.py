@@ -29,6 +29,7 @@ DOCUMENTED = {  # name (as the parser reports it) -> type
     "p2ptrain_last_checkpoint_timestamp_seconds": "gauge", "p2ptrain_checkpoint_age_seconds": "gauge",
     "p2ptrain_rounds_in_flight": "gauge", "p2ptrain_sharing_nothing_seconds": "gauge",
     "p2ptrain_build_info": "gauge",  # an Info is exposed as a gauge
+    "p2ptrain_message_bytes": "counter",
 }
 
 
@@ -91,3 +92,23 @@ def test_every_documented_metric_is_served_with_its_type_and_counters_move(corpu
     for fam in late.values():
         for s in fam.samples:
             assert not any(v.startswith("p0") or v.startswith("p1") for v in s.labels.values()), s
+
+
+def test_message_bytes_are_read_from_the_transport_at_each_scrape() -> None:
+    counts = {"part": {"sent": 1000, "received": 40}}
+    m = PeerMetrics(method="diloco", region="")
+    m.watch_traffic(lambda: counts)
+    m.watch_traffic(lambda: {"other": {"sent": 1, "received": 1}})  # a second call is ignored: once per registry
+    port = m.serve(0)
+    try:
+        first = scrape(port)
+        assert value(first, "p2ptrain_message_bytes", kind="part", direction="sent") == 1000
+        assert value(first, "p2ptrain_message_bytes", kind="part", direction="received") == 40
+        assert value(first, "p2ptrain_message_bytes", kind="other", direction="sent") == 0
+        counts["part"]["sent"] = 5000
+        counts["evidence"] = {"sent": 7, "received": 0}
+        later = scrape(port)
+        assert value(later, "p2ptrain_message_bytes", kind="part", direction="sent") == 5000
+        assert value(later, "p2ptrain_message_bytes", kind="evidence", direction="sent") == 7
+    finally:
+        m.close()

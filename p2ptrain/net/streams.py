@@ -26,6 +26,7 @@ from .daemon import dial
 from .direct import Direct
 from .guard import Guard
 from .sealed import Sealed
+from .traffic import Traffic
 from .transport import RoundFailed, Unreachable
 from .wire import SCHEMA_ERRORS, FrameError, read_frame, write_frame
 
@@ -63,6 +64,7 @@ class Streams:
         self.cfg, self.p2p, self.guard = cfg, p2p, guard
         self.peer_id = str(p2p.peer_id)
         self.blocked, self.addresses, self.direct = blocked, addresses, direct
+        self.traffic = Traffic()  # bytes of our messages by kind, both ends of every exchange (net/traffic.py)
 
     def proto(self, kind: str) -> str:
         return f"/p2ptrain/{self.cfg.run_id}/{kind}/1"
@@ -99,7 +101,8 @@ class Streams:
             try:
                 if self.guard.is_banned(sender) or self.blocked(sender):
                     return  # dropped unread
-                msg, _ = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=self.cfg.max_message)
+                msg, got = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=self.cfg.max_message)
+                self.traffic.received(kind, got)
                 key = self.cfg.swarm_key
                 if key is not None:
                     if not key.verify(msg, sender, kind, self.cfg.run_id):
@@ -122,7 +125,7 @@ class Streams:
                     reply = {**reply, KEEP: True}
                 if key is not None:
                     reply = key.seal(reply, self.peer_id, kind + "/reply", self.cfg.run_id)
-                await write_frame(writer, reply, timeout=_READ_TIMEOUT)
+                self.traffic.sent(kind, await write_frame(writer, reply, timeout=_READ_TIMEOUT))
                 if keep:
                     writer.done()
             except (FrameError, TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
@@ -143,7 +146,8 @@ class Streams:
         a payload, FrameError for one without a valid tag. ``ended`` gets ``"chunks"`` once all were read."""
         key = self.cfg.swarm_key
         for i in range(count):
-            frame, _ = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=self.cfg.max_message)
+            frame, got = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=self.cfg.max_message)
+            self.traffic.received(kind, got)
             if key is not None and not key.verify(frame, sender, kind + "/chunk", self.cfg.run_id, str(i)):
                 self.guard.strike(sender, f"{kind} chunk without a valid swarm-key tag")
                 raise FrameError("chunk without a valid swarm-key tag")
@@ -160,7 +164,8 @@ class Streams:
                             ended: list[str] | None = None) -> dict[str, Any]:
         """The frame that follows a streamed message's chunks (bounded in size and time; checked against the
         swarm key: FrameError without a valid tag). ``ended`` gets ``"trailer"`` once it was read and checked."""
-        frame, _ = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=64 * 1024)
+        frame, got = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=64 * 1024)
+        self.traffic.received(kind, got)
         key = self.cfg.swarm_key
         if key is not None:
             if not key.verify(frame, sender, kind + "/trailer", self.cfg.run_id):
@@ -199,9 +204,11 @@ class Streams:
                 _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
                                                                               self.proto(kind))
             key = self.cfg.swarm_key
+            count = self.traffic
             try:
-                await write_frame(writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
-                                  timeout=timeout)
+                count.sent(kind, await write_frame(
+                    writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
+                    timeout=timeout))
                 if chunks is not None:
                     async with aclosing(chunks()) as payloads:
                         i = 0
@@ -209,14 +216,15 @@ class Streams:
                             frame = {"data": data}
                             if key is not None:
                                 frame = key.seal(frame, self.peer_id, kind + "/chunk", self.cfg.run_id, str(i))
-                            await write_frame(writer, frame, timeout=timeout)
+                            count.sent(kind, await write_frame(writer, frame, timeout=timeout))
                             i += 1
                     if trailer is not None:
                         last = trailer()
                         if key is not None:
                             last = key.seal(last, self.peer_id, kind + "/trailer", self.cfg.run_id)
-                        await write_frame(writer, last, timeout=timeout)
-                reply, _ = await read_frame(reader, timeout=timeout, max_size=self.cfg.max_message)
+                        count.sent(kind, await write_frame(writer, last, timeout=timeout))
+                reply, got = await read_frame(reader, timeout=timeout, max_size=self.cfg.max_message)
+                count.received(kind, got)
                 if key is not None:
                     if not key.verify(reply, peer, kind + "/reply", self.cfg.run_id):
                         raise FrameError("reply without a valid swarm-key tag")

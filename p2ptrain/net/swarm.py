@@ -402,6 +402,9 @@ class HivemindTransport(Transport):
         return self._maddrs.get(peer)
 
     # ------------------------------------------------------------------ streams
+    def traffic(self) -> dict[str, dict[str, int]]:
+        return self.streams.traffic.snapshot()
+
     async def _call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
                     chunks: ChunkSource | None = None, trailer: Trailer | None = None) -> tuple[dict[str, Any], float]:
         """One request/response with ``peer`` (see streams.Streams.call); RoundFailed if it fails."""

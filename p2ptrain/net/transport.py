@@ -277,6 +277,11 @@ class Transport(abc.ABC):
         """Stop everything the transport runs (background tasks, connections); then it is CLOSED."""
         self.state = TransportState.CLOSED
 
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """Bytes of this peer's messages so far, ``{kind: {"sent": …, "received": …}}`` (net/traffic.py); empty when
+        this transport does not count them (in-memory)."""
+        return {}
+
     async def rtt(self, peer: str, *, tries: int = 3, timeout: float = 5.0, gap: float = 0.0) -> float | None:
         """Round-trip time to ``peer`` in seconds (the fastest of ``tries`` small requests, ``gap`` seconds
         apart), or None when this transport cannot tell (in-memory) or the peer does not answer within

@@ -210,6 +210,8 @@ class PeerBase:
             return
         self.link.connect(provide=self._provide, on_round=self._on_round, info=self._info, on_live=self._live_view)
         assert self.runner is not None and self.transport is not None
+        if self.metrics is not None:
+            self.metrics.watch_traffic(self.transport.traffic)
         if self.cfg.region == AUTO:
             self.region = self.link.measure_region(self.cfg.region_near)
             self.link.announce_now(self._info())  # peers measuring next take our name from the announcement

@@ -205,6 +205,21 @@ async def _allreduce(ts: list[Any], n: int, key: str) -> tuple[list[torch.Tensor
     return xs, [r.tensors[0] for r in res]
 
 
+async def _traffic_balances(ts: list[Any], n: int) -> None:
+    """Each member counted at least its two parts' fp32 bytes as sent, and every kind's bytes sent by all the
+    members add up to what all of them received (both ends count the same frames), once the exchanges settle."""
+    for _ in range(50):
+        traffic = [t.traffic() for t in ts]
+        kinds = {k for tr in traffic for k in tr}
+        sums = {k: (sum(tr.get(k, {}).get("sent", 0) for tr in traffic),
+                    sum(tr.get(k, {}).get("received", 0) for tr in traffic)) for k in kinds}
+        if all(a == b for a, b in sums.values()):
+            break
+        await asyncio.sleep(0.1)
+    assert all(a == b for a, b in sums.values()), sums
+    assert all(tr["part"]["sent"] >= 4 * (n - n // 3 - 1) and tr["result"]["sent"] > 0 for tr in traffic), traffic
+
+
 Case = Callable[[int], dict[str, Any]]
 CASES: list[Any] = [
     pytest.param(lambda i: {}, True, id="all-direct"),
@@ -227,6 +242,7 @@ def test_allreduce_over_the_direct_path_is_exact(configs: Case, everyone: bool) 
             for out in outs:
                 assert torch.equal(out, outs[0])
                 assert float((out.double() - ref).abs().max()) < 1e-6
+            await _traffic_balances(ts, n)
             direct = [t.streams.direct for t in ts]
             if everyone:  # every member's parts and results went over the direct path: 2 sends and 2 results each
                 assert all(d is not None and d.opened + d.reused >= 4 and d.accepted >= 4 for d in direct), \
