@@ -118,7 +118,7 @@ class Audit:
     # ------------------------------------------------------------------ signing what leaves
     def sign_own(self, own: torch.Tensor, chunk: int) -> bytes:
         """Keep our own share of our part as signed evidence (the tensor itself: its bytes are made only if it is
-        shown; hashed in pieces of AUDIT_GRAIN values, or of our ``chunk`` if smaller: what an audit's slice
+        shown; hashed in pieces of AUDIT_GRAIN values from each of our ``chunk``s start: what an audit's slice
         fetches); the hash of its commitment, to announce."""
         shas = raw_shas(own, chunk)
         sig, self.own_commit = sign_contribution(self.identity, self.run, self.key, self.phase, self.me, self.weight,

@@ -1,7 +1,7 @@
 """How a payload is cut into pieces and hashed (net/claims.py's commitments name the result): a contributor signs
 the SHA-256 of its pieces' SHA-256s (:func:`root`), so that the owner can show one piece and an auditor check it
 against the signature alone (claims.Slice). A payload whose bytes are its values in order (fp32, fp16, bf16, an
-owner's raw share) is hashed in pieces of :data:`AUDIT_GRAIN` values (or of its chunks, if smaller); a codec with
+owner's raw share) is hashed in pieces of :data:`AUDIT_GRAIN` values from each chunk's start; a codec with
 block headers first, in its chunks. Results are hashed in their chunks (:func:`payload_shas`), as they arrive.
 """
 
@@ -39,7 +39,8 @@ __all__ = [
 RAW = "raw"
 #: Values per random audit's slice (net/audit.py), and per hashed piece of an owner's raw share: a multiple of every
 #: codec's block (1024), so that a slice's average goes through the codec as it does inside its chunk. An audit
-#: fetches the slice of the raw share (128 kB) and the chunk of each other contribution that covers it.
+#: fetches the slice of the raw share (128 kB: its pieces start at each chunk's start, as the audits' slices do) and
+#: the chunk of each other contribution that covers it.
 AUDIT_GRAIN = 1 << 15
 
 
@@ -59,10 +60,15 @@ def raw_shas(t: torch.Tensor, chunk: int | None) -> list[bytes]:
     return [hashlib.sha256(view[4 * a : 4 * b]).digest() for a, b in bounds]
 
 
+def _chunk_of(chunk: int | None) -> int | None:
+    """``chunk`` if it cuts a payload into chunks (a positive int), else None: the payload is one piece."""
+    return chunk if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0 else None
+
+
 def piece_bounds(numel: int, chunk: int | None) -> list[tuple[int, int]]:
     """The chunks a payload of ``numel`` values is cut into (one, when it is not chunked)."""
-    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
-        return chunk_bounds(numel, chunk)
+    if (c := _chunk_of(chunk)) is not None:
+        return chunk_bounds(numel, c)
     return [(0, numel)] if numel else []
 
 
@@ -73,23 +79,25 @@ def codec_of(name: str | Codec) -> Codec:
     return get_codec("fp32" if name == RAW else name)
 
 
-def _step(codec: str | Codec, chunk: int | None) -> int | None:
-    if codec_of(codec).value_bytes:
-        return min(AUDIT_GRAIN, chunk) if chunk else AUDIT_GRAIN
-    return chunk
-
-
 def hash_grid(numel: int, codec: str | Codec, chunk: int | None) -> list[tuple[int, int]]:
     """The pieces a contribution's payload is hashed in (what an audit's slice fetches at least): for a codec whose
     payload is its values' bytes in order (any range of values is a range of bytes: fp32, a raw share), pieces of
-    AUDIT_GRAIN values (or of its chunks, if smaller); its chunks otherwise (a chunk's block headers come first)."""
-    return piece_bounds(numel, _step(codec, chunk))
+    AUDIT_GRAIN values from each chunk's start (the last of a chunk shorter), the grid an audit draws its slices on
+    (net/audit.py), so that a slice is one piece; its chunks otherwise (a chunk's block headers come first)."""
+    if codec_of(codec).value_bytes:
+        return [(s, min(s + AUDIT_GRAIN, b)) for a, b in piece_bounds(numel, chunk) for s in range(a, b, AUDIT_GRAIN)]
+    return piece_bounds(numel, chunk)
 
 
 def grid_size(numel: int, codec: str | Codec, chunk: int | None) -> int:
     """How many pieces :func:`hash_grid` cuts ``numel`` values into (without making them)."""
-    step = _step(codec, chunk)
-    return -(-numel // step) if step else (1 if numel else 0)
+    c = _chunk_of(chunk)
+    if not codec_of(codec).value_bytes:
+        return (-(-numel // c) if c else 1) if numel else 0
+    if c is None:
+        return -(-numel // AUDIT_GRAIN)
+    full, rest = divmod(numel, c)
+    return full * -(-c // AUDIT_GRAIN) + -(-rest // AUDIT_GRAIN)
 
 
 def _hash_pieces(pieces: Sequence[bytes], sizes: Sequence[int]) -> list[bytes]:

@@ -15,7 +15,7 @@ from p2ptrain.collective.butterfly import chunk_bounds
 from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.claims import Evidence, Slice, sign_contribution
 from p2ptrain.net.identity import Identity
-from p2ptrain.net.pieces import AUDIT_GRAIN, RAW, hash_grid, payload_sha, raw_shas, root
+from p2ptrain.net.pieces import AUDIT_GRAIN, RAW, grid_size, hash_grid, payload_sha, raw_shas, root
 from p2ptrain.net.verify import Judge
 
 G = AUDIT_GRAIN
@@ -81,6 +81,29 @@ def test_an_owner_own_raw_share_is_shown_by_the_slice_as_signed() -> None:
     assert sl.signed_by(ident.peer_id, RUN, KEY, 0, 0) and torch.equal(sl.values(2 * G, 3 * G), x[2 * G : 3 * G])
     # the whole of it, as a dispute fetches it, is the same commitment
     assert Evidence.from_wire(ev.to_wire(), N).signed_by(ident.peer_id, RUN, KEY, 0, 0)
+
+
+def test_pieces_in_value_order_start_at_each_chunk_so_that_an_audit_slice_is_one_piece() -> None:
+    """Chunks of G + 4096 values (not a multiple of the grain): the pieces restart at each chunk's start, where an
+    audit draws its slices (from each result chunk's start, net/audit.py), so a slice costs one piece, not two."""
+    chunk = G + 4096
+    want = [(0, G), (G, chunk), (chunk, chunk + G), (chunk + G, 2 * chunk), (2 * chunk, N)]
+    for codec in (RAW, "fp32"):
+        assert hash_grid(N, codec, chunk) == want
+        assert grid_size(N, codec, chunk) == len(want)
+    assert hash_grid(N, "e3m0", chunk) == [(0, chunk), (chunk, 2 * chunk), (2 * chunk, N)]  # block headers: chunks
+    assert grid_size(N, "e3m0", chunk) == 3 and grid_size(N, RAW, None) == 4 and grid_size(0, RAW, chunk) == 0
+    ident = Identity.generate()
+    x = _values(5)
+    shas = raw_shas(x, chunk)
+    assert shas == [hashlib.sha256(get_codec("fp32").encode(x[a:b])).digest() for a, b in want]
+    sig, _ = sign_contribution(ident, RUN, KEY, 0, 0, 1.0, N, RAW, chunk, root(shas))
+    ev = Evidence((), 1.0, N, RAW, chunk, sig, ident.public, shas=shas, raw=x)
+    for lo, hi in [(chunk, chunk + G), (2 * chunk, N)]:  # slices an audit draws
+        wire = ev.slice_wire(lo, hi)
+        assert [len(d) for d in wire["data"]] == [4 * (hi - lo)]
+        sl = Slice.from_wire(wire, N)
+        assert sl.signed_by(ident.peer_id, RUN, KEY, 0, 0) and torch.equal(sl.values(lo, hi), x[lo:hi])
 
 
 def test_a_slice_that_was_not_signed_or_not_hashed_is_refused() -> None:
