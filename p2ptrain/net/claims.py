@@ -18,12 +18,15 @@ from typing import Any
 
 import torch
 
+from ..collective.butterfly import MIN_CHUNK
 from ..collective.codec_base import Codec, all_finite
 from ..collective.codecs import get_codec
 from ..collective.sketch import BUCKETS, Key, clipped, seed, sketch
 from .chunks import decode_chunked
 from .identity import Identity, verify_signature
+from .merkle import MAX_DEPTH, merkle_path, root_from_path
 from .pieces import (
+    AUDIT_GRAIN,
     RAW,
     byte_range,
     check_shown,
@@ -62,13 +65,15 @@ __all__ = [
 ]
 
 _SKETCH_BYTES = 8 * BUCKETS
+#: Pieces a slice may show: an audit's slice lies inside one grain, which a contributor's smallest chunks cut in this many.
+MAX_SHOWN = AUDIT_GRAIN // MIN_CHUNK + 1
 
 
 def commitment(run: str, key: str, phase: int, part: int, weight: float, numel: int, codec: str,
                chunk: int | None, sha: bytes) -> bytes:
     """The bytes a contributor signs for its contribution to ``part`` (its payload's :func:`payload_sha` is
     ``sha``)."""
-    return encode_message({"t": "p2ptrain/contribution/2", "run": run, "key": key, "phase": int(phase),
+    return encode_message({"t": "p2ptrain/contribution/3", "run": run, "key": key, "phase": int(phase),
                            "part": int(part), "w": float(weight), "numel": int(numel), "codec": codec,
                            "chunk": chunk, "h": sha})
 
@@ -191,7 +196,7 @@ class Evidence:
 
     def slice_wire(self, lo: int, hi: int) -> dict[str, Any]:
         """What shows values ``lo:hi`` of this contribution (:class:`Slice`): the pieces (:func:`hash_grid`) that
-        cover them, every piece's hash and the signature (ValueError for a range outside it)."""
+        cover them, each with its Merkle path, and the signature (ValueError for a range outside it)."""
         if not 0 <= lo < hi <= self.numel:
             raise ValueError(f"values {lo}:{hi} of a contribution of {self.numel}")
         codec = codec_of(self.codec)
@@ -210,7 +215,8 @@ class Evidence:
                 data.append(byte_range(self.pieces, at, at + n))
                 at += n
         return {"w": self.weight, "numel": self.numel, "codec": self.codec, "chunk": self.chunk, "sig": self.sig,
-                "pk": self.pk, "shas": list(self.shas), "first": first, "data": data}
+                "pk": self.pk, "first": first, "data": data,
+                "paths": [merkle_path(self.shas, i) for i in range(first, last + 1)]}
 
     @classmethod
     def from_wire(cls, m: Mapping[str, Any], numel: int | None = None) -> Evidence:
@@ -226,8 +232,9 @@ class Evidence:
 @dataclass
 class Slice:
     """Values ``lo:hi`` of a member's signed contribution as the owner shows them for a random audit: the pieces
-    (:func:`hash_grid`) covering them (``first``: the first's index), every piece's hash (their :func:`root` is
-    what the contributor signed), the signature. :meth:`values` checks the pieces against their hashes."""
+    (:func:`hash_grid`) covering them (``first``: the first's index), each with its Merkle path (net/merkle.py: the
+    root they lead to is what the contributor signed), the signature. :meth:`values` checks that every piece leads
+    to the same root; :meth:`signed_by`, that the root is the one signed."""
 
     weight: float
     numel: int
@@ -235,34 +242,38 @@ class Slice:
     chunk: int | None
     sig: bytes
     pk: bytes
-    shas: list[bytes]
+    paths: list[list[bytes]]
     first: int
     pieces: list[bytes]
 
     @property
     def sha(self) -> bytes:
-        return root(self.shas)
+        """The root the first piece and its path lead to (ValueError if they do not fit the grid)."""
+        n = grid_size(self.numel, self.codec, self.chunk)
+        return root_from_path(hashlib.sha256(self.pieces[0]).digest(), self.first, n, self.paths[0])
 
     def commit(self, run: str, key: str, phase: int, part: int) -> bytes:
         return commitment(run, key, phase, part, self.weight, self.numel, self.codec, self.chunk, self.sha)
 
     def signed_by(self, peer: str, run: str, key: str, phase: int, part: int) -> bool:
-        return verify_signature(peer, self.commit(run, key, phase, part), self.sig, self.pk)
+        try:
+            return verify_signature(peer, self.commit(run, key, phase, part), self.sig, self.pk)
+        except ValueError:  # a path that does not fit the grid
+            return False
 
     def values(self, lo: int, hi: int) -> torch.Tensor:
-        """Values ``lo:hi`` (ValueError if the pieces shown do not cover them, are not the ones hashed in
-        :attr:`shas`, or do not decode)."""
+        """Values ``lo:hi`` (ValueError if the pieces shown do not cover them, do not all lead to one root, or do
+        not decode)."""
         bounds = hash_grid(self.numel, self.codec, self.chunk)
-        if len(self.shas) != len(bounds) or not 0 <= self.first or self.first + len(self.pieces) > len(bounds) \
-                or not self.pieces:
+        if not 0 <= self.first or self.first + len(self.pieces) > len(bounds) or not self.pieces:
             raise ValueError("the chunks shown are not chunks of the contribution")
         a, b = bounds[self.first][0], bounds[self.first + len(self.pieces) - 1][1]
         if not a <= lo < hi <= b:
             raise ValueError(f"chunks of values {a}:{b} shown for values {lo}:{hi}")
-        codec, out = codec_of(self.codec), []
-        for i, p in enumerate(self.pieces, self.first):
-            if hashlib.sha256(p).digest() != self.shas[i]:
-                raise ValueError(f"chunk {i} is not the one its hash names")
+        top, codec, out = self.sha, codec_of(self.codec), []
+        for i, (p, path) in enumerate(zip(self.pieces, self.paths, strict=True), self.first):
+            if root_from_path(hashlib.sha256(p).digest(), i, len(bounds), path) != top:
+                raise ValueError(f"chunk {i} is not one the signed root names")
             ca, cb = bounds[i]
             out.append(codec.decode(p, cb - ca))
         x = torch.cat(out)[lo - a : hi - a]
@@ -273,18 +284,20 @@ class Slice:
     @classmethod
     def from_wire(cls, m: Mapping[str, Any], numel: int) -> Slice:
         """SCHEMA_ERRORS for anything malformed, or of another size than ``numel`` values."""
-        sig, pk, chunk, shas, data = m["sig"], m.get("pk", b""), m.get("chunk"), m["shas"], m["data"]
-        check_shown(chunk, m["numel"], numel, len(shas) if isinstance(shas, list) else 0, str(m["codec"]))
-        if not (isinstance(sig, bytes) and isinstance(pk, bytes) and isinstance(shas, list)
-                and isinstance(data, list) and len(shas) == grid_size(numel, str(m["codec"]), chunk)
-                and len(data) <= len(shas)
-                and all(isinstance(h, bytes) and len(h) == 32 for h in shas)
+        sig, pk, chunk, paths, data = m["sig"], m.get("pk", b""), m.get("chunk"), m["paths"], m["data"]
+        # (chunks of MIN_CHUNK values at least: the grid is as long as the part we know allows, whatever is shown)
+        most = numel // MIN_CHUNK + 1 if isinstance(numel, int) else 0  # (a slice of an unknown size: refused)
+        check_shown(chunk, m["numel"], numel, most, str(m["codec"]))
+        if not (isinstance(sig, bytes) and isinstance(pk, bytes) and isinstance(paths, list)
+                and isinstance(data, list) and 0 < len(data) == len(paths) <= MAX_SHOWN
+                and all(isinstance(path, list) and len(path) <= MAX_DEPTH
+                        and all(isinstance(h, bytes) and len(h) == 32 for h in path) for path in paths)
                 and all(isinstance(p, bytes) for p in data)):
-            raise TypeError("a slice of a contribution: signature, chunk hashes and payloads must be bytes")
+            raise TypeError("a slice of a contribution: signature, paths of 32-byte hashes and payloads")
         first = m["first"]
         if not isinstance(first, int) or isinstance(first, bool):
             raise TypeError("first must be an integer")
-        return cls(float(m["w"]), numel, str(m["codec"]), chunk, sig, pk, shas, first, data)
+        return cls(float(m["w"]), numel, str(m["codec"]), chunk, sig, pk, paths, first, data)
 
 
 @dataclass

@@ -77,7 +77,7 @@ class SwarmConfig:
         swarm_key: a private swarm's shared key: records and messages are tagged and checked (net/auth.py).
         verify: verified aggregation (net/verify.py): contributions are signed, every member checks every
             part's average and a proven liar is banned. Every peer of a run must agree on it.
-        audit_rate: slices of each part (32 Ki values) audited exactly per round, on average (net/audit.py):
+        audit_rate: slices of each part (8 Ki values) audited exactly per round, on average (net/audit.py):
             each costs the auditor the slice of the owner's share and the chunk of every other contribution that
             covers it (not the part), and a lie in a fraction f of a part is caught with probability about f per
             audited slice. CenteredClip, not coordinate-wise, audits whole parts at this rate.

@@ -1,6 +1,6 @@
 """How a payload is cut into pieces and hashed (net/claims.py's commitments name the result): a contributor signs
-the SHA-256 of its pieces' SHA-256s (:func:`root`), so that the owner can show one piece and an auditor check it
-against the signature alone (claims.Slice). A payload whose bytes are its values in order (fp32, fp16, bf16, an
+the Merkle root of its pieces' SHA-256s (:func:`root`), so that the owner can show one piece with its path and an
+auditor check it against the signature alone (claims.Slice). A payload whose bytes are its values in order (fp32, fp16, bf16, an
 owner's raw share) is hashed in pieces of :data:`AUDIT_GRAIN` values from each chunk's start; a codec with
 block headers first, in its chunks. Results are hashed in their chunks (:func:`payload_shas`), as they arrive.
 """
@@ -17,6 +17,7 @@ import torch
 from ..collective.butterfly import MIN_CHUNK, chunk_bounds
 from ..collective.codec_base import Codec
 from ..collective.codecs import get_codec
+from .merkle import merkle_root
 
 __all__ = [
     "AUDIT_GRAIN",
@@ -39,9 +40,12 @@ __all__ = [
 RAW = "raw"
 #: Values per random audit's slice (net/audit.py), and per hashed piece of an owner's raw share: a multiple of every
 #: codec's block (1024), so that a slice's average goes through the codec as it does inside its chunk. An audit
-#: fetches the slice of the raw share (128 kB: its pieces start at each chunk's start, as the audits' slices do) and
-#: the chunk of each other contribution that covers it.
-AUDIT_GRAIN = 1 << 15
+#: fetches the slice of the raw share (32 kB: its pieces start at each chunk's start, as the audits' slices do; with
+#: its Merkle path) and the chunk of each other contribution that covers it. 8 Ki values: a lie spread over a
+#: fraction f of a part's values is in a slice with probability 1 − (1 − f)^8192 (0.9997 for f = 0.1%), one in a
+#: contiguous run with about f (as at any grain); the slice of 32 Ki values it was cost 4× the bytes (6% of the
+#: wire of a 4-bit round of the small preset between 2 regions, bench/results/README.md).
+AUDIT_GRAIN = 1 << 13
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
@@ -147,8 +151,9 @@ def contribution_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, c
 
 
 def root(shas: Sequence[bytes]) -> bytes:
-    """What a commitment names of a payload: SHA-256 of its pieces' SHA-256s."""
-    return hashlib.sha256(b"".join(shas)).digest()
+    """What a commitment names of a payload: the Merkle root of its pieces' SHA-256s (net/merkle.py), so that one
+    piece can be shown with a path of log2(n) hashes."""
+    return merkle_root(shas)
 
 
 def payload_sha(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> bytes:

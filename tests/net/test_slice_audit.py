@@ -111,15 +111,23 @@ def test_a_slice_that_was_not_signed_or_not_hashed_is_refused() -> None:
     ev = _evidence(ident, _values(2), "fp32", 1 << 18)  # (chunks above the grain: pieces of G values)
     wire = ev.slice_wire(G, 2 * G)
     zeros = get_codec("fp32").encode(torch.zeros(G))
-    # a piece that is not the one hashed
-    with pytest.raises(ValueError, match="not the one its hash names"):
-        Slice.from_wire({**wire, "data": [zeros]}, N).values(G, 2 * G)
-    # hashes made to fit another piece: then the signature does not hold
-    shas = list(wire["shas"])
-    shas[1] = hashlib.sha256(zeros).digest()
-    sl = Slice.from_wire({**wire, "data": [zeros], "shas": shas}, N)
-    assert torch.equal(sl.values(G, 2 * G), torch.zeros(G))
-    assert not sl.signed_by(ident.peer_id, RUN, KEY, 0, 0)
+    assert len(wire["paths"]) == 1 and len(wire["paths"][0]) == 2  # 4 pieces of G values: 2 levels above a piece
+    assert Slice.from_wire(wire, N).signed_by(ident.peer_id, RUN, KEY, 0, 0)
+    # a piece that is not the one hashed: its path leads to another root, which was not signed
+    assert not Slice.from_wire({**wire, "data": [zeros]}, N).signed_by(ident.peer_id, RUN, KEY, 0, 0)
+    # a path changed, one hash short, one too many, or for another piece
+    bent = [wire["paths"][0][0], bytes(32)]
+    for paths in ([bent], [wire["paths"][0][:1]], [[*wire["paths"][0], bytes(32)]]):
+        assert not Slice.from_wire({**wire, "paths": paths}, N).signed_by(ident.peer_id, RUN, KEY, 0, 0)
+    assert not Slice.from_wire({**wire, "first": 0}, N).signed_by(ident.peer_id, RUN, KEY, 0, 0)
+    with pytest.raises(ValueError):
+        Slice.from_wire({**wire, "paths": [wire["paths"][0][:1]]}, N).values(G, 2 * G)
+    # of two pieces shown, one swapped: they do not lead to one root
+    two = _evidence(ident, _values(2), "fp32", CHUNK).slice_wire(G - 10, G + 10)
+    assert len(two["data"]) == 2
+    with pytest.raises(ValueError, match="not one the signed root names"):
+        Slice.from_wire({**two, "data": [two["data"][0], get_codec("fp32").encode(torch.zeros(CHUNK))]},
+                        N).values(G - 10, G + 10)
     # another member's signature, another weight, another size
     assert not Slice.from_wire(wire, N).signed_by(other.peer_id, RUN, KEY, 0, 0)
     assert not Slice.from_wire({**wire, "w": 3.0}, N).signed_by(ident.peer_id, RUN, KEY, 0, 0)
@@ -132,8 +140,10 @@ def test_a_slice_that_was_not_signed_or_not_hashed_is_refused() -> None:
         Slice.from_wire({**wire, "numel": 10**15}, None)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         Evidence.from_wire({**ev.to_wire(), "numel": 10**15})
-    with pytest.raises((TypeError, ValueError)):  # one hash short
-        Slice.from_wire({**wire, "shas": wire["shas"][:-1]}, N)
+    with pytest.raises((TypeError, ValueError)):  # a path for each piece shown, of 32-byte hashes
+        Slice.from_wire({**wire, "paths": []}, N)
+    with pytest.raises((TypeError, ValueError)):
+        Slice.from_wire({**wire, "paths": [[b"short"]]}, N)
     with pytest.raises(ValueError):  # pieces past the last one
         Slice.from_wire({**wire, "first": 4}, N).values(3 * G, N)
 

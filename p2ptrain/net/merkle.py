@@ -1,0 +1,81 @@
+"""A Merkle tree over a payload's piece hashes (the shape of RFC 6962's): what a contributor signs names all its
+pieces, and one piece is shown with ``log2(n)`` hashes beside it instead of all ``n`` (net/claims.py ``Slice``).
+
+A leaf is ``SHA-256(0x00 ‖ piece hash)``, a node ``SHA-256(0x01 ‖ left ‖ right)`` (the prefixes keep a leaf from
+passing for a node); a tree of ``n > 1`` leaves splits at the largest power of two below ``n``. At the scale the
+project is for (a 1B model's fragment part of ~10^8 values, pieces of 8 Ki values) a list of every piece's hash
+was ~0.5 MB per audited slice; a path is 14 hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+__all__ = ["MAX_DEPTH", "merkle_path", "merkle_root", "root_from_path"]
+
+#: More levels than any payload has (2^48 pieces): a longer path is refused before any hashing.
+MAX_DEPTH = 48
+
+
+def _leaf(sha: bytes) -> bytes:
+    return hashlib.sha256(b"\x00" + sha).digest()
+
+
+def _node(left: bytes, right: bytes) -> bytes:
+    return hashlib.sha256(b"\x01" + left + right).digest()
+
+
+def _split(n: int) -> int:
+    """The largest power of two below ``n`` (n > 1): the size of the left subtree."""
+    return 1 << ((n - 1).bit_length() - 1)
+
+
+def merkle_root(shas: Sequence[bytes]) -> bytes:
+    """The root over ``shas`` (the pieces' SHA-256s, in order); of none, SHA-256 of nothing."""
+    if not shas:
+        return hashlib.sha256(b"").digest()
+    level = [_leaf(s) for s in shas]
+    return _root(level)
+
+
+def _root(nodes: Sequence[bytes]) -> bytes:
+    if len(nodes) == 1:
+        return nodes[0]
+    k = _split(len(nodes))
+    return _node(_root(nodes[:k]), _root(nodes[k:]))
+
+
+def merkle_path(shas: Sequence[bytes], index: int) -> list[bytes]:
+    """The hashes that lead from piece ``index`` to the root, the leaf's sibling first."""
+    if not 0 <= index < len(shas):
+        raise IndexError(f"piece {index} of {len(shas)}")
+    path: list[bytes] = []
+    nodes = [_leaf(s) for s in shas]
+    while len(nodes) > 1:
+        k = _split(len(nodes))
+        if index < k:
+            path.append(_root(nodes[k:]))
+            nodes = nodes[:k]
+        else:
+            path.append(_root(nodes[:k]))
+            nodes, index = nodes[k:], index - k
+    return path[::-1]
+
+
+def root_from_path(sha: bytes, index: int, n: int, path: Sequence[bytes]) -> bytes:
+    """The root that piece ``index`` of ``n`` (whose SHA-256 is ``sha``) and ``path`` lead to (ValueError when the
+    path has not the length a tree of ``n`` leaves gives that piece)."""
+    if not 0 <= index < n or len(path) > MAX_DEPTH:
+        raise ValueError(f"piece {index} of {n} with a path of {len(path)}")
+    sides: list[bool] = []  # from the root down: whether the piece is in the right subtree
+    while n > 1:
+        k = _split(n)
+        sides.append(index >= k)
+        index, n = (index - k, n - k) if index >= k else (index, k)
+    if len(sides) != len(path):
+        raise ValueError(f"a path of {len(path)} hashes where the tree has {len(sides)} levels above the piece")
+    h = _leaf(sha)
+    for right, sibling in zip(reversed(sides), path, strict=True):
+        h = _node(sibling, h) if right else _node(h, sibling)
+    return h
