@@ -13,7 +13,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -62,7 +61,6 @@ class MemorySwarm:
         self.side: dict[str, int] = {}
         self.providers: dict[str, StateProvider] = {}
         self.offers: dict[str, Offers] = {}  # by peer: what its transport offers beside its provider
-        self.meta: dict[str, tuple[float, dict[str, Any]]] = {}
 
     # -- faults ------------------------------------------------------------------------
     def kill(self, peer: str) -> None:
@@ -147,13 +145,6 @@ class MemoryTransport(Transport):
         if progress is not None:
             progress(len(data), len(data))
         return data
-
-    async def publish_meta(self, meta: dict[str, Any]) -> None:
-        self.swarm.meta[self.peer_id] = (time.monotonic() + self.swarm.ttl, dict(meta))
-
-    async def get_meta(self) -> dict[str, dict[str, Any]]:
-        now = time.monotonic()
-        return {p: m for p, (exp, m) in self.swarm.meta.items() if exp > now and p not in self.swarm.dead}
 
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
         async def _form() -> Group:

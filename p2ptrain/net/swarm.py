@@ -3,7 +3,7 @@
 * **Discovery and membership** live in the DHT under the run id: every peer stores
   its announcement (region, step, throughput, bandwidth, multiaddrs) as a subkey of
   ``<run>.peers`` with an expiry, refreshed by heartbeat; the live peers are the
-  unexpired subkeys. ``<run>.meta`` holds the shared pacing.
+  unexpired subkeys; the shared pacing rides on the announcements (peer/link.py).
 * **Groups** are formed per round by a leader, the smallest live peer id: members
   send ``join`` on a libp2p stream and the leader answers, once every live peer
   joined or its window expired, with the sorted member list (and, for CoCoDC, the
@@ -27,7 +27,7 @@ TaskGroup and end with :meth:`HivemindTransport.aclose`; an all-reduce's tasks
 belong to its run and end with it.
 
 Why it is long: it is the one class that implements the whole Transport contract on the real network
-(lifecycle, discovery, groups, all-reduce, state, meta, recontact); each part is a few lines that call
+(lifecycle, discovery, groups, all-reduce, state, recontact); each part is a few lines that call
 into the modules above.
 """
 
@@ -350,14 +350,6 @@ class HivemindTransport(Transport):
             log.info("event=view_read_failed reason=%s: %s", type(e).__name__, e)
         if (seconds := time.monotonic() - t0) > VIEW_SLOW:
             log.info("event=view_read_slow seconds=%.1f", seconds)
-
-    async def publish_meta(self, meta: dict[str, Any]) -> None:
-        from hivemind.utils import get_dht_time
-
-        await self._store("meta", dict(meta), get_dht_time() + self.cfg.ttl)
-
-    async def get_meta(self) -> dict[str, dict[str, Any]]:
-        return {p: v for p, (v, _) in (await self._records("meta")).items()}
 
     async def _recontact(self) -> None:
         """Re-ping known peers and bootstrap nodes now and then: after a network split heals, the DHT

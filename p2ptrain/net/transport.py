@@ -336,10 +336,4 @@ class Transport(abc.ABC):
                 errors.append(f"{peer[-8:]}: {e}")
         raise RoundFailed(f"state {name!r}: no source delivered it ({'; '.join(errors) or 'no sources'})")
 
-    @abc.abstractmethod
-    async def publish_meta(self, meta: dict[str, Any]) -> None:
-        """Publish this peer's proposal of the run's shared settings (e.g. the step pacing)."""
 
-    @abc.abstractmethod
-    async def get_meta(self) -> dict[str, dict[str, Any]]:
-        """Every live proposal of the run's shared settings, by peer id."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,7 +32,8 @@ LINGER = 120.0
 
 class SwarmLink:
     """The network side of one peer (see the module docstring). ``step_seconds`` is the swarm's pacing once
-    agreed (:meth:`agree_pacing`); the heartbeat republishes it."""
+    agreed (:meth:`agree_pacing`); every announcement carries it (``extra["pacing"]``: one DHT store a heartbeat,
+    where a record of its own took a second one: ~30% of a peer's DHT bytes, measured on loopback)."""
 
     def __init__(self, cfg: PeerConfig, net: NetLoop, codec: Codec, round_timeout: float,
                  factory: Callable[[], Awaitable[Transport]]) -> None:
@@ -42,6 +44,7 @@ class SwarmLink:
         self.pacing_since = 0.0  # when the swarm's pacing was first published (wall clock; the first wins)
         self._service: Any = None
         self._stopping: asyncio.Event | None = None
+        self._info: Callable[[], PeerInfo] | None = None
 
     def connect(self, *, provide: StateProvider, on_round: Callable[[Any, ReduceResult | None], None],
                 info: Callable[[], PeerInfo], on_live: Callable[[int], None]) -> None:
@@ -52,6 +55,7 @@ class SwarmLink:
         self.runner = RoundRunner(self.transport, self.codec, join_timeout=self.cfg.join_timeout,
                                   round_timeout=self.round_timeout, on_result=on_round,
                                   hierarchical=not self.cfg.flat_rounds, max_group=self.cfg.max_group)
+        self._info = info
         self._service = self.net.submit(self._serve(info, on_live))
         self.runner.wait_ready(10)
 
@@ -72,8 +76,8 @@ class SwarmLink:
     async def _heartbeat(self, info: Callable[[], PeerInfo], on_live: Callable[[int], None]) -> None:
         """Announce this peer every ``heartbeat`` seconds, on a fixed cadence whatever the DHT's latency: the
         announcement is what keeps it in the others' view of who is live, and it expires ``ttl`` seconds after
-        it was stored. Reading who is live and republishing the pacing run beside it (each bounded as the
-        announcement is) and never hold the next one back: one after the other, with a pause after them, a
+        it was stored (the pacing rides on it). Reading who is live runs beside it (bounded as the
+        announcement is) and never holds the next one back: one after the other, with a pause after them, a
         slow DHT (a loaded machine) spread announcements up to 3 × 2 × heartbeat + heartbeat apart, longer than
         the ttl, and a live peer fell out of the others' views (bench/churn.py: its joins then came after its
         rounds' groups had closed)."""
@@ -92,23 +96,26 @@ class SwarmLink:
             live = await bounded("peers", transport.peers())
             if live is not None:
                 on_live(len(live))
-            if self.step_seconds is not None:
-                await bounded("pacing", transport.publish_meta({"step_seconds": self.step_seconds,
-                                                                "since": self.pacing_since}))
 
         async with asyncio.TaskGroup() as tg:  # owns the side look; cancelled with the heartbeat
             side: asyncio.Task[None] | None = None
             while True:
                 t0 = loop.time()
-                await bounded("announce", transport.announce(info()))
+                await bounded("announce", transport.announce(self.paced(info())))
                 if side is None or side.done():
                     side = tg.create_task(look())
                 await asyncio.sleep(max(0.0, self.cfg.heartbeat - (loop.time() - t0)))
 
+    def paced(self, info: PeerInfo) -> PeerInfo:
+        """``info`` with the pacing this peer runs at and since when, once it has one."""
+        if self.step_seconds is not None:
+            info.extra = {**info.extra, "pacing": [self.step_seconds, self.pacing_since]}
+        return info
+
     def announce_now(self, info: PeerInfo) -> None:
         assert self.transport is not None
         try:
-            self.net.call(self.transport.announce(info), timeout=self.cfg.join_timeout)
+            self.net.call(self.transport.announce(self.paced(info)), timeout=self.cfg.join_timeout)
         except (TimeoutError, OSError, RoundFailed) as e:
             log.warning("event=announce_failed reason=%s", e)
 
@@ -117,9 +124,16 @@ class SwarmLink:
         """The pacing this namespace runs at and since when: of all published values, the first published
         (earliest ``since``, then smallest peer id; a value without ``since`` counts as the oldest), or None."""
         assert self.transport is not None
-        metas = self.net.call(self.transport.get_meta(), timeout=self.cfg.join_timeout)
-        found = sorted((float(m.get("since", 0.0)), p, float(m["step_seconds"])) for p, m in metas.items()
-                       if "step_seconds" in m)
+        found = []
+        for p in self.net.call(self.transport.peers(), timeout=self.cfg.join_timeout):
+            pacing = p.extra.get("pacing")
+            try:
+                step, since = float(pacing[0]), float(pacing[1])  # type: ignore[index]
+            except (TypeError, ValueError, IndexError, KeyError):
+                continue  # none announced yet (or not a pair of numbers)
+            if math.isfinite(step) and step > 0 and math.isfinite(since):
+                found.append((since, p.peer_id, step))
+        found.sort()
         return (found[0][2], found[0][0]) if found else None
 
     def published_step_seconds(self) -> float | None:
@@ -128,9 +142,9 @@ class SwarmLink:
         return found[0] if found else None
 
     def _publish_pacing(self) -> None:
-        assert self.transport is not None
-        self.net.call(self.transport.publish_meta({"step_seconds": self.step_seconds, "since": self.pacing_since}),
-                      timeout=self.cfg.join_timeout)
+        """Announce now (the pacing rides on the announcement), not at the next heartbeat."""
+        assert self._info is not None
+        self.announce_now(self._info())
 
     def agree_pacing(self, *, fixed: bool, measure: Callable[[], float], settle: float | None = None) -> float:
         """All peers must share ``step_seconds``: the first published value (see :meth:`swarm_pacing`), else

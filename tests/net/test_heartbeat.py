@@ -4,7 +4,6 @@ when the DHT is slow (a loaded machine), never further apart than the ttl after 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 
@@ -29,9 +28,6 @@ class SlowDHT:
     async def peers(self) -> list[PeerInfo]:
         await asyncio.sleep(self.latency)
         return []
-
-    async def publish_meta(self, meta: dict[str, Any]) -> None:
-        await asyncio.sleep(self.latency)
 
 
 @pytest.mark.parametrize("latency", [0.05, 0.7, 3.0])
