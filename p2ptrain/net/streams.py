@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
@@ -45,10 +46,24 @@ ChunkSource = Callable[[], AsyncGenerator[bytes, None]]
 Trailer = Callable[[], dict[str, Any]]
 
 _READ_TIMEOUT = 30.0  # seconds a handler waits for each frame of a message
+#: The most a handler waits for each chunk frame of a streamed message whose sender says it may take longer (``wait``:
+#: the caller's own timeout for the exchange). A pipelined result's chunks leave as its contributions arrive (net/
+#: pipelined.py): a carrier whose cross-region partner started late sent its result's header at once and its chunks
+#: more than _READ_TIMEOUT later; the partner's handler gave up on the stream, the carrier sent the rest into the
+#: dead connection, and the partner pulled the result again (bench/utilization.py, diloco at 20 Mbit/s: 26 MB twice).
+MAX_FRAME_WAIT = 900.0
 #: What goes over the direct path when there is one: the exchanges that carry a fragment's bytes.
 DIRECT_KINDS = frozenset({"part", "result", "getpart", "evidence", "state"})
 #: A reply's field that says the peer keeps the direct connection for the caller's next exchange.
 KEEP = "_keep"
+
+
+def frame_wait(wait: Any) -> float:
+    """Seconds a handler waits for each chunk frame of a message whose sender said ``wait`` (its own timeout):
+    at least :data:`_READ_TIMEOUT`, at most :data:`MAX_FRAME_WAIT`."""
+    if isinstance(wait, (int, float)) and not isinstance(wait, bool) and math.isfinite(wait):
+        return min(max(_READ_TIMEOUT, float(wait)), MAX_FRAME_WAIT)
+    return _READ_TIMEOUT
 
 
 class Streams:
@@ -110,11 +125,12 @@ class Streams:
                         return
                     msg = {k: v for k, v in msg.items() if k != MAC_FIELD}
                 msg = {k: v for k, v in msg.items() if not (isinstance(k, str) and k.startswith("_"))}
+                wait = frame_wait(msg.pop("wait", None))
                 if kind in ("part", "result") and "chunks" in msg:
-                    frames = msg["_frames"] = self.chunk_frames(reader, sender, kind, int(msg["chunks"]), ended)
+                    frames = msg["_frames"] = self.chunk_frames(reader, sender, kind, int(msg["chunks"]), ended, wait)
                     need = 1
                     if msg.get("trailer"):
-                        msg["_trailer"] = lambda: self.trailer_frame(reader, sender, kind, ended)
+                        msg["_trailer"] = lambda: self.trailer_frame(reader, sender, kind, ended, wait)
                         need = 2
                 msg.pop("trailer", None)
                 reply = await handler(sender, msg)
@@ -139,14 +155,15 @@ class Streams:
 
         return on_stream
 
-    async def chunk_frames(self, reader: asyncio.StreamReader, sender: str, kind: str,
-                           count: int, ended: list[str] | None = None) -> AsyncGenerator[bytes, None]:
+    async def chunk_frames(self, reader: asyncio.StreamReader, sender: str, kind: str, count: int,
+                           ended: list[str] | None = None, wait: float = _READ_TIMEOUT
+                           ) -> AsyncGenerator[bytes, None]:
         """The payloads of the ``count`` chunk frames that follow a streamed message's header (each read is
-        bounded in size and time; each frame is checked against the swarm key). Refused for a frame without
-        a payload, FrameError for one without a valid tag. ``ended`` gets ``"chunks"`` once all were read."""
+        bounded in size and by ``wait`` seconds; each frame is checked against the swarm key). Refused for a frame
+        without a payload, FrameError for one without a valid tag. ``ended`` gets ``"chunks"`` once all were read."""
         key = self.cfg.swarm_key
         for i in range(count):
-            frame, got = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=self.cfg.max_message)
+            frame, got = await read_frame(reader, timeout=wait, max_size=self.cfg.max_message)
             self.traffic.received(kind, got)
             if key is not None and not key.verify(frame, sender, kind + "/chunk", self.cfg.run_id, str(i)):
                 self.guard.strike(sender, f"{kind} chunk without a valid swarm-key tag")
@@ -161,10 +178,11 @@ class Streams:
             ended.append("chunks")
 
     async def trailer_frame(self, reader: asyncio.StreamReader, sender: str, kind: str,
-                            ended: list[str] | None = None) -> dict[str, Any]:
-        """The frame that follows a streamed message's chunks (bounded in size and time; checked against the
-        swarm key: FrameError without a valid tag). ``ended`` gets ``"trailer"`` once it was read and checked."""
-        frame, got = await read_frame(reader, timeout=_READ_TIMEOUT, max_size=64 * 1024)
+                            ended: list[str] | None = None, wait: float = _READ_TIMEOUT) -> dict[str, Any]:
+        """The frame that follows a streamed message's chunks (bounded in size and by ``wait`` seconds; checked
+        against the swarm key: FrameError without a valid tag). ``ended`` gets ``"trailer"`` once it was read and
+        checked."""
+        frame, got = await read_frame(reader, timeout=wait, max_size=64 * 1024)
         self.traffic.received(kind, got)
         key = self.cfg.swarm_key
         if key is not None:
@@ -205,9 +223,10 @@ class Streams:
                                                                               self.proto(kind))
             key = self.cfg.swarm_key
             count = self.traffic
+            head = msg if chunks is None else {**msg, "wait": round(timeout, 1)}  # its chunks may come this late
             try:
                 count.sent(kind, await write_frame(
-                    writer, msg if key is None else key.seal(msg, self.peer_id, kind, self.cfg.run_id),
+                    writer, head if key is None else key.seal(head, self.peer_id, kind, self.cfg.run_id),
                     timeout=timeout))
                 if chunks is not None:
                     async with aclosing(chunks()) as payloads:
