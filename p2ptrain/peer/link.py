@@ -121,8 +121,8 @@ class SwarmLink:
 
     # ------------------------------------------------------------------ pacing
     def swarm_pacing(self) -> tuple[float, float] | None:
-        """The pacing this namespace runs at and since when: of all published values, the first published
-        (earliest ``since``, then smallest peer id; a value without ``since`` counts as the oldest), or None."""
+        """The pacing this namespace runs at and since when: of the values the live peers announce (``pacing``:
+        seconds and since when), the first published (earliest ``since``, then smallest peer id), or None."""
         assert self.transport is not None
         found = []
         for p in self.net.call(self.transport.peers(), timeout=self.cfg.join_timeout):
