@@ -69,14 +69,17 @@ def _values(rank: int, n: int) -> Any:
 
 
 SYSTEMS = ("p2ptrain", "p2ptrain-plain", "p2ptrain-libp2p", "p2ptrain-libp2p-plain", "p2ptrain-mplex",
-           "p2ptrain-mplex-plain", "hivemind")
+           "p2ptrain-mplex-plain", "p2ptrain-cubic", "p2ptrain-bbr", "p2ptrain-plain-cubic", "p2ptrain-plain-bbr",
+           "hivemind")
 
 
 def _variant(system: str) -> dict[str, Any]:
-    """A p2ptrain system's settings: ``p2ptrain`` is the default peer (yamux, verified aggregation, direct path)."""
+    """A p2ptrain system's settings: ``p2ptrain`` is the default peer (yamux, verified aggregation, direct path with
+    the system's congestion control; ``-cubic``/``-bbr``: the direct path's connections on that one)."""
     words = system.split("-")[1:]
     return {"muxer": "mplex" if "mplex" in words else "yamux", "verify": "plain" not in words,
-            "direct": "libp2p" not in words and "mplex" not in words}
+            "direct": "libp2p" not in words and "mplex" not in words,
+            "congestion": next((w for w in words if w in ("cubic", "bbr")), None)}
 
 
 def _emit(rec: dict[str, Any]) -> None:
@@ -103,7 +106,8 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
     v = _variant(a.system)
     cfg = SwarmConfig(run_id=a.run_id, initial_peers=initial, host_maddrs=[a.listen], announce_maddrs=[a.announce],
                       join_window=60.0, ttl=3600.0, recontact_every=3600.0, muxer=v["muxer"], verify=v["verify"],
-                      direct=v["direct"], direct_port=int(a.listen.rsplit("/", 1)[1]) + DIRECT_PORT)
+                      direct=v["direct"], direct_port=int(a.listen.rsplit("/", 1)[1]) + DIRECT_PORT,
+                      direct_congestion=v["congestion"])
     tr = await HivemindTransport.create(cfg)
     try:
         if a.rank == 0:
@@ -336,7 +340,8 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = {"hivemind": "--s", "p2ptrain": "-o", "p2ptrain-plain": "-.D", "p2ptrain-mplex": ":^",
-              "p2ptrain-mplex-plain": ":v", "p2ptrain-libp2p": ":o", "p2ptrain-libp2p-plain": ":D"}
+              "p2ptrain-mplex-plain": ":v", "p2ptrain-libp2p": ":o", "p2ptrain-libp2p-plain": ":D",
+              "p2ptrain-cubic": "-^", "p2ptrain-bbr": "-v", "p2ptrain-plain-cubic": "-.^", "p2ptrain-plain-bbr": "-.v"}
     for system, style in styles.items():
         for link in ("lan", "wan"):
             for k in sorted({c["peers"] for c in cases}):

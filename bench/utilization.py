@@ -69,7 +69,8 @@ def launches(method: str, a: argparse.Namespace, run_id: str, work: Path) -> lis
                 "--count-bytes-on", "eth0"]
         return [PeerLaunch(argv, host=h, name=f"{method}-{h}") for h, _ in HOSTS]
     method, _, codec = method.partition("@")  # e.g. streaming@topk2: the method with another wire codec
-    extra = ["--join-window", str(a.join_window), *fresh_start_args(work), *(["--codec", codec] if codec else [])]
+    extra = ["--join-window", str(a.join_window), *fresh_start_args(work), *(["--codec", codec] if codec else []),
+             *(["--direct-congestion", a.congestion] if a.congestion else [])]
     return [PeerLaunch(join_argv(method, preset=a.preset, steps=a.steps, batch_size=a.batch_size, H=a.H,
                                  step_seconds=a.step_seconds, run_id=run_id, region=region, tau=a.tau, P=a.P,
                                  extra=extra), host=h, name=f"{method}-{h}") for h, region in HOSTS]
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--join-window", type=float, default=12.0,
                     help="p2ptrain peers: seconds a round's leader waits for the live peers; longer than an inner "
                          "step here (join's 2 s default is not: a peer mid-step misses the round)")
+    ap.add_argument("--congestion", default=None,
+                    help="the direct path's TCP congestion control (e.g. cubic, bbr; default: the system's)")
     ap.add_argument("--update", action="store_true",
                     help="keep the other methods' figures already in --out (each keeps the command that made it)")
     ap.add_argument("--out", type=Path, default=RESULTS / "utilization.json")

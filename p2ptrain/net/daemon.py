@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,9 @@ class SwarmConfig:
             it, or peers fall back to libp2p after a failed dial).
         direct_announce: ``host:port`` others should dial for the direct path (a public address or a relay);
             None: the host of this peer's announced addresses and the port it listens on.
+        direct_congestion: the TCP congestion control of the direct path's connections (Linux: one of
+            ``/proc/sys/net/ipv4/tcp_available_congestion_control``, e.g. ``cubic`` or ``bbr``); None: the system's.
+            One that this host does not offer is logged and left alone.
         faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
             by default what the environment asks for (nothing, unless a test set its variables).
     """
@@ -126,6 +130,7 @@ class SwarmConfig:
     direct: bool = True
     direct_port: int = 0
     direct_announce: str | None = None
+    direct_congestion: str | None = None
     dht_timeout: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan.from_env)
 
@@ -140,6 +145,9 @@ class SwarmConfig:
             raise ValueError(f"audit_rate must be at least 0, got {self.audit_rate}")
         if self.chunk_values < MIN_CHUNK:
             raise ValueError(f"chunk_values must be at least {MIN_CHUNK}, got {self.chunk_values}")
+        if self.direct_congestion is not None and not re.fullmatch(r"[a-z0-9_]{1,15}", self.direct_congestion):
+            raise ValueError(f"direct_congestion must name a TCP congestion control (e.g. cubic), got "
+                             f"{self.direct_congestion!r}")
         if not 0 <= self.direct_port < 65536:
             raise ValueError(f"direct_port must be a TCP port (0 for any), got {self.direct_port}")
         if self.direct_announce is not None:

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -54,6 +55,21 @@ _SERVE_IDLE = 90.0  # seconds the peer waits for the next exchange on a kept con
 _KEEP_PER_PEER = 4  # idle connections kept per peer (concurrent exchanges open more; the extra ones close)
 _KEEP_IN_ALL = 256  # idle connections kept in all (the oldest close first)
 _SERVE_KEPT_PER_PEER = 8  # connections a peer may keep open to us at once; beyond, each closes after its exchange
+
+def usable_congestion(name: str | None) -> str | None:
+    """``name`` if this host offers that TCP congestion control (Linux), else None (logged when one was asked)."""
+    if name is None:
+        return None
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            offered = f.read().split()
+    except OSError:
+        offered = []
+    if name not in offered or not hasattr(socket, "TCP_CONGESTION"):
+        log.warning("event=congestion_unavailable algorithm=%s offered=%s", name, ",".join(offered) or "-")
+        return None
+    return name
+
 
 #: The daemon's stream callback shape: (info with .peer_id, reader, writer) -> None.
 StreamCallback = Callable[[Any, Any, Any], Awaitable[None]]
@@ -97,8 +113,10 @@ class Direct:
 
     def __init__(self, me: str, *, host: str, port: int = 0, announce: str | None = None,
                  ask: Callable[[str], Awaitable[dict[str, Any]]],
-                 addresses: Callable[[str], Awaitable[list[str]]], listen: bool = True) -> None:
+                 addresses: Callable[[str], Awaitable[list[str]]], listen: bool = True,
+                 congestion: str | None = None) -> None:
         self.me, self.host, self.port, self.announce, self.listen = me, host, port, announce, listen
+        self.congestion = usable_congestion(congestion)
         self._ask, self._addresses = ask, addresses
         self._server: asyncio.Server | None = None
         self._callbacks: dict[str, StreamCallback] = {}
@@ -112,6 +130,16 @@ class Direct:
         self._served: dict[str, int] = {}  # peer -> connections of its we serve now
         self._closed = False
         self.opened = self.accepted = self.reused = 0
+
+    def _tune(self, writer: asyncio.StreamWriter) -> None:
+        """Set the connection's congestion control, if one was asked for (a failure is logged: the system's)."""
+        sock = writer.get_extra_info("socket")
+        if self.congestion is None or sock is None:
+            return
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, self.congestion.encode())
+        except OSError as e:
+            log.info("event=congestion_unset algorithm=%s reason=%s", self.congestion, e)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -161,6 +189,7 @@ class Direct:
         return reply
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._tune(writer)
         task = asyncio.current_task()
         if task is not None:
             self._exchanges[task] = writer
@@ -250,6 +279,7 @@ class Direct:
             try:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(ticket.host, ticket.port, limit=RECORD + 64 * 1024), min(timeout, 3.0))
+                self._tune(writer)
                 break
             except (OSError, TimeoutError) as e:
                 if fresh:

@@ -138,7 +138,7 @@ class HivemindTransport(Transport):
             host, port = cfg.direct_listen()
             self.streams.direct = Direct(self.peer_id, host=host, port=port, announce=cfg.direct_announce,
                                          ask=self.streams.ask_direct, addresses=self._addresses,
-                                         listen=not cfg.client_mode)
+                                         listen=not cfg.client_mode, congestion=cfg.direct_congestion)
         self._tasks: asyncio.TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -475,3 +476,25 @@ def test_idle_connections_are_kept_four_a_peer_swept_once_stale_and_never_after_
     late, late_end = kept()
     d.release("B", late)
     assert late_end.closed and not d._idle
+
+
+def test_the_direct_path_sets_the_congestion_control_asked_for() -> None:
+    """``direct_congestion``: set on the connections it dials and accepts; one this host does not offer is left
+    alone (the system's), and a name that is not one is refused when configured."""
+    from p2ptrain.net.direct import usable_congestion
+    from p2ptrain.net.swarm import SwarmConfig
+
+    assert usable_congestion(None) is None and usable_congestion("no-such-algorithm") is None
+    assert usable_congestion("reno") == "reno"  # built into every Linux kernel
+    with pytest.raises(ValueError, match="congestion"):
+        SwarmConfig(direct_congestion="cubic; rm -rf /")
+
+    async def go() -> None:
+        d = Direct("me", host="127.0.0.1", ask=None, addresses=None, congestion="reno")  # type: ignore[arg-type]
+        async with _tcp_pair() as ((_, cw), (_, sw)):
+            for w in (cw, sw):
+                d._tune(w)
+                sock = w.get_extra_info("socket")
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == b"reno"
+
+    asyncio.run(go())
