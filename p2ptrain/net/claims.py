@@ -6,6 +6,10 @@ its peer id (net/identity.py); the part's owner keeps the payload and signature 
 of it (a dispute) or the pieces that cover a slice of the part (:class:`Slice`: a random audit). After the all-gather
 each member sends its *claims* (:class:`Entry`, one per part it contributed to) in a check message. Sketches travel
 as 32 little-endian float64 values.
+
+Why it is long: every message verification sends is defined here with its checks on the way in (a field a liar
+chose must cost the reader nothing it did not agree to: sizes, chunkings, path lengths), next to the commitments
+they are checked against; how pieces are cut and hashed is in net/pieces.py and net/merkle.py.
 """
 from __future__ import annotations
 

@@ -30,16 +30,16 @@ import logging
 import math
 import os
 import secrets
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .congestion import set_congestion, usable_congestion
 from .sealed import RECORD, Sealed, derive_keys, hello_mac
 from .wire import FrameError, read_frame, write_frame
 
-__all__ = ["Direct", "DirectInfo", "Sealed", "derive_keys", "hello_mac", "host_of"]
+__all__ = ["Direct", "DirectInfo", "Sealed", "derive_keys", "hello_mac", "host_of", "usable_congestion"]
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +55,6 @@ _SERVE_IDLE = 90.0  # seconds the peer waits for the next exchange on a kept con
 _KEEP_PER_PEER = 4  # idle connections kept per peer (concurrent exchanges open more; the extra ones close)
 _KEEP_IN_ALL = 256  # idle connections kept in all (the oldest close first)
 _SERVE_KEPT_PER_PEER = 8  # connections a peer may keep open to us at once; beyond, each closes after its exchange
-
-def usable_congestion(name: str | None) -> str | None:
-    """``name`` if this host offers that TCP congestion control (Linux), else None (logged when one was asked)."""
-    if name is None:
-        return None
-    try:
-        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
-            offered = f.read().split()
-    except OSError:
-        offered = []
-    if name not in offered or not hasattr(socket, "TCP_CONGESTION"):
-        log.warning("event=congestion_unavailable algorithm=%s offered=%s", name, ",".join(offered) or "-")
-        return None
-    return name
-
 
 #: The daemon's stream callback shape: (info with .peer_id, reader, writer) -> None.
 StreamCallback = Callable[[Any, Any, Any], Awaitable[None]]
@@ -132,14 +117,7 @@ class Direct:
         self.opened = self.accepted = self.reused = 0
 
     def _tune(self, writer: asyncio.StreamWriter) -> None:
-        """Set the connection's congestion control, if one was asked for (a failure is logged: the system's)."""
-        sock = writer.get_extra_info("socket")
-        if self.congestion is None or sock is None:
-            return
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, self.congestion.encode())
-        except OSError as e:
-            log.info("event=congestion_unset algorithm=%s reason=%s", self.congestion, e)
+        set_congestion(writer, self.congestion)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

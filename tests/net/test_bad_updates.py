@@ -66,7 +66,9 @@ async def _rounds(ts: list[Any], rounds: int) -> list[list[Any]]:
         async def one(i: int, t: Any, r: int = r) -> Any:
             g = await t.form_group(JoinRequest(key=f"r{r}", peer_id=t.peer_id, weight=1.0, fragment=0), None,
                                    timeout=15)
-            return await t.allreduce(g, 0, [_update(i)], 1.0, get_codec("fp32"), timeout=8.0)
+            # 20 s: five daemons on two loaded cores (the suite beside a benchmark) missed 8 s once, and an honest
+            # part left out makes the round partial, not the honest mean asserted below; honest rounds end long before
+            return await t.allreduce(g, 0, [_update(i)], 1.0, get_codec("fp32"), timeout=20.0)
 
         out.append(list(await asyncio.gather(*(one(i, t) for i, t in enumerate(ts)), return_exceptions=True)))
     return out
@@ -93,7 +95,7 @@ def test_each_kind_of_bad_update_is_refused_and_its_sender_banned(make: Any, cor
                     if make is libp2p and bad in x.members:
                         lo, hi = part_bounds(64, len(x.members))[x.members.index(bad)]
                         keep[lo:hi] = False
-                    assert torch.allclose(x.tensors[0][keep], honest[keep], atol=1e-6), (r, i)
+                    assert torch.allclose(x.tensors[0][keep], honest[keep], atol=1e-6), (r, i, x.contributors, x.partial)
             guards = [ts[0].swarm.guard] if make is memory else [t.guard for t in ts[: N - 1]]
             # A well-formed part of another size is dropped, not held against its sender (in memory a
             # truncated update is just that; on the wire its bytes contradict its own header).
