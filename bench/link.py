@@ -75,11 +75,13 @@ SYSTEMS = ("p2ptrain", "p2ptrain-plain", "p2ptrain-libp2p", "p2ptrain-libp2p-pla
 
 def _variant(system: str) -> dict[str, Any]:
     """A p2ptrain system's settings: ``p2ptrain`` is the default peer (yamux, verified aggregation, direct path with
-    the system's congestion control; ``-cubic``/``-bbr``: the direct path's connections on that one)."""
+    its default congestion control, CUBIC; ``-cubic``/``-bbr``: the direct path's connections on that one)."""
+    from p2ptrain.net.congestion import DEFAULT_CONGESTION
+
     words = system.split("-")[1:]
     return {"muxer": "mplex" if "mplex" in words else "yamux", "verify": "plain" not in words,
             "direct": "libp2p" not in words and "mplex" not in words,
-            "congestion": next((w for w in words if w in ("cubic", "bbr")), None)}
+            "congestion": next((w for w in words if w in ("cubic", "bbr")), DEFAULT_CONGESTION)}
 
 
 def _emit(rec: dict[str, Any]) -> None:

@@ -97,7 +97,7 @@ def main() -> None:
                     help="p2ptrain peers: seconds a round's leader waits for the live peers; longer than an inner "
                          "step here (join's 2 s default is not: a peer mid-step misses the round)")
     ap.add_argument("--congestion", default=None,
-                    help="the direct path's TCP congestion control (e.g. cubic, bbr; default: the system's)")
+                    help="the direct path's TCP congestion control (e.g. cubic, bbr, system; default: the peers' own, cubic)")
     ap.add_argument("--update", action="store_true",
                     help="keep the other methods' figures already in --out (each keeps the command that made it)")
     ap.add_argument("--out", type=Path, default=RESULTS / "utilization.json")

@@ -348,7 +348,8 @@ def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> J
         client_mode=f.client_mode,
         use_relay=not f.no_relay, use_auto_relay=f.use_auto_relay, join_window=peer_cfg.join_window, ttl=peer_cfg.ttl,
         direct=not f.no_direct, direct_port=f.direct_port, direct_announce=f.direct_announce,
-        direct_congestion=f.direct_congestion,
+        **({} if f.direct_congestion is None else
+           {"direct_congestion": None if f.direct_congestion == "system" else f.direct_congestion}),
         quorum_memory=peer_cfg.quorum_memory,
         connect_attempts=f.connect_attempts, guard=GuardConfig(aggregation=f.aggregation, norm_bound=f.norm_bound),
         swarm_key=SwarmKey.load(f.swarm_key_file) if f.swarm_key_file else None)

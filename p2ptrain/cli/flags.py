@@ -130,7 +130,7 @@ class JoinFlags:
     no_direct: Annotated[bool, typer.Option("--no-direct", help="Send fragments over libp2p only (no direct TCP path).")] = False
     direct_port: Annotated[int, typer.Option("--direct-port", min=0, max=65535, help="TCP port of the direct path for fragments (0: any; behind a firewall, fix and open it).")] = 0
     direct_announce: Annotated[str | None, typer.Option("--direct-announce", help="host:port other peers should dial for the direct path (a public address).")] = None
-    direct_congestion: Annotated[str | None, typer.Option("--direct-congestion", help="TCP congestion control of the direct path (e.g. cubic, bbr; default: the system's).")] = None
+    direct_congestion: Annotated[str | None, typer.Option("--direct-congestion", help="TCP congestion control of the direct path (e.g. cubic, bbr; 'system': the host's default).", show_default="cubic")] = None
     connect_attempts: Annotated[int, typer.Option("--connect-attempts", min=1, help="Tries (with backoff) when initial peers are unreachable.")] = 5
     join_window: Annotated[float | None, typer.Option("--join-window", show_default="2.0", help="Seconds a round leader waits for peers.")] = None
     min_step_seconds: Annotated[float | None, typer.Option("--min-step-seconds", help="Pad each inner step to this long (emulate a slower device).")] = None

@@ -16,6 +16,7 @@ from typing import Any
 from ..collective.butterfly import MIN_CHUNK
 from ..faults import FaultPlan
 from .auth import SwarmKey
+from .congestion import DEFAULT_CONGESTION
 from .guard import GuardConfig
 from .identity import Identity, IdentityError
 from .state_transfer import DEFAULT_CHUNK, MAX_STATE
@@ -96,8 +97,8 @@ class SwarmConfig:
         direct_announce: ``host:port`` others should dial for the direct path (a public address or a relay);
             None: the host of this peer's announced addresses and the port it listens on.
         direct_congestion: the TCP congestion control of the direct path's connections (Linux: one of
-            ``/proc/sys/net/ipv4/tcp_available_congestion_control``, e.g. ``cubic`` or ``bbr``); None: the system's.
-            One that this host does not offer is logged and left alone.
+            ``/proc/sys/net/ipv4/tcp_available_congestion_control``; default ``cubic``, measured in
+            net/congestion.py); None: the system's. One that this host does not offer is logged and left alone.
         faults: fault injection (tests only): broken updates to send, an all-reduce to die in (p2ptrain.faults);
             by default what the environment asks for (nothing, unless a test set its variables).
     """
@@ -130,7 +131,7 @@ class SwarmConfig:
     direct: bool = True
     direct_port: int = 0
     direct_announce: str | None = None
-    direct_congestion: str | None = None
+    direct_congestion: str | None = DEFAULT_CONGESTION
     dht_timeout: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan.from_env)
 

@@ -481,9 +481,15 @@ def test_idle_connections_are_kept_four_a_peer_swept_once_stale_and_never_after_
 def test_the_direct_path_sets_the_congestion_control_asked_for() -> None:
     """``direct_congestion``: set on the connections it dials and accepts; one this host does not offer is left
     alone (the system's), and a name that is not one is refused when configured."""
+    from p2ptrain.cli.config import join_config
+    from p2ptrain.net.congestion import DEFAULT_CONGESTION
     from p2ptrain.net.direct import usable_congestion
     from p2ptrain.net.swarm import SwarmConfig
 
+    assert SwarmConfig().direct_congestion == DEFAULT_CONGESTION == "cubic"
+    for flag, want in ((None, "cubic"), ("bbr", "bbr"), ("system", None)):
+        run = join_config({}, {"direct_congestion": flag, "steps": 2})
+        assert run.swarm.direct_congestion == want, (flag, run.swarm.direct_congestion)
     assert usable_congestion(None) is None and usable_congestion("no-such-algorithm") is None
     assert usable_congestion("reno") == "reno"  # built into every Linux kernel
     with pytest.raises(ValueError, match="congestion"):
