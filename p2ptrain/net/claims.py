@@ -28,7 +28,7 @@ from ..collective.codecs import get_codec
 from ..collective.sketch import BUCKETS, Key, clipped, seed, sketch
 from .chunks import decode_chunked
 from .identity import Identity, verify_signature
-from .merkle import MAX_DEPTH, merkle_path, root_from_path
+from .merkle import MAX_DEPTH, merkle_paths, root_from_path
 from .pieces import (
     AUDIT_GRAIN,
     RAW,
@@ -220,7 +220,7 @@ class Evidence:
                 at += n
         return {"w": self.weight, "numel": self.numel, "codec": self.codec, "chunk": self.chunk, "sig": self.sig,
                 "pk": self.pk, "first": first, "data": data,
-                "paths": [merkle_path(self.shas, i) for i in range(first, last + 1)]}
+                "paths": merkle_paths(self.shas, range(first, last + 1))}
 
     @classmethod
     def from_wire(cls, m: Mapping[str, Any], numel: int | None = None) -> Evidence:

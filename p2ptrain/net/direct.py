@@ -116,9 +116,6 @@ class Direct:
         self._closed = False
         self.opened = self.accepted = self.reused = 0
 
-    def _tune(self, writer: asyncio.StreamWriter) -> None:
-        set_congestion(writer, self.congestion)
-
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self.listen:
@@ -167,7 +164,7 @@ class Direct:
         return reply
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._tune(writer)
+        set_congestion(writer, self.congestion)
         task = asyncio.current_task()
         if task is not None:
             self._exchanges[task] = writer
@@ -257,7 +254,7 @@ class Direct:
             try:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(ticket.host, ticket.port, limit=RECORD + 64 * 1024), min(timeout, 3.0))
-                self._tune(writer)
+                set_congestion(writer, self.congestion)
                 break
             except (OSError, TimeoutError) as e:
                 if fresh:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-__all__ = ["MAX_DEPTH", "merkle_path", "merkle_root", "root_from_path"]
+__all__ = ["MAX_DEPTH", "merkle_path", "merkle_paths", "merkle_root", "root_from_path"]
 
 #: More levels than any payload has (2^48 pieces): a longer path is refused before any hashing.
 MAX_DEPTH = 48
@@ -35,32 +35,49 @@ def merkle_root(shas: Sequence[bytes]) -> bytes:
     """The root over ``shas`` (the pieces' SHA-256s, in order); of none, SHA-256 of nothing."""
     if not shas:
         return hashlib.sha256(b"").digest()
-    level = [_leaf(s) for s in shas]
-    return _root(level)
+    return _Tree(shas).root(0, len(shas))
 
 
-def _root(nodes: Sequence[bytes]) -> bytes:
-    if len(nodes) == 1:
-        return nodes[0]
-    k = _split(len(nodes))
-    return _node(_root(nodes[:k]), _root(nodes[k:]))
+class _Tree:
+    """The subtrees' roots over a list of piece hashes, each computed once (several paths share them)."""
+
+    def __init__(self, shas: Sequence[bytes]) -> None:
+        self.leaves = [_leaf(s) for s in shas]
+        self._roots: dict[tuple[int, int], bytes] = {}
+
+    def root(self, lo: int, hi: int) -> bytes:
+        if hi - lo == 1:
+            return self.leaves[lo]
+        got = self._roots.get((lo, hi))
+        if got is None:
+            k = lo + _split(hi - lo)
+            got = self._roots[(lo, hi)] = _node(self.root(lo, k), self.root(k, hi))
+        return got
+
+    def path(self, index: int) -> list[bytes]:
+        lo, hi, path = 0, len(self.leaves), []
+        while hi - lo > 1:
+            k = lo + _split(hi - lo)
+            if index < k:
+                path.append(self.root(k, hi))
+                hi = k
+            else:
+                path.append(self.root(lo, k))
+                lo = k
+        return path[::-1]
 
 
 def merkle_path(shas: Sequence[bytes], index: int) -> list[bytes]:
     """The hashes that lead from piece ``index`` to the root, the leaf's sibling first."""
-    if not 0 <= index < len(shas):
-        raise IndexError(f"piece {index} of {len(shas)}")
-    path: list[bytes] = []
-    nodes = [_leaf(s) for s in shas]
-    while len(nodes) > 1:
-        k = _split(len(nodes))
-        if index < k:
-            path.append(_root(nodes[k:]))
-            nodes = nodes[:k]
-        else:
-            path.append(_root(nodes[:k]))
-            nodes, index = nodes[k:], index - k
-    return path[::-1]
+    return merkle_paths(shas, [index])[0]
+
+
+def merkle_paths(shas: Sequence[bytes], indices: Sequence[int]) -> list[list[bytes]]:
+    """:func:`merkle_path` of each of ``indices``, hashing the tree once for all of them."""
+    if any(not 0 <= i < len(shas) for i in indices):
+        raise IndexError(f"pieces {list(indices)} of {len(shas)}")
+    tree = _Tree(shas)
+    return [tree.path(i) for i in indices]
 
 
 def root_from_path(sha: bytes, index: int, n: int, path: Sequence[bytes]) -> bytes:

@@ -482,7 +482,7 @@ def test_the_direct_path_sets_the_congestion_control_asked_for() -> None:
     """``direct_congestion``: set on the connections it dials and accepts; one this host does not offer is left
     alone (the system's), and a name that is not one is refused when configured."""
     from p2ptrain.cli.config import join_config
-    from p2ptrain.net.congestion import DEFAULT_CONGESTION
+    from p2ptrain.net.congestion import DEFAULT_CONGESTION, set_congestion
     from p2ptrain.net.direct import usable_congestion
     from p2ptrain.net.swarm import SwarmConfig
 
@@ -497,9 +497,10 @@ def test_the_direct_path_sets_the_congestion_control_asked_for() -> None:
 
     async def go() -> None:
         d = Direct("me", host="127.0.0.1", ask=None, addresses=None, congestion="reno")  # type: ignore[arg-type]
+        assert d.congestion == "reno"
         async with _tcp_pair() as ((_, cw), (_, sw)):
             for w in (cw, sw):
-                d._tune(w)
+                set_congestion(w, d.congestion)
                 sock = w.get_extra_info("socket")
                 assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == b"reno"
 

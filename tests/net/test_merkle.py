@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from p2ptrain.net.merkle import merkle_path, merkle_root, root_from_path
+from p2ptrain.net.merkle import merkle_path, merkle_paths, merkle_root, root_from_path
 
 
 def _h(b: bytes) -> bytes:
@@ -54,6 +54,7 @@ def test_every_piece_leads_to_the_root_along_its_path(n: int) -> None:
                 root_from_path(shas[i], i, n, path[:-1])
         with pytest.raises(ValueError):
             root_from_path(shas[i], i, n, [*path, bytes(32)])
+    assert merkle_paths(shas, range(n)) == [merkle_path(shas, i) for i in range(n)]  # one tree for several paths
 
 
 def test_a_path_is_checked_against_the_grid() -> None:
