@@ -218,6 +218,14 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
     return data, len(data), "o:" + other
 
 
+def _shard_note(offer: bytes) -> str:
+    """``contributors:total weight`` of a shard's offer, for the log (``?`` if it is truncated)."""
+    if len(offer) < _HEADER.size:
+        return "?"
+    total, count = _HEADER.unpack_from(offer)
+    return f"{count}:{total:.0f}"
+
+
 async def hierarchical_allreduce(transport: Transport, group: Group, plan: Plan, phase: int,
                                  tensors: Sequence[torch.Tensor], weight: float, codec: Codec, *, timeout: float,
                                  fingerprint: Sequence[float] | None = None) -> ReduceResult:
@@ -415,11 +423,11 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
                          *(check_own(s) for s in list(offers)))
     timeline["gathered"] = time.monotonic() - t0
     # What each shard was and where from, for comparing members' logs after a round: its source, the crc32 of its
-    # offer's first 4 KiB (two averages differ from the first values on) and its contributors count.
-    log.info("event=shards key=%s phase=%d local=%d/%d shards=%s", group.key, phase, len(local.contributors),
-             len(plan.local.members), ",".join(
-                 f"s{s}:{source.get(s, '-')}:{zlib.crc32(offers[s][:4096]):08x}:"
-                 f"{_HEADER.unpack_from(offers[s])[1] if len(offers[s]) >= _HEADER.size else '?'}"
+    # offer's first 4 KiB (two averages differ from the first values on), its contributors count and its total
+    # weight (which cells' tokens it holds: a round's tokens are the largest of these).
+    log.info("event=shards key=%s phase=%d local=%d/%d weight=%.0f shards=%s", group.key, phase,
+             len(local.contributors), len(plan.local.members), local.total_weight, ",".join(
+                 f"s{s}:{source.get(s, '-')}:{zlib.crc32(offers[s][:4096]):08x}:{_shard_note(offers[s])}"
                  for s in sorted(offers)))
     # The θ a repair takes (the most common winner of the shards our cell lost outright), if any.
     target = min(set(won), key=lambda p: (-won.count(p), p)) if outvoted and won else None
