@@ -331,13 +331,19 @@ class HivemindTransport(Transport):
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         """``coro`` as a task of the transport's task group (None, and ``coro`` closed, once it is closing)."""
-        if self._tasks is None:
+        task = self._adopt(coro)
+        if task is None:
             coro.close()
+        return task
+
+    def _adopt(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any] | None:
+        """``coro`` as a task of the transport's task group, or None (``coro`` untouched: the caller owns it) once
+        it is closing: an all-reduce's deliveries (net/allreduce.py), which may outlive the run."""
+        if self._tasks is None:
             return None
         try:
             return self._tasks.create_task(coro)
         except RuntimeError:  # the transport is closing
-            coro.close()
             return None
 
     async def _read_view(self) -> None:
@@ -605,7 +611,7 @@ class HivemindTransport(Transport):
                            gone=lambda: self._gone(group.key, phase), guard=self.guard, links=self.links,
                            chunk=stream_chunk(-(-sum(t.numel() for t in tensors) // len(group.members)),
                                               self.cfg.chunk_values), faults=self.cfg.faults, audit=audit,
-                           pipeline=self.cfg.pipeline)
+                           pipeline=self.cfg.pipeline, deliver=self._adopt)
         try:
             return await run.run()
         finally:
