@@ -72,6 +72,67 @@ def life_rows(phase: dict[str, Any], seq: int, fragments: int) -> list[dict[str,
     return rows
 
 
+_APPLIED = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) .* tokens=(\d+) divergent=(\w+) .* own=(\d+)")
+_SHARDS = re.compile(r"^ts=(\S+ \S+) .*event=shards key=(\S+) phase=0 local=\d+/\d+ weight=(\d+) shards=(\S+)")
+
+
+def _cells_summing_to(weights: list[float], total: float) -> tuple[float, ...] | None:
+    """The cells' weights whose sum is ``total`` (to a token per cell: the logs round them), or None."""
+    for n in range(len(weights), 0, -1):
+        for sub in itertools.combinations(weights, n):
+            if abs(sum(sub) - total) <= n:
+                return sub
+    return None
+
+
+def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per hierarchical round applied in the window, where its total weight (``tokens=``: the largest of its shards'
+    totals, net/hierarchy.py) came from, against the tokens its appliers said were theirs (``own=``). Each member's
+    ``event=shards`` line names its cell's weight and every shard's total; the cells a total holds are the subset
+    of the round's cells' weights that sums to it. A cell in the total whose members applied the round with
+    ``own=0`` (outvoted: their tokens go into their next round) is counted twice by the totals; one whose members
+    wrote no ``applied`` line (they died, left or failed it) is counted by the totals and missed by the own account."""
+    w0, w1 = phase["window_s"]
+    t0 = phase["started_unix"]
+    work = Path(phase["work"])
+    cell: dict[str, dict[str, float]] = {}  # key -> log -> its cell's weight
+    totals: dict[str, float] = {}  # key -> the largest shard total any member saw
+    applied: dict[str, dict[str, tuple[float, bool, float]]] = {}  # key -> log -> (tokens, divergent, own)
+    for p in phase["peers"].values():
+        for life in p["lives"]:
+            log = work / life["log"]
+            if not log.exists():
+                continue
+            for line in log.read_text(errors="replace").splitlines():
+                if (m := _SHARDS.match(line)) is not None:
+                    key = m.group(2)
+                    cell.setdefault(key, {})[life["log"]] = float(m.group(3))
+                    shard_totals = [float(f.split(":")[4]) for f in m.group(4).split(",") if f.count(":") == 4]
+                    totals[key] = max([totals.get(key, 0.0), *shard_totals])
+                elif (m := _APPLIED.match(line)) is not None and w0 <= _unix(m.group(1)) - t0 <= w1:
+                    applied.setdefault(m.group(2), {})[life["log"]] = (float(m.group(3)), m.group(4) == "True",
+                                                                       float(m.group(5)))
+    rows = []
+    for key, appliers in sorted(applied.items()):
+        if key not in cell:
+            continue  # a flat round: its total is its members' weights
+        tokens = max(t for t, _, _ in appliers.values())
+        weights = sorted(set(cell[key].values()))
+        held = _cells_summing_to(weights, totals.get(key, tokens))
+        twice = missed = 0.0
+        for w in held or ():
+            logs = [lg for lg, cw in cell[key].items() if cw == w]
+            own = [appliers[lg][2] for lg in logs if lg in appliers]
+            if own and not any(own):
+                twice += w
+            elif not own:
+                missed += w
+        rows.append({"key": key, "tokens": tokens, "own": sum(o for _, _, o in appliers.values()),
+                     "cells": len(weights), "cells_in_total": None if held is None else len(held),
+                     "outvoted_cells_counted": twice, "cells_not_applied": missed})
+    return rows
+
+
 _STARTED = re.compile(r"event=started (.*)$")
 #: The phases of a start a peer's ``event=started`` line gives (p2ptrain/peer/startup.py).
 START_FIELDS = ("process_seconds", "before_start", "cpu_seconds", "connect", "pacing", "state")
@@ -150,8 +211,20 @@ def main(argv: list[str] | None = None) -> None:
         peer_seconds = sum(max(0.0, min(w1, lf["ended"] if lf["ended"] is not None else w1) - max(w0, lf["started"]))
                            for p in ph["peers"].values() for lf in p["lives"])
         start_summary = startup_summary(starts, peer_seconds)
+        accounts = round_accounts(ph)
         result["phases"][ph["phase"]] = {"lives": rows, "summary": summary, "startups": starts,
-                                         "startup_summary": start_summary}
+                                         "startup_summary": start_summary, "rounds": accounts}
+        if accounts:
+            fields = ("tokens", "own", "outvoted_cells_counted", "cells_not_applied")
+            sums = {k: sum(r[k] for r in accounts) for k in fields}
+            out.print(table(f"{ph['phase']}: the hierarchical rounds' totals against their appliers' own tokens "
+                            f"({len(accounts)} rounds; {sum(r['cells_in_total'] is None for r in accounts)} "
+                            "totals no subset of the cells sums to)",
+                            ["Σ totals (tokens=)", "Σ own", "outvoted cells in a total (counted twice)",
+                             "cells in a total none of whose members applied", "rest"],
+                            [[f"{sums['tokens']:,.0f}", f"{sums['own']:,.0f}", f"{sums['outvoted_cells_counted']:,.0f}",
+                              f"{sums['cells_not_applied']:,.0f}",
+                              f"{sums['tokens'] - sums['own'] - sums['outvoted_cells_counted'] - sums['cells_not_applied']:,.0f}"]]))
         if start_summary:
             out.print(table(f"{ph['phase']}: where the starts went (median seconds of each phase; event=started)",
                             ["starts", "count", *START_FIELDS, "seconds in all", "of the peer time"],

@@ -575,6 +575,7 @@ class ButterflyRun:
         """Send our claims to every member, wait for theirs, judge the parts we did not own."""
         audit = self.audit
         assert audit is not None
+        audit.prefetch(tg, self._until(VERDICTS))  # our audits' slices, fetched while the claims are exchanged
         lo, hi = self.bounds[self.me]
         own = self.forged if self.forged is not None else self.flat[lo:hi]
         entries = await asyncio.to_thread(audit.entries, own)

@@ -114,6 +114,8 @@ class Audit:
         self.stats = AuditStats()
         self.audit_per_part = max(0.0, audit_rate) / max(1, len(self.members) - 1)  # slices, on average
         self._draw = random.Random(int.from_bytes(os.urandom(8), "big"))
+        self._slices: dict[int, list[tuple[int, int]]] = {}  # part -> the slices our audit of it drew
+        self._fetches: dict[tuple[int, str, int, int], asyncio.Task[tuple[Any, int]]] = {}  # prefetched slices
 
     # ------------------------------------------------------------------ signing what leaves
     def sign_own(self, own: torch.Tensor, chunk: int) -> bytes:
@@ -387,31 +389,62 @@ class Audit:
                 return Verdict("use")
         return await judge.settle(j, owner, res, digest, values, fetch, why, direct)
 
-    async def _audit(self, judge: Judge, j: int, res: dict[str, Any], values: torch.Tensor, until: float
-                     ) -> str | None:
-        """Our random audit of part ``j`` (see the class): why it failed, or None (also when none was drawn)."""
+    def prefetch(self, tg: asyncio.TaskGroup, until: float) -> None:
+        """Draw our random audits of every part whose result we hold (on our own, as :meth:`_audit` would) and
+        start fetching their slices now, as tasks of ``tg``: the owners show them while the claims are exchanged,
+        and :meth:`_audit` judges them once the claims are in (a slice is checked against its contributor's claim).
+        2 peers, 1 MB: the audit's round trip to the owner came after the claims, 5–10 ms of a 0.1 s round."""
+        if self.rule == "centered-clip":
+            return  # its audits are of the whole part (a dispute), nothing to fetch ahead
+        for j in range(len(self.members)):
+            res = self.box.results.get(j)
+            if j == self.me or j in self._slices or res is None or self._result(j) is None:
+                continue
+            slices = self._slices[j] = self._draw_slices(j, res)
+            contributors = [str(p) for p in res.get("contributors") or []]
+            for lo, hi in slices:
+                for who in contributors:
+                    if not (who == self.me_id and j in self.sent):
+                        self._fetches[(j, who, lo, hi)] = tg.create_task(self._fetch_slice(j, who, lo, hi, until))
+
+    def _draw_slices(self, j: int, res: dict[str, Any]) -> list[tuple[int, int]]:
+        """Our random draw of the slices of part ``j`` to audit (none with probability 1 − the rate's fraction)."""
         r = self.audit_per_part
         n = int(r) + (self._draw.random() < r - int(r))
-        if n == 0:
-            return None
-        if self.rule == "centered-clip":
-            self.stats.audits += 1
-            return "a random audit (of the whole part: CenteredClip)"
+        if n == 0 or self.rule == "centered-clip":
+            return [(0, 0)] * n  # (CenteredClip: an audit of the whole part, drawn as often)
         a, b = self.bounds[j]
         # slices of AUDIT_GRAIN values from each chunk's start (a multiple of every codec's block: the slice's
         # average is encoded as it is inside its chunk)
         grains = [(s, min(s + AUDIT_GRAIN, hi)) for lo, hi in result_bounds(res, b - a)
                   for s in range(lo, hi, AUDIT_GRAIN)]
-        slices = sorted(self._draw.sample(grains, min(n, len(grains))))
+        return sorted(self._draw.sample(grains, min(n, len(grains))))
+
+    async def _fetch_slice(self, j: int, who: str, lo: int, hi: int, until: float) -> tuple[Any, int]:
+        a, b = self.bounds[j]
+        return await fetch_slice(self.call, self.members[j], self.key, self.phase, j, who, lo, hi, b - a,
+                                 max(0.1, until - time.monotonic()))
+
+    async def _audit(self, judge: Judge, j: int, res: dict[str, Any], values: torch.Tensor, until: float
+                     ) -> str | None:
+        """Our random audit of part ``j`` (see the class): why it failed, or None (also when none was drawn). Its
+        slices were drawn, and their fetches started, by :meth:`prefetch` when it saw this result."""
+        slices = self._slices.get(j) if self.box.results.get(j) is res else None
+        if slices is None:
+            slices = self._slices[j] = self._draw_slices(j, res)
+        if not slices:
+            return None
+        if self.rule == "centered-clip":
+            self.stats.audits += 1
+            return "a random audit (of the whole part: CenteredClip)"
         self.stats.audits += len(slices)
-        owner = self.members[j]
 
         async def fetch(who: str, lo: int, hi: int) -> tuple[Any, int]:
-            return await fetch_slice(self.call, owner, self.key, self.phase, j, who, lo, hi, b - a,
-                                     max(0.1, until - time.monotonic()))
+            got = self._fetches.pop((j, who, lo, hi), None)
+            return await got if got is not None else await self._fetch_slice(j, who, lo, hi, until)
 
         held = {self.me_id: lambda lo, hi: (self.weight, self._sent_values(j, lo, hi))} if j in self.sent else None
-        why = await judge.audit(j, owner, res, values, slices, fetch, held)
+        why = await judge.audit(j, self.members[j], res, values, slices, fetch, held)
         return None if why is None else f"a random audit: {why}"
 
     def _sent_values(self, j: int, lo: int, hi: int) -> torch.Tensor:
