@@ -89,9 +89,11 @@ def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
     """Per hierarchical round applied in the window, where its total weight (``tokens=``: the largest of its shards'
     totals, net/hierarchy.py) came from, against the tokens its appliers said were theirs (``own=``). Each member's
     ``event=shards`` line names its cell's weight and every shard's total; the cells a total holds are the subset
-    of the round's cells' weights that sums to it. A cell in the total whose members applied the round with
-    ``own=0`` (outvoted: their tokens go into their next round) is counted twice by the totals; one whose members
-    wrote no ``applied`` line (they died, left or failed it) is counted by the totals and missed by the own account."""
+    of the round's cells' weights that sums to it. For each cell in the total, what its members' ``own`` lines
+    do not account for (its weight less their own tokens) is put down to: members that applied the round with
+    ``own=0`` (outvoted: their tokens go into their next round, so the totals count them twice) when every member
+    of the cell wrote an ``applied`` line; members that wrote none (they died, left or failed it: the totals count
+    them, the own account misses them) when none did; either, when some did."""
     w0, w1 = phase["window_s"]
     t0 = phase["started_unix"]
     work = Path(phase["work"])
@@ -119,17 +121,20 @@ def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
         tokens = max(t for t, _, _ in appliers.values())
         weights = sorted(set(cell[key].values()))
         held = _cells_summing_to(weights, totals.get(key, tokens))
-        twice = missed = 0.0
+        twice = missed = either = 0.0
         for w in held or ():
             logs = [lg for lg, cw in cell[key].items() if cw == w]
             own = [appliers[lg][2] for lg in logs if lg in appliers]
-            if own and not any(own):
-                twice += w
+            short = max(0.0, w - sum(own))
+            if len(own) == len(logs):
+                twice += short
             elif not own:
-                missed += w
+                missed += short
+            else:
+                either += short
         rows.append({"key": key, "tokens": tokens, "own": sum(o for _, _, o in appliers.values()),
                      "cells": len(weights), "cells_in_total": None if held is None else len(held),
-                     "outvoted_cells_counted": twice, "cells_not_applied": missed})
+                     "counted_twice": twice, "not_applied": missed, "either": either})
     return rows
 
 
@@ -215,16 +220,15 @@ def main(argv: list[str] | None = None) -> None:
         result["phases"][ph["phase"]] = {"lives": rows, "summary": summary, "startups": starts,
                                          "startup_summary": start_summary, "rounds": accounts}
         if accounts:
-            fields = ("tokens", "own", "outvoted_cells_counted", "cells_not_applied")
+            fields = ("tokens", "own", "counted_twice", "not_applied", "either")
             sums = {k: sum(r[k] for r in accounts) for k in fields}
+            rest = sums["tokens"] - sums["own"] - sums["counted_twice"] - sums["not_applied"] - sums["either"]
             out.print(table(f"{ph['phase']}: the hierarchical rounds' totals against their appliers' own tokens "
                             f"({len(accounts)} rounds; {sum(r['cells_in_total'] is None for r in accounts)} "
                             "totals no subset of the cells sums to)",
-                            ["Σ totals (tokens=)", "Σ own", "outvoted cells in a total (counted twice)",
-                             "cells in a total none of whose members applied", "rest"],
-                            [[f"{sums['tokens']:,.0f}", f"{sums['own']:,.0f}", f"{sums['outvoted_cells_counted']:,.0f}",
-                              f"{sums['cells_not_applied']:,.0f}",
-                              f"{sums['tokens'] - sums['own'] - sums['outvoted_cells_counted'] - sums['cells_not_applied']:,.0f}"]]))
+                            ["Σ totals (tokens=)", "Σ own", "own=0 appliers (counted twice)",
+                             "members that did not apply", "either", "rest"],
+                            [[f"{sums[k]:,.0f}" for k in fields] + [f"{rest:,.0f}"]]))
         if start_summary:
             out.print(table(f"{ph['phase']}: where the starts went (median seconds of each phase; event=started)",
                             ["starts", "count", *START_FIELDS, "seconds in all", "of the peer time"],

@@ -615,7 +615,7 @@ class ButterflyRun:
 
     # 6. assembly
     async def _assemble(self, sent: int) -> ReduceResult:
-        out = Assembly(self.flat.numel(), self.members, self.me, check_agree=self.fp is not None)
+        out = Assembly(self.flat.numel(), self.members, self.me, check_agree=self.fp is not None, fingerprint=self.fp)
         for j, (a, b) in enumerate(self.bounds):
             res = self.box.results.get(j)
             if res is None:

@@ -27,7 +27,7 @@ import torch
 
 from ..collective.codecs import Codec
 from .chunks import Refused, chunked_size
-from .groups import agreed_print, half_or_less, majority_fingerprint
+from .groups import agreed_print, fingerprints_match, half_or_less, majority_fingerprint
 from .guard import Guard
 from .transport import Group, ReduceResult, RoundFailed
 
@@ -151,8 +151,10 @@ class Assembly:
     result whose majority does not include it says this member's θ diverged.
     """
 
-    def __init__(self, numel: int, members: Sequence[str], me: int, *, check_agree: bool) -> None:
+    def __init__(self, numel: int, members: Sequence[str], me: int, *, check_agree: bool,
+                 fingerprint: Sequence[float] | None = None) -> None:
         self.members, self.me, self.check_agree = tuple(members), me, check_agree
+        self.fp = None if fingerprint is None else tuple(float(v) for v in fingerprint)
         self.out = torch.empty(numel, dtype=torch.float32)  # parts not used are zeroed in result() (zeros of a
         # 64 MB fragment cost ~90 ms of a loaded CPU for values that are all written over)
         self.filled: list[tuple[int, int]] = []
@@ -190,7 +192,15 @@ class Assembly:
         for p in who:
             self.coverage[p] = self.coverage.get(p, 0) + size
         self.partial |= len(who) < len(self.members)
-        if self.check_agree and self.members[self.me] not in {str(p) for p in res["agree"]}:
+        me = self.members[self.me]
+        if self.check_agree and me not in {str(p) for p in res["agree"]} and (
+                me in heard or self.fp is None or not isinstance(res.get("print"), list | tuple)
+                or print_problem(res["print"]) or not fingerprints_match(self.fp, res["print"])):
+            # Voted out: the owner heard our share and left it out for our θ. A share that never reached the owner
+            # (late, cut off) says nothing of our θ: only our fingerprint against the majority's print does. Taken
+            # for a vote, a hierarchical carrier's share that missed one part's owner made its cell "outvoted": its
+            # members repaired onto the θ they held and applied with their tokens sent again, while their cell's
+            # mean was in the shard's other parts (churn_accounts, f2.L598606140: 232 k tokens counted twice).
             self.divergent = True
         # The largest total of the parts used, the same at every member that used the same parts (our own part's
         # total, as it was, differs between members when owners heard different contributors: a hierarchical

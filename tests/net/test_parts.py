@@ -144,6 +144,30 @@ def test_a_part_voted_down_to_half_but_heard_from_more_is_used() -> None:
             assemble(heard).result(group, 0, [torch.zeros(8)], sent=0, seconds=0.0)
 
 
+def test_a_share_that_missed_one_owner_is_no_vote_against_our_theta() -> None:
+    """Our share of part 1 did not reach its owner (late, cut off): part 1's 'agree' lacks us, but its owner never
+    heard us, so only our fingerprint against the majority's print says whether our θ diverged. Taken for a vote,
+    a hierarchical carrier's late share made its whole cell 'outvoted' while the cell's mean was in the shard's
+    other parts (churn_accounts, f2.L598606140): its members applied with their tokens counted again."""
+    group = Group("k", MEMBERS, "a", 0)
+    theirs = [1.0, 2.0]
+
+    def assemble(ours: list[float] | None, heard: list[str]) -> bool:
+        asm = Assembly(6, MEMBERS, 0, check_agree=True, fingerprint=ours)
+        asm.add(0, 0, 2, torch.ones(2), {"contributors": ["a", "b", "c"], "agree": ["a", "b", "c"],
+                                        "heard": ["a", "b", "c"], "total": 3.0, "print": theirs})
+        asm.add(1, 2, 4, torch.ones(2), {"contributors": ["b", "c"], "agree": ["b", "c"], "heard": heard,
+                                        "total": 2.0, "print": theirs})
+        asm.skip()  # part 2's result never came
+        return asm.result(group, 0, [torch.zeros(6)], sent=0, seconds=0.0).divergent
+
+    assert not assemble([1.0, 2.0], ["b", "c"])  # not heard, our θ is the majority's: not divergent
+    assert not assemble([1.0 + 1e-9, 2.0], ["b", "c"])  # (fingerprints match within their tolerance)
+    assert assemble([1.0, 2.5], ["b", "c"])  # not heard, but our θ is another: divergent
+    assert assemble([1.0, 2.0], ["a", "b", "c"])  # heard and left out: a vote against our θ, whatever we hold
+    assert assemble(None, ["b", "c"])  # no fingerprint of ours to compare: as before, divergent
+
+
 def test_every_member_that_uses_the_same_parts_reports_the_same_total() -> None:
     """Parts averaged from different contributors carry different totals. Each member used to report its own
     part's: a hierarchical shard's carriers then put different totals in their offers, and the members refused the
