@@ -73,7 +73,7 @@ def life_rows(phase: dict[str, Any], seq: int, fragments: int) -> list[dict[str,
 
 
 _APPLIED = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) .* tokens=(\d+) divergent=(\w+) .* own=(\d+)")
-_SHARDS = re.compile(r"^ts=(\S+ \S+) .*event=shards key=(\S+) phase=0 local=\d+/\d+ weight=(\d+) shards=(\S+)")
+_SHARDS = re.compile(r"^ts=(\S+ \S+) .*event=shards key=(\S+) phase=0 local=(\d+)/\d+ weight=(\d+) shards=(\S+)")
 
 
 def _cells_summing_to(weights: list[float], total: float) -> tuple[float, ...] | None:
@@ -91,13 +91,15 @@ def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
     ``event=shards`` line names its cell's weight and every shard's total; the cells a total holds are the subset
     of the round's cells' weights that sums to it. For each cell in the total, what its members' ``own`` lines
     do not account for (its weight less their own tokens) is put down to: members that applied the round with
-    ``own=0`` (outvoted: their tokens go into their next round, so the totals count them twice) when every member
-    of the cell wrote an ``applied`` line; members that wrote none (they died, left or failed it: the totals count
-    them, the own account misses them) when none did; either, when some did."""
+    ``own=0`` (outvoted: their tokens go into their next round, so the totals count them twice) when every
+    contributor of the cell (``local=``) wrote an ``applied`` line; members that wrote none (they died, left or
+    failed it: the totals count them, the own account misses them) when none of those that did says ``own=0``;
+    either, otherwise."""
     w0, w1 = phase["window_s"]
     t0 = phase["started_unix"]
     work = Path(phase["work"])
     cell: dict[str, dict[str, float]] = {}  # key -> log -> its cell's weight
+    size: dict[tuple[str, float], int] = {}  # (key, a cell's weight) -> its contributors
     totals: dict[str, float] = {}  # key -> the largest shard total any member saw
     applied: dict[str, dict[str, tuple[float, bool, float]]] = {}  # key -> log -> (tokens, divergent, own)
     for p in phase["peers"].values():
@@ -107,9 +109,10 @@ def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             for line in log.read_text(errors="replace").splitlines():
                 if (m := _SHARDS.match(line)) is not None:
-                    key = m.group(2)
-                    cell.setdefault(key, {})[life["log"]] = float(m.group(3))
-                    shard_totals = [float(f.split(":")[4]) for f in m.group(4).split(",") if f.count(":") == 4]
+                    key, w = m.group(2), float(m.group(4))
+                    cell.setdefault(key, {})[life["log"]] = w
+                    size[(key, w)] = max(size.get((key, w), 0), int(m.group(3)))
+                    shard_totals = [float(f.split(":")[4]) for f in m.group(5).split(",") if f.count(":") == 4]
                     totals[key] = max([totals.get(key, 0.0), *shard_totals])
                 elif (m := _APPLIED.match(line)) is not None and w0 <= _unix(m.group(1)) - t0 <= w1:
                     applied.setdefault(m.group(2), {})[life["log"]] = (float(m.group(3)), m.group(4) == "True",
@@ -126,9 +129,9 @@ def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
             logs = [lg for lg, cw in cell[key].items() if cw == w]
             own = [appliers[lg][2] for lg in logs if lg in appliers]
             short = max(0.0, w - sum(own))
-            if len(own) == len(logs):
+            if len(own) >= size.get((key, w), len(logs)):
                 twice += short
-            elif not own:
+            elif all(own):
                 missed += short
             else:
                 either += short
