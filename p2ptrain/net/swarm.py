@@ -108,6 +108,8 @@ VIEW_READ = 5.0
 VIEW_STALE = 10.0
 #: A read slower than this is logged (``event=view_read_slow``).
 VIEW_SLOW = 2.0
+#: Seconds a closing transport waits for its all-reduces' deliveries still on their way (each is bounded by its round).
+DELIVERY_GRACE = 10.0
 
 
 class HivemindTransport(Transport):
@@ -140,6 +142,7 @@ class HivemindTransport(Transport):
                                          ask=self.streams.ask_direct, addresses=self._addresses,
                                          listen=not cfg.client_mode, congestion=cfg.direct_congestion)
         self._tasks: asyncio.TaskGroup | None = None
+        self._deliveries: set[asyncio.Task[Any]] = set()  # all-reduce sends that outlive their run (_deliver)
         self._runner: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
 
@@ -181,6 +184,10 @@ class HivemindTransport(Transport):
         if self.state is TransportState.CLOSED:
             return
         self.state = TransportState.CLOSED
+        if self._deliveries:
+            # What our finished all-reduces still owe the others (our results, claims, verdicts): a graceful close
+            # lets them arrive (each is bounded by its round's deadlines) before the task group is cancelled.
+            await asyncio.wait(set(self._deliveries), timeout=DELIVERY_GRACE)
         self._stop.set()
         if self._runner is not None:
             self._runner.cancel()
@@ -345,6 +352,15 @@ class HivemindTransport(Transport):
             return self._tasks.create_task(coro)
         except RuntimeError:  # the transport is closing
             return None
+
+    def _deliver(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any] | None:
+        """An all-reduce's delivery (net/allreduce.py) as a task of the transport's group, waited for by
+        :meth:`aclose` (at most DELIVERY_GRACE seconds); None once the transport is closing."""
+        task = self._adopt(coro)
+        if task is not None:
+            self._deliveries.add(task)
+            task.add_done_callback(self._deliveries.discard)
+        return task
 
     async def _read_view(self) -> None:
         t0 = time.monotonic()
@@ -611,7 +627,7 @@ class HivemindTransport(Transport):
                            gone=lambda: self._gone(group.key, phase), guard=self.guard, links=self.links,
                            chunk=stream_chunk(-(-sum(t.numel() for t in tensors) // len(group.members)),
                                               self.cfg.chunk_values), faults=self.cfg.faults, audit=audit,
-                           pipeline=self.cfg.pipeline, deliver=self._adopt)
+                           pipeline=self.cfg.pipeline, deliver=self._deliver)
         try:
             return await run.run()
         finally:
