@@ -407,12 +407,16 @@ class Audit:
                     if not (who == self.me_id and j in self.sent):
                         self._fetches[(j, who, lo, hi)] = tg.create_task(self._fetch_slice(j, who, lo, hi, until))
 
+    def _draws(self) -> int:
+        """How many audits of a part we make this round: the rate's whole part, and one more by a draw."""
+        r = self.audit_per_part
+        return int(r) + (self._draw.random() < r - int(r))
+
     def _draw_slices(self, j: int, res: dict[str, Any]) -> list[tuple[int, int]]:
         """Our random draw of the slices of part ``j`` to audit (none with probability 1 − the rate's fraction)."""
-        r = self.audit_per_part
-        n = int(r) + (self._draw.random() < r - int(r))
-        if n == 0 or self.rule == "centered-clip":
-            return [(0, 0)] * n  # (CenteredClip: an audit of the whole part, drawn as often)
+        n = self._draws()
+        if n == 0:
+            return []
         a, b = self.bounds[j]
         # slices of AUDIT_GRAIN values from each chunk's start (a multiple of every codec's block: the slice's
         # average is encoded as it is inside its chunk)
@@ -429,14 +433,16 @@ class Audit:
                      ) -> str | None:
         """Our random audit of part ``j`` (see the class): why it failed, or None (also when none was drawn). Its
         slices were drawn, and their fetches started, by :meth:`prefetch` when it saw this result."""
-        slices = self._slices.get(j) if self.box.results.get(j) is res else None
+        if self.rule == "centered-clip":  # not coordinate-wise: an audit is of the whole part (a dispute)
+            if self._draws() == 0:
+                return None
+            self.stats.audits += 1
+            return "a random audit (of the whole part: CenteredClip)"
+        slices = self._slices.get(j)
         if slices is None:
             slices = self._slices[j] = self._draw_slices(j, res)
         if not slices:
             return None
-        if self.rule == "centered-clip":
-            self.stats.audits += 1
-            return "a random audit (of the whole part: CenteredClip)"
         self.stats.audits += len(slices)
 
         async def fetch(who: str, lo: int, hi: int) -> tuple[Any, int]:
