@@ -57,3 +57,28 @@ def test_each_lives_start_up_line_is_read_and_summarised_by_kind_of_start(tmp_pa
     assert (first["starts"], first["count"], first["seconds"]) == ("first starts", 1, 80.0)
     assert (later["count"], later["median"]["process_seconds"], later["median"]["state"]) == (2, 110.0, 15.0)
     assert (both["count"], both["seconds"], both["share_of_peer_time"]) == (3, 300.0, 0.3)
+
+
+def test_a_rounds_total_is_split_by_cell_against_its_appliers_own_tokens(tmp_path: Path) -> None:
+    """Two cells (weights 300 and 100) in a shard total of 400: the first cell's three members all applied, one of
+    them outvoted (``own=0``: its 100 tokens are counted twice by the totals); of the second cell's two contributors
+    one wrote no ``applied`` line (its 40 tokens are counted by the totals, missed by the own account)."""
+    from bench.churn_tokens import round_accounts
+
+    def shards(t: float, w: int, local: str) -> str:
+        ts = datetime.fromtimestamp(T0 + t).strftime("%Y-%m-%d %H:%M:%S,000")
+        return (f"ts={ts} level=INFO logger=p2ptrain.net.hierarchy event=shards key=f0.L9 phase=0 local={local} "
+                f"weight={w} shards=s0:h:0badf00d:2:400,s1:c:0badf00d:2:400")
+
+    def applied(t: float, own: int, divergent: bool = False) -> str:
+        return _line(t, "f0.L9", own).replace("tokens=999 divergent=False", f"tokens=400 divergent={divergent}")
+
+    logs = {"a": [shards(20, 300, "3/3"), applied(21, 100)], "b": [shards(20, 300, "3/3"), applied(21, 100)],
+            "c": [shards(20, 300, "3/3"), applied(21, 0, True)], "d": [shards(20, 100, "2/2"), applied(21, 60)]}
+    for name, lines in logs.items():
+        (tmp_path / f"{name}.0.log").write_text("\n".join(lines) + "\n")
+    phase = {"window_s": [10.0, 100.0], "started_unix": T0, "work": str(tmp_path),
+             "peers": {n: {"lives": [{"log": f"{n}.0.log"}]} for n in logs}}
+    (row,) = round_accounts(phase)
+    assert (row["tokens"], row["own"], row["cells"], row["cells_in_total"]) == (400.0, 260.0, 2, 2)
+    assert (row["counted_twice"], row["not_applied"], row["either"]) == (100.0, 40.0, 0.0)
