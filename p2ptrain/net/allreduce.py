@@ -51,6 +51,7 @@ from .chunks import EncodedStream, chunked_size, decode_chunked, encode_ahead
 from .guard import Guard
 from .mailbox import Mailbox
 from .parts import Assembly, flatten, group_tag, result_problem, select_contributions
+from .pieces import GridShas
 from .pipelined import PipelinedMean, Source, whole
 from .streams import ChunkSource, Trailer
 from .transport import Group, ReduceResult, RoundFailed
@@ -106,6 +107,11 @@ async def _settled(aw: Awaitable[T]) -> T | Exception:
         return await aw
     except Exception as e:
         return e
+
+
+def _touched(numel: int) -> torch.Tensor:
+    """``numel`` float32 zeros, every page of them written."""
+    return torch.zeros(numel, dtype=torch.float32)
 
 
 class ButterflyRun:
@@ -188,6 +194,11 @@ class ButterflyRun:
             self.own_commit = await asyncio.to_thread(self.audit.sign_own, own, self.chunk)
             # verification's sums of each result, made as its chunks arrive (net/tally.py)
             self.audit.register(self.flat, own, self.chunk, honest=self.faults.corrupt is None)
+        # The buffer the parts are assembled in, its pages touched in a worker thread while the parts are on the
+        # wire (after our own share's commitment, which the first part waits for; a plain executor future: the
+        # thread ends on its own if the run stops first).
+        self.out_buffer: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().run_in_executor(
+            None, _touched, self.flat.numel())
         try:
             sent = await self._exchange()
         except BaseExceptionGroup as eg:
@@ -266,12 +277,16 @@ class ButterflyRun:
             msg |= {"chunk": self.chunk, "chunks": len(cb)}
             size = chunked_size(codec, hi - lo, self.chunk)
             pieces: list[bytes] = []
+            grid = None
             if audit is not None:
                 audit.sending(j, pieces)
+                grid = GridShas(codec, hi - lo, self.chunk)  # what we sign, hashed as each chunk is encoded
 
             async def source() -> AsyncGenerator[bytes, None]:
                 pieces.clear()  # a retried call encodes again
-                async with aclosing(encode_ahead(codec, mine, cb)) as chunks:
+                if grid is not None:
+                    grid.reset()
+                async with aclosing(encode_ahead(codec, mine, cb, None if grid is None else grid.add)) as chunks:
                     async for data in chunks:
                         pieces.append(data)
                         yield data
@@ -282,7 +297,8 @@ class ButterflyRun:
                 msg["trailer"] = True
 
                 def trailer() -> dict[str, Any]:
-                    return audit.sign(j, pieces, hi - lo, self.chunk, values=mine if codec.name == "fp32" else None)
+                    return audit.sign(j, pieces, hi - lo, self.chunk, values=mine if codec.name == "fp32" else None,
+                                      shas=None if grid is None else grid.shas())
 
             t0 = time.monotonic()
             try:
@@ -365,7 +381,7 @@ class ButterflyRun:
             stream = self.stream = EncodedStream(self.codec, avg, self.chunk)
             own |= {"chunk": self.chunk, "chunks": len(stream.bounds)}
             if self.audit is not None:
-                stream.on_chunk = self.audit.own_stream(own, hi - lo)
+                stream.on_chunk = self.audit.own_stream(own, hi - lo, stream.payloads)
 
             async def produce() -> None:
                 await stream.produce()
@@ -424,7 +440,7 @@ class ButterflyRun:
             own["print"] = list(sel.agreed)
         self.own, self.stream = own, stream
         if self.audit is not None:
-            stream.on_chunk = self.audit.own_stream(own, hi - lo)
+            stream.on_chunk = self.audit.own_stream(own, hi - lo, stream.payloads)
         producer = tg.create_task(_settled(stream.produce()))
         outs = [self._delivery(tg, _settled(self._send_result(j))) for j in self._others()]
         if (failed := await producer) is None:
@@ -622,7 +638,8 @@ class ButterflyRun:
 
     # 6. assembly
     async def _assemble(self, sent: int) -> ReduceResult:
-        out = Assembly(self.flat.numel(), self.members, self.me, check_agree=self.fp is not None, fingerprint=self.fp)
+        out = Assembly(self.flat.numel(), self.members, self.me, check_agree=self.fp is not None, fingerprint=self.fp,
+                       out=await self.out_buffer)
         for j, (a, b) in enumerate(self.bounds):
             res = self.box.results.get(j)
             if res is None:

@@ -63,8 +63,17 @@ def decode_chunked(codec: Codec, data: bytes, numel: int, chunk: int | None) -> 
     return out
 
 
-async def encode_ahead(codec: Codec, x: torch.Tensor, bounds: list[tuple[int, int]]) -> AsyncGenerator[bytes, None]:
-    """The payloads of ``x``'s chunks in order, each encoded in a worker thread while the previous one is sent.
+def _encode(codec: Codec, x: torch.Tensor, on_encoded: Callable[[int, bytes], None] | None, index: int) -> bytes:
+    data = codec.encode(x)
+    if on_encoded is not None:
+        on_encoded(index, data)
+    return data
+
+
+async def encode_ahead(codec: Codec, x: torch.Tensor, bounds: list[tuple[int, int]],
+                       on_encoded: Callable[[int, bytes], None] | None = None) -> AsyncGenerator[bytes, None]:
+    """The payloads of ``x``'s chunks in order, each encoded in a worker thread while the previous one is sent
+    (``on_encoded(index, payload)`` runs in that thread too, after each: e.g. hashing it, net/pieces.GridShas).
 
     Close it (``contextlib.aclosing``) when stopping early: the encoding ahead is then abandoned, and
     nothing in the event loop waits for it (its thread finishes one chunk on its own). Errors of the
@@ -77,7 +86,7 @@ async def encode_ahead(codec: Codec, x: torch.Tensor, bounds: list[tuple[int, in
     def start(i: int) -> asyncio.Future[bytes]:
         a, b = bounds[i]
         # A plain executor future, not a task: closing this generator cancels it, and nothing is left.
-        return loop.run_in_executor(None, codec.encode, x[a:b])
+        return loop.run_in_executor(None, _encode, codec, x[a:b], on_encoded, i)
 
     nxt = start(0)
     try:

@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
+from ..collective.butterfly import MIN_CHUNK
 from ..collective.codecs import get_codec
 from .chunks import Progress, Refused, receive_chunks
 from .claims import Entry, Evidence, commitment, parse_checks
 from .guard import Guard
 from .identity import verify_signature
 from .parts import wire_result
-from .pieces import contribution_shas, root
+from .pieces import GridShas, contribution_shas, root
 from .tally import ChunkTally
 
 __all__ = ["Contribution", "Mailbox", "Mailboxes"]
@@ -161,7 +162,7 @@ class Mailboxes:
         fp = None if fp is None else [float(v) for v in fp]
         key, phase, part = str(msg["key"]), int(msg["phase"]), int(msg["part"])
         box = self.box(key, phase)
-        progress = None
+        progress, grid = None, None
         if streamed:
             held = box.inflows.get(sender)
             if sender in box.contribs or (held is not None and not held.progress.failed):
@@ -170,8 +171,13 @@ class Mailboxes:
             progress = Progress(numel, box.poke)
             box.inflows[sender] = Inflow(part, float(msg["weight"]), numel, fp, progress)
             box.poke()
+            chunk = msg.get("chunk")
+            # what its signature names, hashed as each chunk is decoded
+            if self.verify and isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= MIN_CHUNK:
+                grid = GridShas(codec, numel, chunk)
             try:
-                x, pieces = await receive_chunks(msg, codec, numel, progress)
+                x, pieces = await receive_chunks(msg, codec, numel, progress,
+                                                 on_chunk=None if grid is None else lambda i, data, _: grid.add(i, data))
             except Refused as e:
                 self.guard.strike(sender, f"streamed part: {e}")
                 return {"error": "streamed part does not match its header"}
@@ -187,7 +193,9 @@ class Mailboxes:
             signed = (await msg["_trailer"]()) if streamed and "_trailer" in msg else msg
             sig, pk, own = signed.get("sig"), signed.get("pk", b""), msg.get("own")
             chunk = msg.get("chunk") if streamed else None
-            shas = await asyncio.to_thread(contribution_shas, pieces, numel, codec, chunk)
+            shas = None if grid is None else grid.shas()
+            if shas is None:
+                shas = await asyncio.to_thread(contribution_shas, pieces, numel, codec, chunk)
             c = commitment(self.run_id, key, phase, part, float(msg["weight"]), numel, codec.name, chunk, root(shas))
             if not (isinstance(sig, bytes) and isinstance(pk, bytes) and verify_signature(sender, c, sig, pk)):
                 self.guard.strike(sender, "part without a valid signature of its sender")
