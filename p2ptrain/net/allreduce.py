@@ -151,7 +151,6 @@ class ButterflyRun:
         self.doubtful: set[int] = set()  # parts missing here that another member may still use (_fetch_missing)
         self.timeline: dict[str, float] = {}
         self.deliveries: list[asyncio.Task[Any]] = []  # sends handed to ``deliver``'s task group
-        self.claims_out: list[tuple[int, list[asyncio.Task[Any]]]] = []  # (message bytes, its sends) of our claims
 
     def _mark(self, step: str) -> None:
         self.timeline[step] = round(time.monotonic() - self.t0, 4)
@@ -451,8 +450,6 @@ class ButterflyRun:
             box.results[self.me] = mine
             box.poke()
             self._mark("aggregated")
-            if self.audit is not None:
-                await self._claim_own_part(tg)
             return outs
         log.info("event=pipeline_fallback key=%s phase=%d reason=%s", self.group.key, self.phase, failed)
         for t in outs:  # their streams end unfinished: no member files an incomplete average
@@ -590,37 +587,8 @@ class ButterflyRun:
         return expected, doubt and not owner_has_none
 
     # 5. verified aggregation
-    async def _claim_own_part(self, tg: asyncio.TaskGroup) -> None:
-        """Our claim about our own part, sent to every member as soon as its result is made: a judge of our part
-        needs it, and it no longer waits for our claims about the others' parts, which follow our last result
-        (2 peers, 1 MB: 10–15 ms of a 0.11 s round)."""
-        audit = self.audit
-        assert audit is not None
-        lo, hi = self.bounds[self.me]
-        entries = await asyncio.to_thread(audit.entries, self.flat[lo:hi], [self.me])
-        if not entries:
-            return
-        msg = audit.message(entries, frame=self.faults.frame, final=False)
-        self.claims_out.append((len(encode_message(msg)), [
-            self._delivery(tg, _settled(self.call(self.members[j], "check", msg,
-                                                  timeout=max(0.1, self._left(self.claims_at)))))
-            for j in self._others()]))
-
-    def _claims_needed(self) -> set[str]:
-        """The members whose claims our judging still waits for: a contributor to a part we judge (a result we
-        hold of a part we did not own) that has not claimed that part, nor sent its last claims."""
-        box = self.box
-        need: set[str] = set()
-        for j, res in box.results.items():
-            named = res.get("contributors") if j != self.me else None
-            for p in map(str, named if isinstance(named, list) else ()):
-                if p != self.me_id and p in self.members and p not in box.final_checks \
-                        and j not in box.checks.get(p, {}):
-                    need.add(p)
-        return need
-
     async def _verify(self, tg: asyncio.TaskGroup) -> None:
-        """Send our claims to every member, wait for the ones our judging needs, judge the parts we did not own."""
+        """Send our claims to every member, wait for theirs, judge the parts we did not own."""
         audit = self.audit
         assert audit is not None
         audit.prefetch(tg, self._until(VERDICTS))  # our audits' slices, fetched while the claims are exchanged
@@ -628,14 +596,14 @@ class ButterflyRun:
         own = self.forged if self.forged is not None else self.flat[lo:hi]
         entries = await asyncio.to_thread(audit.entries, own)
         msg = audit.message(entries, frame=self.faults.frame)
-        self.claims_out.append((len(encode_message(msg)), [
-            self._delivery(tg, _settled(self.call(self.members[j], "check", msg,
-                                                  timeout=max(0.1, self._left(self.claims_at)))))
-            for j in self._others()]))
+        size = len(encode_message(msg))
+        sends = [self._delivery(tg, _settled(self.call(self.members[j], "check", msg,
+                                                       timeout=max(0.1, self._left(self.claims_at)))))
+                 for j in self._others()]
         audit.box.checks[self.me_id] = {e.part: e for e in entries}
         self._mark("claims_sent")
         deadline = self._until(self.claims_at)
-        while (missing := self._claims_needed()) and time.monotonic() < deadline:
+        while (missing := set(self.members) - set(self.box.checks)) and time.monotonic() < deadline:
             if missing <= self.gone():
                 break
             await self.box.wait(min(deadline, time.monotonic() + 0.5))
@@ -662,11 +630,10 @@ class ButterflyRun:
                 await self.box.wait(min(deadline, time.monotonic() + 0.5))
             self._mark("verdicts_in")
             await audit.reconcile(self._until(1.0))
-        sends = [t for _, ts in self.claims_out for t in ts]
         if self.deliver is None and (sends or told):
             await asyncio.wait([*sends, *told])
         # (a reply is a dict: a send that went through counts its message's size; one on its way counts it too)
-        audit.stats.bytes_sent += sum(size for size, ts in self.claims_out for t in ts if not t.done() or _went(t))
+        audit.stats.bytes_sent += sum(size for t in sends if not t.done() or _went(t))
         audit.stats.bytes_sent += sum(vsize for t in told if not t.done() or _went(t))
 
     # 6. assembly

@@ -226,11 +226,10 @@ class Audit:
             return None
         return self._digest(part), values
 
-    def entries(self, own: torch.Tensor, parts: Sequence[int] | None = None) -> list[Entry]:
-        """Our claims about each part we contributed to (our own share of our part is ``own``), or about
-        ``parts`` only."""
+    def entries(self, own: torch.Tensor) -> list[Entry]:
+        """Our claims about each part we contributed to (our own share of our part is ``own``)."""
         out = []
-        for j in range(len(self.members)) if parts is None else parts:
+        for j in range(len(self.members)):
             tally = self._tally(j)
             res = self.box.results.get(j, {})
             if (j == self.me or j in self.sent) and tally is not None and tally.mine_sketch is not None \
@@ -261,9 +260,8 @@ class Audit:
                                      float(res.get("tau", 0.0)), self.rule))
         return out
 
-    def message(self, entries: list[Entry], frame: bool, final: bool = True) -> dict[str, Any]:
-        """Our check message (``frame``: fault injection, sketches that lie about our contributions; ``final``:
-        our last one of the phase)."""
+    def message(self, entries: list[Entry], frame: bool) -> dict[str, Any]:
+        """Our check message (``frame``: fault injection, sketches that lie about our contributions)."""
         wire = []
         for e in entries:
             w = e.to_wire()
@@ -272,7 +270,7 @@ class Audit:
                 if t is not None:
                     w[k] = sketch_bytes(t * (-3.0 if frame else 1.0))
             wire.append(w)
-        return {"key": self.key, "phase": self.phase, "members": len(self.members), "entries": wire, "final": final}
+        return {"key": self.key, "phase": self.phase, "members": len(self.members), "entries": wire}
 
     # ------------------------------------------------------------------ judging the others' parts
     def _judge(self) -> Judge:

@@ -63,7 +63,6 @@ class Mailbox:
     evidence: dict[str, Evidence] = field(default_factory=dict)  # signed contributions to our part, kept
     own_commits: dict[str, bytes] = field(default_factory=dict)  # member -> hash of its own share's commitment
     checks: dict[str, dict[int, Entry]] = field(default_factory=dict)  # member -> its claims, by part
-    final_checks: set[str] = field(default_factory=set)  # members whose last claims are in
     # member -> (part, digest, the owner's signature on it) of each result it proved wrong
     verdicts: dict[str, list[tuple[int, bytes, bytes | None]]] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -252,22 +251,13 @@ class Mailboxes:
         return {"error": "no such part here", "expects": expects}
 
     async def accept_check(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
-        """File a member's claims about its contributions (net/verify.py): a sender's first claim about each part
-        stays. Its claim about its own part comes first, once that part's result is made (``final`` false: more
-        follow); its last message (``final``, the default) claims every part it can."""
+        """File a member's claims about its contributions (net/verify.py); the first one of a sender stays."""
         box = self.box(str(msg["key"]), int(msg["phase"]))
         members = int(msg["members"])
         if not 0 < members <= 1 << 16:
             raise ValueError(f"a group of {members} members")
-        final = msg.get("final", True)
-        if not isinstance(final, bool):
-            raise TypeError("final must be a bool")
         entries = parse_checks(msg, members, max_entries=members)
-        held = box.checks.setdefault(sender, {})
-        for part, entry in entries.items():
-            held.setdefault(part, entry)
-        if final:
-            box.final_checks.add(sender)
+        box.checks.setdefault(sender, entries)
         box.poke()
         return {"ok": True}
 
