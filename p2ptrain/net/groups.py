@@ -80,8 +80,14 @@ class Forming:
 
     def join(self, request: JoinRequest, decide: Decide | None = None) -> None:
         """Record a join request (and the decision rule its peer offers, used if that peer closes as
-        the leader). RoundFailed if the group is already closed: a late joiner is not a member."""
+        the leader). RoundFailed if the group is already closed: a late joiner is not a member. A member that
+        asks again with its first request's ticket (our reply to its first join was lost) is answered with its
+        group, as the others are."""
         if self.group is not None:
+            first = self.requests.get(request.peer_id)
+            if (request.ticket and first is not None and first.ticket == request.ticket
+                    and request.peer_id in self.group.members):
+                return
             raise RoundFailed(f"round {self.key}: the group closed before {request.peer_id[-8:]} joined")
         if self.moved is not None:
             raise Moved(self.key, self.moved)

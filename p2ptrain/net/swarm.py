@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -427,6 +428,8 @@ class HivemindTransport(Transport):
     # ------------------------------------------------------------------ groups
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:
         deadline = time.monotonic() + timeout
+        if not request.ticket:  # this call's own: a join asked again after a lost reply is known by it
+            request = dataclasses.replace(request, ticket=secrets.token_hex(8))
         skipped: set[str] = set()
         hinted: str | None = None  # a leader another peer named: one our view did not show yet
         hops = 0
@@ -455,8 +458,21 @@ class HivemindTransport(Transport):
                     # own join may not have found that out yet).
                     wire = dataclasses.replace(request, skipped=tuple(sorted(skipped))[:MAX_SKIPPED],
                                                known=tuple(sorted(self._known()))[:MAX_KNOWN]).to_wire()
-                    reply, _ = await self._call(leader, "join", wire,
-                                                timeout=min(deadline - time.monotonic(), self.cfg.join_window + 10))
+                    wait = min(deadline - time.monotonic(), self.cfg.join_window + 10)
+                    asked = time.monotonic()
+                    try:
+                        reply, _ = await self._call(leader, "join", wire, timeout=wait)
+                    except RoundFailed as e:
+                        if time.monotonic() - asked >= wait - 1.0:
+                            raise  # unanswered for the whole wait: frozen, or cut off
+                        # It answered the hello and the join failed early: it may hold our join and have closed
+                        # its group with us in it, its reply lost on the way (under load, link_4_8_hashed and
+                        # link_256: we went on to the next peer, which led a group of us alone, and the others
+                        # waited for our part until their gather deadline). Ask once more: a member asking again
+                        # is answered with its group.
+                        log.info("event=join_retry leader=%s reason=%s", leader[-8:], e)
+                        reply, _ = await self._call(leader, "join", wire, timeout=max(0.1, min(
+                            deadline - time.monotonic(), self.cfg.join_window + 10)))
                 except RoundFailed as e:
                     log.info("event=leader_unreachable leader=%s reason=%s", leader[-8:], e)
                     if leader == hinted:  # the leader the others follow is out of our reach: sit this one out

@@ -108,12 +108,15 @@ class JoinRequest:
     # peers this one counts toward a quorum beyond the live view (a region gone dark: net/groups.py): a leader
     # that joined while its region was cut off never saw the others, its members did
     known: tuple[str, ...] = ()
+    # one form_group call's own nonce: the leader answers a member that asks again with the same ticket (its
+    # first reply was lost) with its group; a new call for a closed round (another ticket) is refused
+    ticket: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "peer": self.peer_id, "weight": self.weight, "fragment": self.fragment,
                 "scores": self.scores, "busy": self.busy, "last_sent": self.last_sent, "step": self.step,
                 "abstain": self.abstain, "sig": self.signature, "sends": self.sends, "region": self.region,
-                "skipped": list(self.skipped), "known": list(self.known)}
+                "skipped": list(self.skipped), "known": list(self.known), "ticket": self.ticket}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> JoinRequest:
@@ -124,7 +127,8 @@ class JoinRequest:
                    step=int(m.get("step", 0)), abstain=bool(m.get("abstain", False)), signature=str(m.get("sig", "")),
                    sends=None if m.get("sends") is None else int(m["sends"]), region=str(m.get("region", "")),
                    skipped=tuple(str(p) for p in m.get("skipped", ())[:MAX_SKIPPED]),
-                   known=tuple(str(p)[:MAX_ID] for p in _listed(m.get("known"))[:MAX_KNOWN]))
+                   known=tuple(str(p)[:MAX_ID] for p in _listed(m.get("known"))[:MAX_KNOWN]),
+                   ticket=str(m.get("ticket", ""))[:MAX_ID])
 
 
 def _listed(v: Any) -> list[Any]:

@@ -497,3 +497,60 @@ def test_a_merged_group_must_hold_a_quorum_of_the_view_of_the_group_that_moved_t
         a.join(JoinRequest(key="r0", peer_id=p, weight=1.0, fragment=0))
     assert a.short_of_quorum(a._counted(set(ids[:8]), ids[0], None))
     assert not a.short_of_quorum(set(ids[:8]))  # what a's own view alone would have allowed
+
+
+def test_a_member_that_joins_again_after_its_group_closed_is_answered_with_it() -> None:
+    """A joiner whose reply was lost asks its leader again (the same ticket): a member gets its group; a new call
+    for the closed round, or a late joiner, is refused."""
+    from p2ptrain.net.groups import Forming
+    from p2ptrain.net.transport import RoundFailed
+
+    async def go() -> None:
+        async def live(fresh: bool) -> list[str]:
+            return ["a", "b"]
+
+        f = Forming("k", window=5.0)
+        for p in ("a", "b"):
+            f.join(JoinRequest(key="k", peer_id=p, weight=1.0, fragment=1, ticket=f"t-{p}"))
+        group = await asyncio.wait_for(f.until_closed(live, leader="a", poll=0.05), 5)
+        f.join(JoinRequest(key="k", peer_id="b", weight=1.0, fragment=1, ticket="t-b"))  # b again, its ticket
+        assert await f.until_closed(live, leader="a") is group and "b" in group.members
+        for late in (JoinRequest(key="k", peer_id="b", weight=1.0, ticket="t-other"),  # a new call of b's
+                     JoinRequest(key="k", peer_id="b", weight=1.0),
+                     JoinRequest(key="k", peer_id="c", weight=1.0, ticket="t-c")):  # not a member
+            with pytest.raises(RoundFailed):
+                f.join(late)
+
+    asyncio.run(go())
+
+
+@pytest.mark.net
+@pytest.mark.timeout(120)
+def test_a_joiner_whose_reply_was_lost_asks_the_leader_again_and_ends_in_its_group() -> None:
+    """Real libp2p peers a < b < c. c's join reaches a, a closes the group {a, b, c}, and the reply to c is lost
+    (a stream that broke under load: link_4_8_hashed, link_256). c used to skip a and ask b, which led a group of c
+    alone ("no quorum: 1 of 3"), while a and b's group counted c and waited for its part until their gather
+    deadline. Now c asks a again and gets the group the others have."""
+    from p2ptrain.net.transport import RoundFailed
+
+    async def go() -> None:
+        async with real_swarm(3, "lostreply", 3.0) as (a, b, c):
+            real_call = c._call
+            lost: list[str] = []
+
+            async def call(peer: str, kind: str, msg: dict[str, Any], **kw: Any) -> Any:
+                reply = await real_call(peer, kind, msg, **kw)
+                if kind == "join" and not lost:
+                    lost.append(peer)  # the leader has our join; its reply never reaches us
+                    raise RoundFailed("the join's reply was lost")
+                return reply
+
+            c._call = call  # type: ignore[method-assign]
+            groups = await asyncio.gather(*(
+                t.form_group(JoinRequest(key="r0", peer_id=t.peer_id, weight=1.0, fragment=0), None, timeout=20)
+                for t in (a, b, c)))
+            assert lost == [a.peer_id]
+            assert all(g == groups[0] for g in groups), groups
+            assert groups[0].leader == a.peer_id and set(groups[0].members) == {a.peer_id, b.peer_id, c.peer_id}
+
+    asyncio.run(go())
