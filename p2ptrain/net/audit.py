@@ -108,6 +108,7 @@ class Audit:
         self.unsettled: dict[int, str] = {}
         # part -> (the result object, its digest, its chunks' hashes)
         self._digests: dict[int, tuple[Any, bytes, list[bytes]]] = {}
+        self.judged: set[int] = set()  # parts judge_all took up (only these may be assembled)
         self._osig: tuple[bytes, list[bytes], int, bytes] | None = None  # (header, pieces, how many, signature)
         self._own_payloads: list[bytes] | None = None  # our result's chunks, as its tally is fed them
         self._decoded: dict[int, tuple[Any, torch.Tensor]] = {}  # part -> (the result object, its values)
@@ -283,11 +284,16 @@ class Audit:
         liar banned."""
         t0 = time.monotonic()
         judge = self._judge()
-        parts = [j for j in range(len(self.members)) if j != self.me and j in self.box.results]
+        parts = self.unjudged()
+        self.judged.update(parts)
         verdicts = await asyncio.gather(*(self._judge_part(judge, j, until) for j in parts))
         self._act(parts, verdicts)
         self.stats.bytes_received += judge.evidence_bytes
         self.stats.seconds += time.monotonic() - t0
+
+    def unjudged(self) -> list[int]:
+        """The parts we hold a result of, did not own and have not judged (a result may come while we judge)."""
+        return [j for j in range(len(self.members)) if j != self.me and j in self.box.results and j not in self.judged]
 
     def verdict_message(self) -> dict[str, Any]:
         """The parts we proved wrong, each with the digest of the result we held, for every member (they check
@@ -327,6 +333,7 @@ class Audit:
             return await self._settle_part(judge, j, until, f"proved wrong by {who}")
 
         verdicts = await asyncio.gather(*(settle(j) for j in parts))
+        self.judged.update(parts)  # settled here from the owner's evidence: as judged
         self._act(parts, verdicts)
         for j, v in zip(parts, verdicts, strict=True):
             if v.action == "use" and not v.liars:

@@ -294,3 +294,50 @@ def test_an_auditor_that_cannot_settle_a_part_applies_nothing_rather_than_anothe
             assert not any(t.guard.banned for t in ts)  # silence proves nothing
 
     asyncio.run(go())
+
+
+def test_a_lie_that_comes_while_the_others_are_judged_is_judged_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A result that lands after a member began judging (a late stream under load) was assembled unjudged: an
+    owner's lie reached that member's θ while the others replaced it (a full suite beside a benchmark, once).
+    Every honest member here holds the liar's result back from its first judging, as a late arrival would be:
+    it is judged before the assembly, and replaced with the honest mean."""
+    from p2ptrain.net.audit import Audit
+
+    bad = N - 1
+    real = Audit.judge_all
+    held_back: list[int] = []
+    seen: set[int] = set()  # the audits (one per member and run) that judged once already
+
+    async def judge_all(self: Audit, until: float) -> None:
+        liar_part = [j for j, p in enumerate(self.members) if p == liar_id[0] and j != self.me]
+        first = id(self) not in seen
+        seen.add(id(self))
+        hide = {j: self.box.results.pop(j) for j in liar_part if j in self.box.results and first}
+        held_back.extend(hide)
+        try:
+            await real(self, until)
+        finally:
+            self.box.results.update(hide)  # "arrived" while the others were judged
+
+    liar_id: list[str] = []
+    monkeypatch.setattr(Audit, "judge_all", judge_all)
+
+    async def go() -> None:
+        async with swarm(FaultPlan(lie="scale"), bad, run="late-lie") as ts:
+            liar_id.append(ts[bad].peer_id)
+            res = (await rounds(ts, 1))[0]
+            assert len(held_back) >= bad  # every honest member judged without it first
+            want = weighted(list(range(N)))
+            for i, x in enumerate(res[:bad]):
+                assert not isinstance(x, BaseException), (i, x)
+                assert liar_id[0] in x.liars or ts[i].guard.is_banned(liar_id[0]), i
+                got = x.tensors[0].double()
+                if liar_id[0] in x.contributors:  # replaced by the honest mean
+                    assert torch.allclose(got, want, rtol=0, atol=1e-6), (i, float((got - want).abs().max()))
+                else:  # or left out: every other part exact
+                    lo, hi = part_bounds(NUMEL, len(x.members))[x.members.index(liar_id[0])]
+                    keep = torch.ones(NUMEL, dtype=torch.bool)
+                    keep[lo:hi] = False
+                    assert torch.allclose(got[keep], want[keep], rtol=0, atol=1e-6)
+
+    asyncio.run(go())
