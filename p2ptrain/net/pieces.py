@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import sys
-import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -75,29 +75,14 @@ PARALLEL_BYTES = 4 << 20
 
 def _in_two(hash_all: Callable[[list[tuple[int, int]]], list[bytes]], bounds: list[tuple[int, int]],
             size: int) -> list[bytes]:
-    """``hash_all(bounds)``, its second half in a thread of its own for ``size`` bytes of at least PARALLEL_BYTES
-    (joined before it returns: nothing outlives the call)."""
+    """``hash_all(bounds)``, its second half in a worker thread of its own for ``size`` bytes of at least
+    PARALLEL_BYTES (the pool closes before it returns: nothing outlives the call)."""
     if size < PARALLEL_BYTES or len(bounds) < 2:
         return hash_all(bounds)
     half = len(bounds) // 2
-    tail: list[bytes] = []
-    failed: list[BaseException] = []
-
-    def second() -> None:
-        try:
-            tail.extend(hash_all(bounds[half:]))
-        except BaseException as e:  # raised in the caller's thread below
-            failed.append(e)
-
-    worker = threading.Thread(target=second, name="p2ptrain-hash", daemon=True)
-    worker.start()
-    try:
-        head = hash_all(bounds[:half])
-    finally:
-        worker.join()
-    if failed:
-        raise failed[0]
-    return head + tail
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2ptrain-hash") as pool:
+        tail = pool.submit(hash_all, bounds[half:])
+        return hash_all(bounds[:half]) + tail.result()
 
 
 def chunk_shas(data: bytes, numel: int, codec: str | Codec) -> list[bytes]:
