@@ -341,6 +341,9 @@ def summarize(run: SwarmRun) -> dict[str, Any]:
         "rounds_mean": mean([s.get("rounds_complete", 0) + s.get("rounds_partial", 0) for s in ss]),
         "rounds_failed_mean": mean([s.get("rounds_failed", 0) for s in ss]),
         "round_seconds_median": median([x for r in rounds for x in r]),
+        # of a round: forming its group (waiting for the slowest member to start it) and its all-reduces
+        "group_seconds_median": median([x for s in ss for x in s.get("group_seconds", [])]),
+        "allreduce_seconds_median": median([x for s in ss for x in s.get("allreduce_seconds", [])]),
         "peak_rss_mb_mean": mean([m for m, s in zip(run.peak_rss_mb, run.summaries, strict=True) if s is not None]),
         "wall_seconds": run.wall_seconds, "terminated_at_deadline": run.terminated, "logs": str(run.logs),
     }

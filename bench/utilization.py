@@ -140,18 +140,25 @@ def main() -> None:
     rows = []
     for m, s in report.items():
         if not s.get("peers"):
-            rows.append([m, 0, "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([m, 0, "-", "-", "-", "-", "-", "-", "-", "-"])
             continue
         w, x = s.get("wire_bytes_per_step"), s.get("times_fewer_wire_bytes_than_ddp")
         rows.append([m, s["peers"], f"{s['steps_mean']:.0f}", f"{s['val_loss_mean']:.4f}",
                      f"{s['utilization_mean']:.3f}", "-" if w is None else f"{w / 1e6:.3f}",
                      f"{s['payload_bytes_per_step'] / 1e6:.3f}", "-" if x is None else f"{x:,.0f}×",
-                     f"{s['rounds_mean']:.0f}"])
+                     f"{s['rounds_mean']:.0f}", _round_split(s)])
     out.print(table(f"4 peers in 2 regions ({a.between_rate}, {a.delay_ms:g} ms between; {a.host_rate} inside), "
                     f"{a.preset}, batch {a.batch_size}, H={a.H}",
                     ["method", "peers", "inner steps", "val loss of θ", "compute utilization", "wire MB/step",
-                     "payload MB/step", "fewer bytes than ddp", "rounds"], rows))
+                     "payload MB/step", "fewer bytes than ddp", "rounds", "round s: group / all-reduce"], rows))
     out.print(_where_bytes_go(report))
+
+
+def _round_split(s: dict[str, Any]) -> str:
+    """A round's median seconds, and of it forming the group (waiting for the slowest member) and all-reducing."""
+    r, g, x = (s.get(k, float("nan")) for k in ("round_seconds_median", "group_seconds_median",
+                                                 "allreduce_seconds_median"))
+    return "-" if r != r else f"{r:.1f}: {g:.1f} / {x:.1f}"
 
 
 def _where_bytes_go(report: dict[str, dict[str, Any]]) -> Any:

@@ -144,7 +144,9 @@ class RoundStats:
     divergent: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
-    seconds: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # each completed round's, from its start to its end
+    group_seconds: list[float] = field(default_factory=list)  # of it, forming the group (waiting for the others)
+    allreduce_seconds: list[float] = field(default_factory=list)  # of it, the all-reduces of its phases
     in_flight: int = 0
     bandwidth: float = 0.0  # bytes/s, EMA over transfers
     shared: int = 0  # rounds whose average held another peer's contribution too
@@ -266,6 +268,8 @@ class RoundRunner:
                 group = group_or_request
             else:
                 group = await self.transport.form_group(group_or_request, None, timeout=self.join_timeout)
+            formed = time.monotonic()
+            reducing = 0.0
             phase, partial = 0, False
             payload = await (prepared if prepared is not None else _prepare(rnd))
             if isinstance(payload, Exception):
@@ -284,6 +288,7 @@ class RoundRunner:
                     raise
                 self._took(time.monotonic() - n0, timeout, late=res.partial)
                 self._account(res, time.monotonic() - n0)
+                reducing += time.monotonic() - n0
                 partial |= res.partial
                 rnd.divergent = rnd.divergent or res.divergent
                 if res.agreed is not None:
@@ -304,6 +309,8 @@ class RoundRunner:
             if rnd.divergent:
                 self.stats.divergent += 1
             self.stats.seconds.append(time.monotonic() - t0)
+            self.stats.group_seconds.append(formed - t0)
+            self.stats.allreduce_seconds.append(reducing)
             log.debug("event=round_done key=%s members=%d partial=%s hierarchical=%s", rnd.key, len(group.members),
                       partial, plan is not None)
         except asyncio.CancelledError:

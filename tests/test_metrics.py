@@ -83,6 +83,12 @@ def test_every_documented_metric_is_served_with_its_type_and_counters_move(corpu
     assert value(late, "p2ptrain_outer_rounds", outcome="complete") > value(early, "p2ptrain_outer_rounds",
                                                                              outcome="complete")
     assert value(late, "p2ptrain_sent_bytes", codec="e3m0") > 0
+    # each round's seconds split into forming its group and its all-reduces (bench/utilization.py's table)
+    stats = peers[0].runner.stats  # type: ignore[union-attr]
+    assert len(stats.seconds) == len(stats.group_seconds) == len(stats.allreduce_seconds) >= 1
+    assert all(g >= 0 and x >= 0 and g + x <= s + 1e-6
+               for s, g, x in zip(stats.seconds, stats.group_seconds, stats.allreduce_seconds, strict=True))
+    assert sum(stats.allreduce_seconds) > 0
     # while both trained (at the end one may have left before the other's last heartbeat)
     assert value(early, "p2ptrain_live_peers", "") == 2
     assert value(late, "p2ptrain_staleness_steps", "_count") > 0

@@ -144,5 +144,7 @@ def _record(peer: PeerBase, summary: PeerSummary, val: float, method: str, resum
         "loop_started": peer.loop_started, "eval_seconds": summary.eval_seconds, "val_log": peer.val_log,
         "outer_seconds": summary.outer_seconds,
         "round_seconds": list(peer.runner.stats.seconds) if peer.runner is not None else [],
+        "group_seconds": list(peer.runner.stats.group_seconds) if peer.runner is not None else [],
+        "allreduce_seconds": list(peer.runner.stats.allreduce_seconds) if peer.runner is not None else [],
         "traffic": peer.transport.traffic() if peer.transport is not None else {},
     }
