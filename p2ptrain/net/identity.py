@@ -14,6 +14,7 @@ temporary file that is removed once the daemon has read it, and keeps it in memo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import stat
@@ -142,23 +143,38 @@ class Identity:
 def verify_signature(peer_id: str, data: bytes, signature: bytes, public: bytes = b"") -> bool:
     """Whether ``signature`` over ``data`` was made by the key behind ``peer_id`` (``public``: the protobuf
     public key an RSA signer sends along; ignored for ids that hold their key). Never raises."""
+    key = _verifier(peer_id, public)
+    if key is None:
+        return False
+    try:
+        if isinstance(key, ed25519.Ed25519PublicKey):
+            key.verify(signature, data)
+        else:
+            key.verify(signature, data, padding.PKCS1v15(), hashes.SHA256())
+        return True
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _verifier(peer_id: str, public: bytes) -> ed25519.Ed25519PublicKey | rsa.RSAPublicKey | None:
+    """The public key behind ``peer_id`` (None: not a key id, or ``public`` is not its key). Kept per id: a
+    member checks every other member's signatures every round, and decoding the id each time cost about as
+    much as the check (bounded: an id a liar makes up takes one of a fixed number of places)."""
     try:
         mh = base58.b58decode(peer_id)
         if len(mh) < 2:
-            return False
+            return None
         if mh[0] == _IDENTITY_MH:
             public = mh[2:]
         elif mh[0] != _SHA256_MH or peer_id_of(public) != peer_id:
-            return False
+            return None
         kt, key = _parse_pb_key(public)
         if kt == _ED25519 and len(key) == 32:
-            ed25519.Ed25519PublicKey.from_public_bytes(key).verify(signature, data)
-            return True
+            return ed25519.Ed25519PublicKey.from_public_bytes(key)
         if kt == _RSA:
             pub = serialization.load_der_public_key(key)
-            if isinstance(pub, rsa.RSAPublicKey):
-                pub.verify(signature, data, padding.PKCS1v15(), hashes.SHA256())
-                return True
-        return False
-    except (InvalidSignature, ValueError, TypeError):
-        return False
+            return pub if isinstance(pub, rsa.RSAPublicKey) else None
+        return None
+    except (ValueError, TypeError):
+        return None
