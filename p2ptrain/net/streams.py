@@ -267,7 +267,8 @@ class Streams:
         redialed = False
         while True:
             try:
-                reply = await asyncio.wait_for(_go(), max(0.05, timeout - (time.monotonic() - t0)))
+                async with asyncio.timeout(max(0.05, timeout - (time.monotonic() - t0))):  # (no task of its own)
+                    reply = await _go()
                 return reply, time.monotonic() - t0
             except Exception as e:  # the daemon reports failed dials with its own error types
                 if closed_kept(e):

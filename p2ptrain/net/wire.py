@@ -53,21 +53,21 @@ async def write_frame(writer: asyncio.StreamWriter, msg: dict[str, Any], *, time
     data = encode_message(msg)
     writer.write(len(data).to_bytes(_HEADER, "big"))
     writer.write(data)
-    await asyncio.wait_for(writer.drain(), timeout)
+    async with asyncio.timeout(timeout):  # (not wait_for: no task of its own for every frame)
+        await writer.drain()
     return len(data) + _HEADER
 
 
 async def read_frame(reader: asyncio.StreamReader, *, timeout: float, max_size: int = MAX_FRAME) -> tuple[dict[str, Any], int]:
     """Read one message within ``timeout`` seconds; returns (message, bytes read)."""
 
-    async def _read() -> tuple[dict[str, Any], int]:
-        header = await reader.readexactly(_HEADER)
-        n = int.from_bytes(header, "big")
-        if n > max_size:
-            raise FrameError(f"frame of {n} bytes announced, limit is {max_size}")
-        return decode_message(await reader.readexactly(n), max_size=max_size), n + _HEADER
-
     try:
-        return await asyncio.wait_for(_read(), timeout)
+        async with asyncio.timeout(timeout):  # (not wait_for: no task of its own for every frame)
+            header = await reader.readexactly(_HEADER)
+            n = int.from_bytes(header, "big")
+            if n > max_size:
+                raise FrameError(f"frame of {n} bytes announced, limit is {max_size}")
+            data = await reader.readexactly(n)
+        return decode_message(data, max_size=max_size), n + _HEADER
     except asyncio.IncompleteReadError:
         raise FrameError("stream closed mid-frame") from None
