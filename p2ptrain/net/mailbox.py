@@ -108,6 +108,12 @@ class Mailbox:
         self.contribs.clear()
         self.inflows.clear()
         self.evidence_until = evidence_until
+        # The decoded values of the results are in the run's output now: a relay sends a result's wire form, so the
+        # results keep only that (a round of a whole model kept its decoded parts, the model's size again in fp32,
+        # for the minute the mailbox lives). The verified run's tallies go with it.
+        for res in self.results.values():
+            res.pop("_tensor", None)
+        self.make_tally = None
 
 
 class Mailboxes:
