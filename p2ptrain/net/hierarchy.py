@@ -287,6 +287,8 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
         offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
         name = _offer_name(group, phase, s)
+        log.info("event=carried name=%s timeline=%s", name,
+                 ",".join(f"{k}:{v:.2f}" for k, v in (res.timeline or {}).items()))  # the shard's butterfly, step by step
         # wanted by the cell's other members before the round's deadline: a carrier that leaves serves it first
         digest = transport.offers.put(name, offer, ttl=OFFER_TTL, wanted=len(plan.local.members) - 1,
                                       needed_until=deadline)
@@ -425,10 +427,11 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
     # What each shard was and where from, for comparing members' logs after a round: its source, the crc32 of its
     # offer's first 4 KiB (two averages differ from the first values on), its contributors count and its total
     # weight (which cells' tokens it holds: a round's tokens are the largest of these).
-    log.info("event=shards key=%s phase=%d local=%d/%d weight=%.0f shards=%s", group.key, phase,
+    # (and when each step ended, seconds from the round's start: in the cell, across cells, the shards fetched)
+    log.info("event=shards key=%s phase=%d local=%d/%d weight=%.0f shards=%s seconds=%s", group.key, phase,
              len(local.contributors), len(plan.local.members), local.total_weight, ",".join(
                  f"s{s}:{source.get(s, '-')}:{zlib.crc32(offers[s][:4096]):08x}:{_shard_note(offers[s])}"
-                 for s in sorted(offers)))
+                 for s in sorted(offers)), "/".join(f"{timeline[k]:.2f}" for k in ("local", "across", "gathered")))
     # The θ a repair takes (the most common winner of the shards our cell lost outright), if any.
     target = min(set(won), key=lambda p: (-won.count(p), p)) if outvoted and won else None
     if any(won_tie is None or won_tie != target for _, won_tie in ties):
