@@ -146,6 +146,14 @@ def test_unequal_regions_and_a_lossy_codec_give_every_member_the_same_bytes() ->
         async with memory_swarm(5) as ts:
             regions = ["a", "a", "a", "a", "b"]  # the lone member of b carries all four shards
             groups = await _form(ts, regions, "h2")
+            lone, sizes = ts[4], []
+            reduce = lone.allreduce
+
+            async def counted(group: Group, *a: Any, **k: Any) -> ReduceResult:
+                sizes.append(len(group.members))
+                return await reduce(group, *a, **k)
+
+            lone.allreduce = counted  # type: ignore[method-assign]
             gen = torch.Generator().manual_seed(1)
             xs = [[torch.randn(4096, generator=gen)] for _ in ts]
             out = await asyncio.gather(*(_hier(t, g, x, 1.0, "e3m0") for t, g, x in zip(ts, groups, xs, strict=True)))
@@ -153,6 +161,8 @@ def test_unequal_regions_and_a_lossy_codec_give_every_member_the_same_bytes() ->
             for r in out:
                 assert torch.equal(r.tensors[0], out[0].tensors[0])
             assert (out[0].tensors[0] - exact).norm() / exact.norm() < 0.5  # quantised twice, but the mean
+            # its cell of one is no all-reduce: only the four shards' steps across the cells (2 members each)
+            assert sizes == [2, 2, 2, 2], sizes
 
     run(go())
 
