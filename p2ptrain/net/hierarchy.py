@@ -249,7 +249,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
     flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors else torch.zeros(0)
     if len(plan.local.members) == 1:
         # A cell of one: its mean is its member's values (an all-reduce of a group of one encoded, hashed and signed
-        # them for nobody: 0.4–0.9 s of CPU for a 70 MB model here, 4.5 s in a diloco round on the testbed while
+        # them for nobody: 0.4–0.9 s of CPU for 70 MB on this machine, 4.5 s in a diloco round on the testbed while
         # the other cells' members ran theirs on the same cores). They are encoded when they cross the cells.
         local = ReduceResult(tensors=[flat], total_weight=float(weight), members=plan.local.members,
                              contributors=plan.local.members, partial=False,
