@@ -1,0 +1,37 @@
+"""The churn benchmark's survival rule (bench/churn.py, ``Phase.judge``): a fault whose peer a later kill or leave
+took before it was back is unknown, not "not survived"; one whose peer is simply not back in time is not survived."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from bench.churn import PeerRec, Phase
+
+
+def _phase(tmp_path: Path) -> Phase:
+    a = argparse.Namespace(seed=0, regions=2, peers=2, spare=2, method="streaming", P=2, survive_within=180.0,
+                           leave_grace=120.0)
+    return Phase("faults", a, tmp_path, faults=True)
+
+
+def test_a_join_whose_peer_a_later_kill_took_first_is_unknown_and_a_peer_not_back_is_not_survived(
+        tmp_path: Path) -> None:
+    ph = _phase(tmp_path)
+    now = time.time()
+    joined = PeerRec(name="s02g1", slot=2, host="us1", region="us", fresh=False, state="dead")
+    late = PeerRec(name="s03g1", slot=3, host="eu1", region="eu", fresh=False, state="dead")
+    ph.peers = {p.name: p for p in (joined, late)}
+    ph.faults = [
+        {"t": now - 100, "kind": "join", "survived": None, "target": "s02g1"},
+        {"t": now - 25, "kind": "kill", "survived": None, "target": "s02g1", "restarted": None},  # not restarted yet
+        {"t": now - 300, "kind": "join", "survived": None, "target": "s03g1"},  # died later with no fault of ours
+    ]
+    ph.judge()
+    first, kill, other = ph.faults
+    assert first["survived"] is None and first["cut_short_by"] == "kill 75 s after it"
+    assert kill["survived"] is None and "cut_short_by" not in kill  # its restart has not come yet
+    assert other["survived"] is False and other["not_back"] == ["s03g1"]
+    ph.judge()  # judged once: the mark stays
+    assert first["survived"] is None and "not_back" not in first
