@@ -286,9 +286,10 @@ class RoundRunner:
                 except (RoundFailed, TimeoutError):
                     self._took(time.monotonic() - n0, timeout, late=True)
                     raise
-                self._took(time.monotonic() - n0, timeout, late=res.partial)
-                self._account(res, time.monotonic() - n0)
-                reducing += time.monotonic() - n0
+                took = time.monotonic() - n0
+                self._took(took, timeout, late=res.partial)
+                self._account(res, took)
+                reducing += took
                 partial |= res.partial
                 rnd.divergent = rnd.divergent or res.divergent
                 if res.agreed is not None:
