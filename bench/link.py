@@ -21,7 +21,11 @@ systems take the repeats in turn (A B, B A, A B, …), so that the machine's loa
 drifts over a run, weighs on each alike; every repeat records the load average.
 A system is "ahead" of the others only where the ranges of its repeats separate.
 WAN rows (``--wan-rtt-ms``): two regions with one peer each, the same host links, the
-round trip added by the testbed's delay relay.
+round trip added by the testbed's delay relay. Hierarchical rows (``--hier-sizes``, link ``hier``): two regions of
+two peers each, hosts on ``--hier-host-rate`` links behind a region uplink of ``--rate`` with the same round trip
+(the testbed of bench/utilization.py, where diloco's round is hierarchical): p2ptrain peers announce their region
+and run the round cell by cell (net/hierarchy.py), hivemind's averager runs its flat butterfly. Their ideal is
+``payload / rate``: what must leave a region, at the least, for every member to hold the exact mean.
 
 Goodput fraction = ideal / measured, where the ideal is ``2(k−1)/k · payload / rate``:
 in a butterfly (or ring) all-reduce each peer sends and receives 2(k−1)/k of the
@@ -102,6 +106,7 @@ def _turn(path: Path, want: str, timeout: float = 900.0) -> None:
 
 async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
     from p2ptrain.collective.codecs import get_codec
+    from p2ptrain.net.hierarchy import allreduce, plan_for
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
     from p2ptrain.net.transport import JoinRequest, PeerInfo
 
@@ -115,7 +120,7 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
         if a.rank == 0:
             text = "\n".join(await tr.visible_maddrs()) + "\n"
             await asyncio.to_thread(Path(a.maddrs).write_text, text)
-        await tr.announce(PeerInfo(peer_id=tr.peer_id))
+        await tr.announce(PeerInfo(peer_id=tr.peer_id, region=a.region))
         deadline = time.monotonic() + 120
         while len(await tr.peers()) < a.k:
             if time.monotonic() > deadline:
@@ -131,16 +136,18 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
             if rep >= 0:
                 await asyncio.to_thread(_turn, Path(a.turns), f"{a.system}:{rep}")
             t0 = time.monotonic()
-            group = await tr.form_group(JoinRequest(key=f"r{rep}", peer_id=tr.peer_id, weight=1.0, fragment=0), None,
-                                        timeout=120)
+            group = await tr.form_group(JoinRequest(key=f"r{rep}", peer_id=tr.peer_id, weight=1.0, fragment=0,
+                                                    region=a.region), None, timeout=120)
             t1 = time.monotonic()
-            res = await tr.allreduce(group, 0, [v], 1.0, codec, timeout=timeout)
+            # cell by cell when the members announce regions of two or more (the hier rows), else the flat butterfly
+            res = await allreduce(tr, group, plan_for(group, tr.peer_id), 0, [v], 1.0, codec, timeout=timeout)
             t2 = time.monotonic()
             err = float((res.tensors[0] - expect).abs().max())
             if rep >= 0:
                 _emit({"rep": rep, "group_s": t1 - t0, "allreduce_s": t2 - t1, "members": len(group.members),
                        "partial": res.partial, "max_err": err, "timeline": res.timeline,
-                       "verify_s": res.verify_seconds, "verify_bytes": res.verify_bytes, "audits": res.verify_audits})
+                       "verify_s": res.verify_seconds, "verify_bytes": res.verify_bytes, "audits": res.verify_audits,
+                       "hierarchical": len(set(group.region_of().values())) > 1})
             else:
                 print("READY", flush=True)
         await asyncio.to_thread(_turn, Path(a.turns), "end")
@@ -203,7 +210,7 @@ def _worker(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     for name, kind in (("system", str), ("rank", int), ("k", int), ("size", float), ("repeats", int),
                        ("ideal", float), ("listen", str), ("announce", str), ("maddrs", str), ("run_id", str),
-                       ("turns", str)):
+                       ("turns", str), ("region", str)):
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, required=True)
     a = ap.parse_args(argv)
     initial: list[str] = []
@@ -233,8 +240,9 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
              hosts: list[str] | None = None, label: str = "lan") -> list[dict[str, Any]]:
     """Start k peers of every system in the testbed's hosts at once, then give the systems their repeats in
     turn (A B A B …: the machine's load drifts over a run, and each system sees the same drift); per system
-    and repeat the slowest peer's times and the load average when the repeat began."""
-    ideal = 2 * (k - 1) / k * size * MB * 8 / rate
+    and repeat the slowest peer's times and the load average when the repeat began. ``rate``: each host's link
+    (lan, wan), or each region's uplink (hier: the peers announce their regions)."""
+    ideal = (1.0 if label == "hier" else 2 * (k - 1) / k) * size * MB * 8 / rate
     hosts = hosts or tb.hosts[:k]
     global _cases
     _cases += 1
@@ -259,7 +267,8 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
             cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--system", system,
                    "--rank", str(rank), "--k", str(k), "--size", str(size), "--repeats", str(repeats),
                    "--ideal", str(ideal), "--listen", listen[0], "--announce", announce[0], "--maddrs", str(maddrs),
-                   "--run-id", run_id, "--turns", str(turns)]
+                   "--run-id", run_id, "--turns", str(turns),
+                   "--region", tb.spec.region_of(host).name if label == "hier" else ""]
             procs[system].append(tb.run(host, cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env))
             if rank == 0:
                 from p2ptrain.procs import wait_lines
@@ -315,6 +324,7 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
                          "members": min(r["members"] for r in got), "partial": any(r["partial"] for r in got),
                          "max_err": max(r["max_err"] for r in got), "load": loads[system].get(rep),
                          "timeline": max(got, key=lambda r: r["allreduce_s"]).get("timeline"),  # the slowest's
+                         "hierarchical": all(r.get("hierarchical", False) for r in got),
                          # verified rounds: chunk audits drawn by any member (each fetches one chunk of every
                          # contribution to a part; every member waits for its verdict), and the slowest judging
                          "audits": sum(r.get("audits", 0) for r in got),
@@ -345,7 +355,7 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
               "p2ptrain-mplex-plain": ":v", "p2ptrain-libp2p": ":o", "p2ptrain-libp2p-plain": ":D",
               "p2ptrain-cubic": "-^", "p2ptrain-bbr": "-v", "p2ptrain-plain-cubic": "-.^", "p2ptrain-plain-bbr": "-.v"}
     for system, style in styles.items():
-        for link in ("lan", "wan"):
+        for link in ("lan", "wan", "hier"):
             for k in sorted({c["peers"] for c in cases}):
                 row = sorted((c["size_mb"], c["goodput"], c["goodput_min"], c["goodput_max"]) for c in cases
                              if c["system"] == system and c["peers"] == k and c["link"] == link and "goodput" in c)
@@ -353,7 +363,8 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
                     x, y = [p[0] for p in row], [p[1] for p in row]
                     err = [[p[1] - p[2] for p in row], [p[3] - p[1] for p in row]]
                     ax.errorbar(x, y, yerr=err, fmt=style, capsize=2, alpha=0.6 if link == "wan" else 1.0,
-                                label=f"{system}, {k} peers" + (", across regions" if link == "wan" else ""))
+                                label=f"{system}, {k} peers" + {"lan": "", "wan": ", across regions",
+                                                                 "hier": ", 2 regions × 2"}[link])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("payload (MB, fp32)")
     ax.set_ylabel("goodput / link rate")
@@ -381,6 +392,9 @@ def main() -> None:
     ap.add_argument("--wan-rtt-ms", type=float, default=100.0,
                     help="rows across two regions (one peer each) with this round-trip time; 0: none")
     ap.add_argument("--wan-sizes", default="16,64", help="payloads (MB) of the rows across regions")
+    ap.add_argument("--hier-sizes", default="",
+                    help="payloads (MB) of the rows of 2 regions × 2 peers behind shared uplinks of --rate (link hier)")
+    ap.add_argument("--hier-host-rate", default="1gbit", help="each host's link in the hier rows (tc units)")
     ap.add_argument("--out", type=Path, default=RESULTS / "link.json")
     args = ap.parse_args()
     from rich.progress import Progress
@@ -404,6 +418,10 @@ def main() -> None:
     plan = [(k, s) for k in peers for s in sizes if k * s <= args.max_total_mb]
     skipped = [(k, s) for k in peers for s in sizes if k * s > args.max_total_mb]
     wan_plan = [(2, s) for s in (float(x) for x in args.wan_sizes.split(",") if x)] if args.wan_rtt_ms > 0 else []
+    hier_plan = [(4, s) for s in (float(x) for x in args.hier_sizes.split(",") if x)]
+    hier_host = parse_rate(args.hier_host_rate)
+    if hier_plan and (hier_host is None or args.wan_rtt_ms <= 0):
+        raise SystemExit("--hier-sizes needs --hier-host-rate as a rate (e.g. 1gbit) and --wan-rtt-ms > 0")
     cases: list[dict[str, Any]] = []
     tcp: dict[str, float] = {}
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-link-"))
@@ -418,7 +436,7 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     with Progress(console=console) as prog:
-        task = prog.add_task("cases", total=len(plan) + len(wan_plan))
+        task = prog.add_task("cases", total=len(plan) + len(wan_plan) + len(hier_plan))
         legs: list[tuple[str, TestbedSpec, list[tuple[int, float]]]] = []
         for k in peers:
             if todo := [(kk, s) for kk, s in plan if kk == k]:
@@ -428,13 +446,19 @@ def main() -> None:
             legs.append(("wan", TestbedSpec(regions=(RegionSpec(name="us", hosts=1, host_rate=rate, delay_ms=d),
                                                      RegionSpec(name="eu", hosts=1, host_rate=rate, delay_ms=d))),
                          wan_plan))
+        if hier_plan:  # two regions of two hosts; the uplinks are --rate, each adds a quarter of the RTT each way
+            d = args.wan_rtt_ms / 4
+            legs.append(("hier", TestbedSpec(regions=tuple(
+                RegionSpec(name=r, hosts=2, host_rate=hier_host, uplink_rate=rate, delay_ms=d) for r in ("us", "eu"))),
+                hier_plan))
         for name, spec, todo in legs:
             with Testbed(spec) as tb:
-                tcp[name] = measure_throughput(tb, tb.hosts[0], tb.hosts[1], nbytes=16 * MB)["bits_per_s"]
+                # (hier: across the regions, through both uplinks)
+                tcp[name] = measure_throughput(tb, tb.hosts[0], tb.hosts[-1], nbytes=16 * MB)["bits_per_s"]
                 for k, size in todo:
                     prog.update(task, description=f"{name}: k={k} {size:g} MB, {'/'.join(systems)} in turn")
                     for case in run_case(tb, systems, k, size, args.repeats, rate, work,
-                                         label="wan" if name == "wan" else "lan"):
+                                         label=name if name in ("wan", "hier") else "lan"):
                         case["tcp_bits"] = tcp[name]
                         cases.append(case)
                         if "error" in case:
