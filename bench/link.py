@@ -54,6 +54,9 @@ from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # A worker of a system@base: the p2ptrain package of an older checkout (see --base), the bench code of this one.
+    if _tree := os.environ.get("P2PTRAIN_LINK_TREE"):
+        sys.path.insert(0, _tree)
 
 from bench.harness import DIRECT_PORT  # a peer's direct path: its libp2p port + this (relayed between regions)
 from bench.testbed import RegionSpec, Testbed, TestbedSpec, measure_throughput, parse_rate, unavailable_reason
@@ -72,6 +75,7 @@ def _values(rank: int, n: int) -> Any:
     return torch.full((n,), float(rank + 1), dtype=torch.float32)
 
 
+BASE = "@base"  # a system's suffix: its peers run the p2ptrain package of the --base checkout
 SYSTEMS = ("p2ptrain", "p2ptrain-plain", "p2ptrain-libp2p", "p2ptrain-libp2p-plain", "p2ptrain-mplex",
            "p2ptrain-mplex-plain", "p2ptrain-cubic", "p2ptrain-bbr", "p2ptrain-plain-cubic", "p2ptrain-plain-bbr",
            "hivemind")
@@ -79,13 +83,25 @@ SYSTEMS = ("p2ptrain", "p2ptrain-plain", "p2ptrain-libp2p", "p2ptrain-libp2p-pla
 
 def _variant(system: str) -> dict[str, Any]:
     """A p2ptrain system's settings: ``p2ptrain`` is the default peer (yamux, verified aggregation, direct path with
-    its default congestion control, CUBIC; ``-cubic``/``-bbr``: the direct path's connections on that one)."""
-    from p2ptrain.net.congestion import DEFAULT_CONGESTION
+    its default congestion control, CUBIC; ``-cubic``/``-bbr``: the direct path's connections on that one).
+    ``@base``: the same settings on the package of ``--base`` (those it has)."""
+    try:
+        from p2ptrain.net.congestion import DEFAULT_CONGESTION
+    except ImportError:  # a @base checkout older than the direct path
+        DEFAULT_CONGESTION = "cubic"
 
-    words = system.split("-")[1:]
+    words = system.removesuffix(BASE).split("-")[1:]
     return {"muxer": "mplex" if "mplex" in words else "yamux", "verify": "plain" not in words,
             "direct": "libp2p" not in words and "mplex" not in words,
             "congestion": next((w for w in words if w in ("cubic", "bbr")), DEFAULT_CONGESTION)}
+
+
+def _known(cls: Any, **kw: Any) -> dict[str, Any]:
+    """The keyword arguments the dataclass ``cls`` has fields for (a @base checkout may lack newer ones)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in kw.items() if k in names}
 
 
 def _emit(rec: dict[str, Any]) -> None:
@@ -106,21 +122,22 @@ def _turn(path: Path, want: str, timeout: float = 900.0) -> None:
 
 async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
     from p2ptrain.collective.codecs import get_codec
-    from p2ptrain.net.hierarchy import allreduce, plan_for
+    from p2ptrain.net.hierarchy import hierarchical_allreduce, plan_for
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
     from p2ptrain.net.transport import JoinRequest, PeerInfo
 
     v = _variant(a.system)
-    cfg = SwarmConfig(run_id=a.run_id, initial_peers=initial, host_maddrs=[a.listen], announce_maddrs=[a.announce],
-                      join_window=60.0, ttl=3600.0, recontact_every=3600.0, muxer=v["muxer"], verify=v["verify"],
-                      direct=v["direct"], direct_port=int(a.listen.rsplit("/", 1)[1]) + DIRECT_PORT,
-                      direct_congestion=v["congestion"])
+    cfg = SwarmConfig(**_known(SwarmConfig, run_id=a.run_id, initial_peers=initial, host_maddrs=[a.listen],
+                               announce_maddrs=[a.announce], join_window=60.0, ttl=3600.0, recontact_every=3600.0,
+                               muxer=v["muxer"], verify=v["verify"], direct=v["direct"],
+                               direct_port=int(a.listen.rsplit("/", 1)[1]) + DIRECT_PORT,
+                               direct_congestion=v["congestion"]))
     tr = await HivemindTransport.create(cfg)
     try:
         if a.rank == 0:
             text = "\n".join(await tr.visible_maddrs()) + "\n"
             await asyncio.to_thread(Path(a.maddrs).write_text, text)
-        await tr.announce(PeerInfo(peer_id=tr.peer_id, region=a.region))
+        await tr.announce(PeerInfo(**_known(PeerInfo, peer_id=tr.peer_id, region=a.region)))
         deadline = time.monotonic() + 120
         while len(await tr.peers()) < a.k:
             if time.monotonic() > deadline:
@@ -140,13 +157,16 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
                                                     region=a.region), None, timeout=120)
             t1 = time.monotonic()
             # cell by cell when the members announce regions of two or more (the hier rows), else the flat butterfly
-            res = await allreduce(tr, group, plan_for(group, tr.peer_id), 0, [v], 1.0, codec, timeout=timeout)
+            plan = plan_for(group, tr.peer_id)
+            res = await (tr.allreduce(group, 0, [v], 1.0, codec, timeout=timeout) if plan is None else
+                         hierarchical_allreduce(tr, group, plan, 0, [v], 1.0, codec, timeout=timeout))
             t2 = time.monotonic()
             err = float((res.tensors[0] - expect).abs().max())
             if rep >= 0:
                 _emit({"rep": rep, "group_s": t1 - t0, "allreduce_s": t2 - t1, "members": len(group.members),
-                       "partial": res.partial, "max_err": err, "timeline": res.timeline,
-                       "verify_s": res.verify_seconds, "verify_bytes": res.verify_bytes, "audits": res.verify_audits,
+                       "partial": res.partial, "max_err": err, "timeline": getattr(res, "timeline", None),
+                       "verify_s": getattr(res, "verify_seconds", 0.0), "verify_bytes": getattr(res, "verify_bytes", 0),
+                       "audits": getattr(res, "verify_audits", 0),
                        "hierarchical": len(set(group.region_of().values())) > 1})
             else:
                 print("READY", flush=True)
@@ -237,7 +257,7 @@ def _ready(log: Path) -> bool:
 
 
 def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int, rate: float, work: Path,
-             hosts: list[str] | None = None, label: str = "lan") -> list[dict[str, Any]]:
+             hosts: list[str] | None = None, label: str = "lan", base: str | None = None) -> list[dict[str, Any]]:
     """Start k peers of every system in the testbed's hosts at once, then give the systems their repeats in
     turn (A B A B …: the machine's load drifts over a run, and each system sees the same drift); per system
     and repeat the slowest peer's times and the load average when the repeat began. ``rate``: each host's link
@@ -260,7 +280,7 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
         procs[system], logs[system] = [], []
         for rank, host in enumerate(hosts):
             listen, announce = tb.maddrs(host, port)
-            if system.startswith("p2ptrain") and _variant(system)["direct"]:
+            if system.startswith("p2ptrain") and _variant(system)["direct"]:  # (a @base without it: unused)
                 tb.expose(host, port + DIRECT_PORT)  # the direct path crosses regions through the relay too
             log = work / f"{run_id}.{rank}.log"
             logs[system].append(log)
@@ -269,7 +289,8 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
                    "--ideal", str(ideal), "--listen", listen[0], "--announce", announce[0], "--maddrs", str(maddrs),
                    "--run-id", run_id, "--turns", str(turns),
                    "--region", tb.spec.region_of(host).name if label == "hier" else ""]
-            procs[system].append(tb.run(host, cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env))
+            penv = {**env, "P2PTRAIN_LINK_TREE": base} if system.endswith(BASE) and base else env
+            procs[system].append(tb.run(host, cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=penv))
             if rank == 0:
                 from p2ptrain.procs import wait_lines
 
@@ -354,7 +375,8 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
     styles = {"hivemind": "--s", "p2ptrain": "-o", "p2ptrain-plain": "-.D", "p2ptrain-mplex": ":^",
               "p2ptrain-mplex-plain": ":v", "p2ptrain-libp2p": ":o", "p2ptrain-libp2p-plain": ":D",
               "p2ptrain-cubic": "-^", "p2ptrain-bbr": "-v", "p2ptrain-plain-cubic": "-.^", "p2ptrain-plain-bbr": "-.v"}
-    for system, style in styles.items():
+    for system in sorted({c["system"] for c in cases}):
+        style = styles.get(system.removesuffix(BASE), "-x")  # (a @base system: its peer's style, drawn fainter)
         for link in ("lan", "wan", "hier"):
             for k in sorted({c["peers"] for c in cases}):
                 row = sorted((c["size_mb"], c["goodput"], c["goodput_min"], c["goodput_max"]) for c in cases
@@ -362,7 +384,8 @@ def _plot(cases: list[dict[str, Any]], path: Path) -> None:
                 if row:
                     x, y = [p[0] for p in row], [p[1] for p in row]
                     err = [[p[1] - p[2] for p in row], [p[3] - p[1] for p in row]]
-                    ax.errorbar(x, y, yerr=err, fmt=style, capsize=2, alpha=0.6 if link == "wan" else 1.0,
+                    ax.errorbar(x, y, yerr=err, fmt=style, capsize=2,
+                                alpha=0.6 if link == "wan" or system.endswith(BASE) else 1.0,
                                 label=f"{system}, {k} peers" + {"lan": "", "wan": ", across regions",
                                                                  "hier": ", 2 regions × 2"}[link])
     ax.set_xscale("log", base=2)
@@ -395,6 +418,9 @@ def main() -> None:
     ap.add_argument("--hier-sizes", default="",
                     help="payloads (MB) of the rows of 2 regions × 2 peers behind shared uplinks of --rate (link hier)")
     ap.add_argument("--hier-host-rate", default="1gbit", help="each host's link in the hier rows (tc units)")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="a checkout (e.g. a git worktree of an older commit, its bench/ removed) whose p2ptrain "
+                         "package the systems named SYSTEM@base run: before and after in one run, in turn")
     ap.add_argument("--out", type=Path, default=RESULTS / "link.json")
     args = ap.parse_args()
     from rich.progress import Progress
@@ -409,7 +435,13 @@ def main() -> None:
     peers = [int(x) for x in args.peers.split(",")]
     sizes = [float(x) for x in args.sizes.split(",")]
     systems = [s for s in args.systems.split(",") if s]
-    if bad := set(systems) - set(SYSTEMS):
+    if any(s.endswith(BASE) for s in systems) and args.base is None:
+        raise SystemExit(f"systems ending in {BASE} need --base (a checkout whose p2ptrain package they run)")
+    if args.base is not None and not (args.base / "p2ptrain" / "__init__.py").is_file():
+        raise SystemExit(f"--base {args.base}: no p2ptrain package there")
+    if args.base is not None and (args.base / "bench").exists():
+        raise SystemExit(f"--base {args.base}: remove its bench/ (the workers take this checkout's bench code)")
+    if bad := {s.removesuffix(BASE) for s in systems} - set(SYSTEMS):
         raise SystemExit(f"unknown systems {sorted(bad)}: choose among {', '.join(SYSTEMS)} (-mplex: the daemon's "
                          "mplex muxer; -libp2p: no direct path; -plain: without verified aggregation, as hivemind's "
                          "averager)")
@@ -458,7 +490,8 @@ def main() -> None:
                 for k, size in todo:
                     prog.update(task, description=f"{name}: k={k} {size:g} MB, {'/'.join(systems)} in turn")
                     for case in run_case(tb, systems, k, size, args.repeats, rate, work,
-                                         label=name if name in ("wan", "hier") else "lan"):
+                                         label=name if name in ("wan", "hier") else "lan",
+                                         base=None if args.base is None else str(args.base.resolve())):
                         case["tcp_bits"] = tcp[name]
                         cases.append(case)
                         if "error" in case:
