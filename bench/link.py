@@ -241,6 +241,10 @@ def _worker(argv: list[str]) -> None:
     if a.system.startswith("p2ptrain"):
         import uvloop
 
+        if os.environ.get("P2PTRAIN_LOG_LEVEL"):  # the peers' own logs (event=carried …) in the case's log files
+            from p2ptrain.ui import setup_logging
+
+            setup_logging()
         uvloop.run(_p2ptrain_worker(a, initial))
     else:
         _hivemind_worker(a, initial)
