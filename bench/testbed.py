@@ -671,7 +671,9 @@ def _sink(port: int, nbytes: int) -> dict[str, float]:
                 got += len(chunk)
             t_last = time.monotonic()
             conn.sendall(b"k")
-    return {"bytes": got, "seconds": t_last - t_first, "bits_per_s": 8 * (got - first) / max(1e-9, t_last - t_first)}
+    # (t_first/t_last on the system-wide monotonic clock: measure_flows spans several sinks' with them)
+    return {"bytes": got, "seconds": t_last - t_first, "bits_per_s": 8 * (got - first) / max(1e-9, t_last - t_first),
+            "t_first": t_first, "t_last": t_last, "first": first}
 
 
 def _source(addr: str, port: int, nbytes: int) -> dict[str, float]:
@@ -748,6 +750,32 @@ def measure_throughput(tb: Testbed, src: str, dst: str, nbytes: int = 8 << 20, t
     res = _result(sink, timeout)
     res["sender"] = _result(source, 10)
     return res
+
+
+def measure_flows(tb: Testbed, pairs: list[tuple[str, str]], nbytes: int = 8 << 20,
+                  timeout: float = 120) -> dict[str, float]:
+    """Bulk TCP on every (src, dst) of ``pairs`` at once (a pair may repeat: more flows); per source region, bit/s of
+    its flows together, from the first byte any of them received to the last (the path's delay excluded). The
+    ceiling of an exchange whose flows cross both ways at once (a hierarchical round's step across regions)."""
+    sinks = []
+    for src, dst in pairs:
+        port = _next_port()
+        tb.expose(dst, port)
+        sink = _helper(tb, dst, ["_sink", str(port), str(nbytes)])
+        assert sink.stdout is not None
+        if sink.stdout.readline().strip() != "listening":
+            raise TestbedError("a sink did not start")
+        sinks.append((src, dst, port, sink))
+    sources = [_helper(tb, src, ["_source", tb.addr(dst), str(port), str(nbytes)]) for src, dst, port, _ in sinks]
+    got = [(src, _result(sink, timeout)) for src, _, _, sink in sinks]
+    for source in sources:
+        _result(source, 30)
+    out: dict[str, float] = {}
+    for region in sorted({tb.spec.region_of(src).name for src, _ in got}):
+        mine = [r for src, r in got if tb.spec.region_of(src).name == region]
+        span = max(r["t_last"] for r in mine) - min(r["t_first"] for r in mine)
+        out[region] = 8 * sum(r["bytes"] - r["first"] for r in mine) / max(1e-9, span)
+    return out
 
 
 def measure_rtt(tb: Testbed, src: str, dst: str, count: int = 20, size: int = 64, timeout: float = 60) -> dict[str, Any]:
