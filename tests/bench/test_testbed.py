@@ -10,6 +10,7 @@ from bench.testbed import (
     RegionSpec,
     Testbed,
     TestbedSpec,
+    measure_flows,
     measure_rtt,
     measure_throughput,
     parse_region,
@@ -53,6 +54,20 @@ def test_throughput_and_delay_follow_the_configuration(spec: TestbedSpec) -> Non
     # teardown: the namespaces and the processes started inside them are gone
     assert not {n for n in _namespaces() if n.startswith(tb.tag)}
     assert sleeper.poll() is not None
+
+
+@pytest.mark.timeout(60)
+def test_flows_both_ways_share_each_uplink(spec: TestbedSpec) -> None:
+    # Two flows a → b and one b → a at once: a's two share its uplink, so their sum (not each) is near the rate; each
+    # direction has its own (full duplex). A rate per flow (about half of a's) instead of per region breaks it.
+    with Testbed(spec) as tb:
+        rates = measure_flows(tb, [("a0", "b0"), ("a0", "b0"), ("b0", "a0")], nbytes=4 << 20)
+        alone = measure_throughput(tb, "a0", "b0", nbytes=4 << 20)["bits_per_s"]
+    assert set(rates) == {"a", "b"}
+    assert all(bits <= 1.2 * RATE for bits in rates.values()), rates
+    # a's two flows together (each alone would be about half); b's one flow, short, on a loaded machine: looser
+    assert rates["a"] >= 0.65 * RATE and rates["b"] >= 0.4 * RATE, rates
+    assert rates["a"] <= 1.2 * alone, (rates, alone)
 
 
 def test_without_delay_inside_a_region_and_bad_specs(spec: TestbedSpec) -> None:
