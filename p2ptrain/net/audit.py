@@ -227,10 +227,11 @@ class Audit:
             return None
         return self._digest(part), values
 
-    def entries(self, own: torch.Tensor) -> list[Entry]:
-        """Our claims about each part we contributed to (our own share of our part is ``own``)."""
+    def entries(self, own: torch.Tensor, parts: Sequence[int] | None = None) -> list[Entry]:
+        """Our claims about each part we contributed to, or about ``parts`` of them (our own share of our part is
+        ``own``)."""
         out = []
-        for j in range(len(self.members)):
+        for j in range(len(self.members)) if parts is None else parts:
             tally = self._tally(j)
             res = self.box.results.get(j, {})
             if (j == self.me or j in self.sent) and tally is not None and tally.mine_sketch is not None \

@@ -5,8 +5,9 @@ Two real peers on 127.0.0.1. ``b`` reads every result it receives 1.5 s late (a 
 part (24 MB) is more than the sockets' buffers hold, so ``a`` holds both parts while its own result is still on
 its way to ``b``, not yet all written. ``a``'s all-reduce must return before
 that result is filed (the run no longer waits for the reply), and ``a`` closing at once must not cut it off: ``b``
-ends the round with the exact mean, not a partial one. (Plain aggregation: with verification ``a`` also waits for
-``b``'s claims, which ``b`` makes once it holds every result, a barrier of that protocol.)
+ends the round with the exact mean, not a partial one. With verified aggregation as well: ``a`` judges ``b``'s part
+from ``b``'s claim about it, which ``b`` sends as soon as its own result is filed (two members), not once it holds
+every result (then ``a`` waited for ``b`` to file ``a``'s result).
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ class _SlowToFile(HivemindTransport):
         return reply
 
 
-def test_a_member_returns_with_every_part_and_a_close_still_delivers_its_result() -> None:
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verified"])
+def test_a_member_returns_with_every_part_and_a_close_still_delivers_its_result(verify: bool) -> None:
     async def go() -> None:
         def cfg(**kw: Any) -> SwarmConfig:
-            return SwarmConfig(run_id="deliver", join_window=2.0, ttl=30, verify=False, **kw)
+            return SwarmConfig(run_id="deliver", join_window=2.0, ttl=30, verify=verify, **kw)
 
         a = await HivemindTransport.create(cfg())
         b: _SlowToFile | None = None
@@ -70,6 +72,9 @@ def test_a_member_returns_with_every_part_and_a_close_still_delivers_its_result(
             for r in (ra, rb):
                 assert not r.partial and set(r.contributors) == {a.peer_id, b.peer_id}
                 assert torch.allclose(r.tensors[0], want, rtol=1e-6, atol=1e-6)
+                assert not r.liars
+            if verify:  # a judged b's part: it drew audits of it, and held b's claim before b filed a's result
+                assert ra.verify_audits > 0 and ra.verify_tallied
             assert b.filed and b.filed[0] > returned  # filed after a had returned: delivered by a's close
         finally:
             await asyncio.gather(a.aclose(), *([b.aclose()] if b is not None else []), return_exceptions=True)
