@@ -738,14 +738,20 @@ def _next_port() -> int:
     return _port
 
 
-def measure_throughput(tb: Testbed, src: str, dst: str, nbytes: int = 8 << 20, timeout: float = 60) -> dict[str, Any]:
-    """Bulk TCP from ``src`` to ``dst`` (dialled at its announce address, like a peer would); bit/s at the receiver."""
+def _start_sink(tb: Testbed, dst: str, nbytes: int) -> tuple[int, subprocess.Popen[str]]:
+    """A sink of ``nbytes`` listening on ``dst`` (reachable from other regions): its port and process."""
     port = _next_port()
     tb.expose(dst, port)
     sink = _helper(tb, dst, ["_sink", str(port), str(nbytes)])
     assert sink.stdout is not None
     if sink.stdout.readline().strip() != "listening":
         raise TestbedError("the sink did not start")
+    return port, sink
+
+
+def measure_throughput(tb: Testbed, src: str, dst: str, nbytes: int = 8 << 20, timeout: float = 60) -> dict[str, Any]:
+    """Bulk TCP from ``src`` to ``dst`` (dialled at its announce address, like a peer would); bit/s at the receiver."""
+    port, sink = _start_sink(tb, dst, nbytes)
     source = _helper(tb, src, ["_source", tb.addr(dst), str(port), str(nbytes)])
     res = _result(sink, timeout)
     res["sender"] = _result(source, 10)
@@ -759,12 +765,7 @@ def measure_flows(tb: Testbed, pairs: list[tuple[str, str]], nbytes: int = 8 << 
     ceiling of an exchange whose flows cross both ways at once (a hierarchical round's step across regions)."""
     sinks = []
     for src, dst in pairs:
-        port = _next_port()
-        tb.expose(dst, port)
-        sink = _helper(tb, dst, ["_sink", str(port), str(nbytes)])
-        assert sink.stdout is not None
-        if sink.stdout.readline().strip() != "listening":
-            raise TestbedError("a sink did not start")
+        port, sink = _start_sink(tb, dst, nbytes)
         sinks.append((src, dst, port, sink))
     sources = [_helper(tb, src, ["_source", tb.addr(dst), str(port), str(nbytes)]) for src, dst, port, _ in sinks]
     got = [(src, _result(sink, timeout)) for src, _, _, sink in sinks]
