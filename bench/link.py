@@ -3,6 +3,9 @@
     python bench/link.py                                       # 2/4/8 peers, 1..256 MB, 100 Mbit/s, 5 repeats
     python bench/link.py --peers 2 --sizes 4,16,64 --wan-sizes 64   # the headline rows
     python bench/link.py --systems p2ptrain,p2ptrain-plain,hivemind --peers 2 --sizes 64
+    python bench/link.py --peers 2 --sizes 1 --max-total-mb 0 --wan-sizes '' --hier-sizes 16,64   # diloco's shape
+    git worktree add --detach /tmp/old <commit> && rm -r /tmp/old/bench   # then, before and after in turn:
+    python bench/link.py --systems p2ptrain,p2ptrain@base --base /tmp/old --peers 2 --sizes 1,4
 
 ``p2ptrain`` is the default peer: verified aggregation on (every member checks every part's average, which
 costs CPU time after the transfer, net/verify.py) and parts and results over the direct path (net/direct.py: a TCP
