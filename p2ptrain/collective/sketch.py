@@ -77,7 +77,9 @@ def sketch(x: torch.Tensor, key: Key, buckets: int = BUCKETS) -> torch.Tensor:
 def add_chunk(out: torch.Tensor, values: torch.Tensor, key: bytes, offset: int, numel: int) -> None:
     """Add to ``out`` (float64, its buckets over a vector of ``numel`` values) the signed sums of ``values``, the
     vector's values from ``offset`` on, with signs from SHAKE-256 of ``key`` (the chunk's own seed). Vectorised:
-    the values are signed (exact in float32) and summed in float64 a slab of whole buckets at a time."""
+    the values are signed (exact in float32) and summed in float64 a slab of whole buckets at a time, each bucket's
+    sum taken straight from the signed values (a part's chunk starts and ends inside buckets: the partial buckets at
+    a slab's ends are summed on their own, not padded with zeros into a float64 copy of the slab)."""
     flat = values.detach().reshape(-1)
     m, buckets = flat.numel(), out.numel()
     if m == 0:
@@ -93,15 +95,19 @@ def add_chunk(out: torch.Tensor, values: torch.Tensor, key: bytes, offset: int, 
         off = lo_i % 8  # the slab starts inside a byte of sign bits
         signs = _signs(bits[lo_i // 8 : (hi_i + 7) // 8], off + hi_i - lo_i)[off:]
         chunk = flat[lo_i:hi_i]
-        if chunk.dtype == torch.float64:
-            signed = chunk * signs.to(torch.float64)
-        else:  # x·(±1) is exact in float32; the sum is taken in float64
-            signed = (chunk.float() * signs).to(torch.float64)
-        first = b0 * size  # the slab's values sit at [pos, hi) of buckets b0.. (pos may be inside bucket b0)
-        count = -(-(hi - first) // size)
-        padded = torch.zeros(count * size, dtype=torch.float64)
-        padded[pos - first : hi - first] = signed
-        out[b0 : b0 + count] += padded.view(count, size).sum(1)
+        # x·(±1) is exact in float32 (and float64); every sum is taken in float64
+        signed = chunk * signs.to(torch.float64) if chunk.dtype == torch.float64 else chunk.float() * signs
+        edge = min(hi, -(-pos // size) * size)  # the end of the bucket the slab starts inside (pos if on an edge)
+        if edge > pos:
+            out[b0] += signed[: edge - pos].sum(dtype=torch.float64)
+        whole = (hi - edge) // size
+        if whole:
+            b = edge // size
+            out[b : b + whole] += signed[edge - pos : edge - pos + whole * size].view(whole, size).sum(
+                1, dtype=torch.float64)
+        tail = edge + whole * size
+        if hi > tail:
+            out[tail // size] += signed[tail - pos :].sum(dtype=torch.float64)
         pos = hi
 
 

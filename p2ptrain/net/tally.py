@@ -84,12 +84,12 @@ class ChunkTally:
                 add_chunk(self.result, values, k, lo, self.numel)
                 absv = values.abs().to(torch.float64)
                 e0 = self.codec.error_bound(values).to(torch.float64).add_(absv, alpha=F32_ROUND)
-                if hi > lo:
-                    diff = absv - e0
-                    self.over = max(self.over, float(diff.max()))
-                    self.slack = max(self.slack, float(-diff.min()))
-                    self.e0_sq += float(e0.pow(2).sum())
+                if hi > lo:  # (one pass for the extremes, a dot for Σ e0²: the chunk's float64 copies are few)
                     self.abs_sum += float(absv.sum())
+                    low, high = torch.aminmax(absv.sub_(e0))  # |v| − e0, in place of |v| (summed above)
+                    self.over = max(self.over, float(high))
+                    self.slack = max(self.slack, float(-low))
+                    self.e0_sq += float(torch.dot(e0, e0))
             if self.mine is not None and self.mine_sketch is not None:
                 x = self.mine(c, lo, hi)
                 if x is None:

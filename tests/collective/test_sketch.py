@@ -121,3 +121,28 @@ def test_the_vectorised_sketch_is_its_definition(slab: int, monkeypatch: pytest.
         want = _sketch_by_hand(x, b"key")
         assert torch.allclose(sketch(x, b"key"), want, rtol=1e-12, atol=1e-9), n
         assert torch.allclose(sketch(x.double(), b"key"), want, rtol=1e-12, atol=1e-9), n
+
+
+@pytest.mark.parametrize("slab", [1 << 22, 64, 9])
+def test_a_sketch_by_chunks_is_its_definition(slab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks that start and end inside buckets (a streamed part's, each under its own seed), summed a chunk at a
+    time as they arrive: value j of chunk [lo, hi) is signed by bit j − lo of that chunk's seed."""
+    import p2ptrain.collective.sketch as module
+
+    monkeypatch.setattr(module, "_SLAB", slab)
+    g = torch.Generator().manual_seed(5)
+    for n, step in ((1000, 7), (4099, 300), (20_011, 1024), (33, 5), (64, 64)):
+        x = torch.randn(n, generator=g)
+        key = [(lo, min(n, lo + step), f"c{lo}".encode()) for lo in range(0, n, step)]
+        size = -(-n // BUCKETS)
+        want = [0.0] * BUCKETS
+        for lo, hi, k in key:
+            bits = hashlib.shake_256(k).digest((hi - lo + 7) // 8)
+            for j in range(lo, hi):
+                want[j // size] += (1.0 - 2.0 * ((bits[(j - lo) // 8] >> ((j - lo) % 8)) & 1)) * float(x[j])
+        ref = torch.tensor(want, dtype=torch.float64)
+        by_arrival = torch.zeros(BUCKETS, dtype=torch.float64)
+        for lo, hi, k in reversed(key):  # in any order, as chunks come
+            module.add_chunk(by_arrival, x[lo:hi], k, lo, n)
+        for got in (sketch(x, key), sketch(x.double(), key), by_arrival):
+            assert torch.allclose(got, ref, rtol=1e-12, atol=1e-9), (n, step)
