@@ -48,6 +48,7 @@ from ..faults import FaultPlan, corrupt_payload, lie_about
 from .audit import Audit
 from .bandwidth import LinkMeter
 from .chunks import EncodedStream, chunked_size, decode_chunked, encode_ahead
+from .claims import Entry
 from .guard import Guard
 from .mailbox import Mailbox
 from .parts import Assembly, flatten, group_tag, result_problem, select_contributions
@@ -152,6 +153,7 @@ class ButterflyRun:
         self.timeline: dict[str, float] = {}
         self.deliveries: list[asyncio.Task[Any]] = []  # sends handed to ``deliver``'s task group
         self.early_claim: asyncio.Task[int | Exception] | None = None  # two members: our own part's claim, sent early
+        self.early_entries: list[Entry] = []  # that claim (made once: _verify adds the others to it)
 
     def _mark(self, step: str) -> None:
         self.timeline[step] = round(time.monotonic() - self.t0, 4)
@@ -607,8 +609,7 @@ class ButterflyRun:
         assert audit is not None
         if not await self.box.wait_until(lambda: self.me in self.box.results, self._until(self.results_at)):
             return 0
-        own = self._own_share()
-        entries = await asyncio.to_thread(audit.entries, own, [self.me])
+        entries = self.early_entries = await asyncio.to_thread(audit.entries, self._own_share(), [self.me])
         if not entries:
             return 0
         msg = audit.message(entries, frame=self.faults.frame)
@@ -647,8 +648,9 @@ class ButterflyRun:
             sent = await self.early_claim
             early = sent if isinstance(sent, int) else 0
             audit.stats.bytes_sent += early
-        own = self._own_share()
-        entries = await asyncio.to_thread(audit.entries, own)
+        made = {e.part for e in self.early_entries}  # (our own part's, made early: not sketched twice)
+        entries = [*self.early_entries, *await asyncio.to_thread(
+            audit.entries, self._own_share(), [j for j in range(len(self.members)) if j not in made])]
         msg = audit.message(entries, frame=self.faults.frame)
         size = len(encode_message(msg))
         sends = [] if early else [

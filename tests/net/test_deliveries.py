@@ -48,7 +48,8 @@ class _SlowToFile(HivemindTransport):
 def test_a_member_returns_with_every_part_and_a_close_still_delivers_its_result(verify: bool) -> None:
     async def go() -> None:
         def cfg(**kw: Any) -> SwarmConfig:
-            return SwarmConfig(run_id="deliver", join_window=2.0, ttl=30, verify=verify, **kw)
+            # (one audit of each part: what b fetches from a after a's run returned, which a's close must not cut off)
+            return SwarmConfig(run_id="deliver", join_window=2.0, ttl=30, verify=verify, audit_rate=1.0, **kw)
 
         a = await HivemindTransport.create(cfg())
         b: _SlowToFile | None = None
