@@ -27,6 +27,7 @@ from ..collective.codec_base import Codec, all_finite
 from ..collective.codecs import get_codec
 from ..collective.sketch import BUCKETS, Key, clipped, seed, sketch
 from .chunks import decode_chunked
+from .digest import digest as payload_digest
 from .identity import Identity, verify_signature
 from .merkle import MAX_DEPTH, merkle_paths, root_from_path
 from .pieces import (
@@ -112,7 +113,7 @@ def result_bounds(res: Mapping[str, Any], numel: int) -> list[tuple[int, int]]:
 
 
 def result_shas(res: Mapping[str, Any], numel: int, codec: Codec) -> list[bytes]:
-    """SHA-256 of each chunk's payload of a stored result, however it came (streamed chunk by chunk, or joined
+    """The digest of each chunk's payload of a stored result, however it came (streamed chunk by chunk, or joined
     into one payload by a relay); [] if its payload does not fit its chunks (the checks refuse it anyway)."""
     return payload_shas(result_pieces(res), numel, codec, res.get("chunk"))
 
@@ -254,7 +255,7 @@ class Slice:
     def sha(self) -> bytes:
         """The root the first piece and its path lead to (ValueError if they do not fit the grid)."""
         n = grid_size(self.numel, self.codec, self.chunk)
-        return root_from_path(hashlib.sha256(self.pieces[0]).digest(), self.first, n, self.paths[0])
+        return root_from_path(payload_digest(self.pieces[0]), self.first, n, self.paths[0])
 
     def commit(self, run: str, key: str, phase: int, part: int) -> bytes:
         return commitment(run, key, phase, part, self.weight, self.numel, self.codec, self.chunk, self.sha)
@@ -276,7 +277,7 @@ class Slice:
             raise ValueError(f"chunks of values {a}:{b} shown for values {lo}:{hi}")
         top, codec, out = self.sha, codec_of(self.codec), []
         for i, (p, path) in enumerate(zip(self.pieces, self.paths, strict=True), self.first):
-            if root_from_path(hashlib.sha256(p).digest(), i, len(bounds), path) != top:
+            if root_from_path(payload_digest(p), i, len(bounds), path) != top:
                 raise ValueError(f"chunk {i} is not one the signed root names")
             ca, cb = bounds[i]
             out.append(codec.decode(p, cb - ca))

@@ -42,7 +42,6 @@ with its witness is a function of its own (``_shard_bytes``).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import struct
 import time
@@ -55,6 +54,7 @@ import torch
 from ..algo.grouping import split_groups
 from ..collective.butterfly import part_bounds
 from ..collective.codecs import Codec
+from .digest import hexdigest
 from .groups import fingerprints_match
 from .parts import print_problem
 from .polling import answer, first_of, poll
@@ -206,7 +206,7 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
             if not isinstance(digest, bytes):  # no other region answers: nothing to check against
                 log.warning("event=shard_unchecked name=%s holder=%s", name, holder[-8:])
                 return data, len(data), "u"
-            if hashlib.sha256(data).hexdigest().encode() != digest:
+            if hexdigest(data).encode() != digest:
                 raise RoundFailed(f"{name}: the region's carrier {holder[-8:]} and another region's disagree on it")
             return data, len(data) + len(digest), "h"
     if holder != me:
@@ -316,7 +316,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
 
     carried = await asyncio.gather(*(carry(s) for s in plan.carried), return_exceptions=True)
     offers: dict[int, bytes] = {}
-    digests: dict[int, str] = {}  # of the shards we carried (their offers' SHA-256)
+    digests: dict[int, str] = {}  # of the shards we carried (their offers' digests, hex)
     crossed: list[ReduceResult] = []
     for s, c in zip(plan.carried, carried, strict=True):
         if isinstance(c, BaseException):  # our carry failed: the others fetch the shard from other regions

@@ -32,7 +32,7 @@ def _split(n: int) -> int:
 
 
 def merkle_root(shas: Sequence[bytes]) -> bytes:
-    """The root over ``shas`` (the pieces' SHA-256s, in order); of none, SHA-256 of nothing."""
+    """The root over ``shas`` (the pieces' digests, in order); of none, SHA-256 of nothing."""
     if not shas:
         return hashlib.sha256(b"").digest()
     return _Tree(shas).root(0, len(shas))
@@ -81,7 +81,7 @@ def merkle_paths(shas: Sequence[bytes], indices: Sequence[int]) -> list[list[byt
 
 
 def root_from_path(sha: bytes, index: int, n: int, path: Sequence[bytes]) -> bytes:
-    """The root that piece ``index`` of ``n`` (whose SHA-256 is ``sha``) and ``path`` lead to (ValueError when the
+    """The root that piece ``index`` of ``n`` (whose digest is ``sha``) and ``path`` lead to (ValueError when the
     path has not the length a tree of ``n`` leaves gives that piece)."""
     if not 0 <= index < n or len(path) > MAX_DEPTH:
         raise ValueError(f"piece {index} of {n} with a path of {len(path)}")

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections import OrderedDict
+
+from .digest import hexdigest
 
 __all__ = ["Offers"]
 
 
 class Offers:
     """Bytes a peer serves for a short while beside its state provider's (a round's shard that its region
-    fetches: :mod:`p2ptrain.net.hierarchy`), with their SHA-256 computed once. Expired offers are dropped
-    on every :meth:`put`; at most ``keep`` are held (the oldest goes first).
+    fetches: :mod:`p2ptrain.net.hierarchy`), with their digest (net/digest.py) computed once. Expired offers are
+    dropped on every :meth:`put`; at most ``keep`` are held (the oldest goes first).
 
     An offer may be *wanted*: by ``wanted`` fetches (whole transfers, counted by the transport: :meth:`fetched`)
     until ``needed_until`` (monotonic, the round's deadline). A peer that leaves gracefully serves what is still
@@ -33,11 +34,11 @@ class Offers:
 
     def put(self, name: str, data: bytes, *, ttl: float, wanted: int = 0, needed_until: float = 0.0) -> str:
         """Serve ``data`` as ``name`` for ``ttl`` seconds (wanted by ``wanted`` fetches until ``needed_until``);
-        returns its SHA-256 (hex)."""
+        returns its digest (hex, net/digest.py)."""
         now = time.monotonic()
         for n in [n for n, (_, _, until) in self._held.items() if until <= now]:
             del self._held[n]
-        digest = hashlib.sha256(data).hexdigest()
+        digest = hexdigest(data)
         self._held[name] = (data, digest, now + ttl)
         self._held.move_to_end(name)
         while len(self._held) > self.keep:

@@ -1,5 +1,5 @@
 """How a payload is cut into pieces and hashed (net/claims.py's commitments name the result): a contributor signs
-the Merkle root of its pieces' SHA-256s (:func:`root`), so that the owner can show one piece with its path and an
+the Merkle root of its pieces' digests (:func:`root`, BLAKE3: net/digest.py), so that the owner can show one piece with its path and an
 auditor check it against the signature alone (claims.Slice). A payload whose bytes are its values in order (fp32, fp16, bf16, an
 owner's raw share) is hashed in pieces of :data:`AUDIT_GRAIN` values from each chunk's start; a codec with
 block headers first, in its chunks. Results are hashed in their chunks (:func:`payload_shas`), as they arrive.
@@ -7,7 +7,6 @@ block headers first, in its chunks. Results are hashed in their chunks (:func:`p
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import torch
 from ..collective.butterfly import MIN_CHUNK, chunk_bounds
 from ..collective.codec_base import Codec
 from ..collective.codecs import get_codec
+from .digest import digest, hasher
 from .merkle import merkle_root
 
 __all__ = [
@@ -57,15 +57,15 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 
 
 def raw_shas(t: torch.Tensor, chunk: int | None) -> list[bytes]:
-    """SHA-256 of each piece (:func:`hash_grid`) of :func:`raw_bytes` of ``t``, without copying ``t`` on a
+    """The digest of each piece (:func:`hash_grid`) of :func:`raw_bytes` of ``t``, without copying ``t`` on a
     little-endian host; a large share in two threads (hashlib lets go of the GIL): it is hashed before our first
-    part leaves (net/allreduce.py), 35–60 ms for a 32 MB share on one core."""
+    part leaves (net/allreduce.py): 35–60 ms for a 32 MB share on one core with SHA-256, about a quarter of that now."""
     bounds = hash_grid(t.numel(), RAW, chunk)
     if sys.byteorder != "little":
         data = raw_bytes(t)
-        return [hashlib.sha256(data[4 * a : 4 * b]).digest() for a, b in bounds]
+        return [digest(data[4 * a : 4 * b]) for a, b in bounds]
     view = memoryview(t.detach().float().contiguous().cpu().numpy().data).cast("B")
-    return _in_two(lambda part: [hashlib.sha256(view[4 * a : 4 * b]).digest() for a, b in part], bounds,
+    return _in_two(lambda part: [digest(view[4 * a : 4 * b]) for a, b in part], bounds,
                    4 * t.numel())
 
 
@@ -86,7 +86,7 @@ def _in_two(hash_all: Callable[[list[tuple[int, int]]], list[bytes]], bounds: li
 
 
 def chunk_shas(data: bytes, numel: int, codec: str | Codec) -> list[bytes]:
-    """The :func:`hash_grid` pieces' SHA-256s of one chunk's payload of ``numel`` values: a chunked payload's
+    """The :func:`hash_grid` pieces' digests of one chunk's payload of ``numel`` values: a chunked payload's
     :func:`contribution_shas` are its chunks' in order (every grid starts again at each chunk's start)."""
     return contribution_shas([data], numel, codec, None)
 
@@ -112,7 +112,7 @@ class GridShas:
                 self.per[i] = chunk_shas(data, b - a, self.codec)
 
     def shas(self) -> list[bytes] | None:
-        """Every piece's SHA-256, if every chunk was added; None if one is missing."""
+        """Every piece's digest, if every chunk was added; None if one is missing."""
         if any(p is None for p in self.per):
             return None
         return [sha for per in self.per for sha in per or ()]
@@ -159,14 +159,14 @@ def grid_size(numel: int, codec: str | Codec, chunk: int | None) -> int:
 
 
 def _hash_pieces(pieces: Sequence[bytes], sizes: Sequence[int]) -> list[bytes]:
-    """SHA-256 of consecutive byte ranges of ``sizes`` across ``pieces`` (never joined); [] if they do not fit."""
+    """The digests of consecutive byte ranges of ``sizes`` across ``pieces`` (never joined); [] if they do not fit."""
     if [len(p) for p in pieces] == list(sizes):
-        return [hashlib.sha256(p).digest() for p in pieces]
+        return [digest(p) for p in pieces]
     if sum(len(p) for p in pieces) != sum(sizes):
         return []
     out, it, cur = [], iter(pieces), memoryview(b"")
     for n in sizes:
-        h = hashlib.sha256()
+        h = hasher()
         while n:
             while not cur:
                 cur = memoryview(next(it))
@@ -192,20 +192,20 @@ def byte_range(pieces: Sequence[bytes], start: int, end: int) -> bytes:
 
 
 def payload_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
-    """SHA-256 of each chunk's payload of ``numel`` values encoded by ``codec`` in chunks of ``chunk`` values,
+    """The digest of each chunk's payload of ``numel`` values encoded by ``codec`` in chunks of ``chunk`` values,
     however the payload came (chunk by chunk, or joined into one); [] if it does not fit its chunks."""
     c = codec_of(codec)
     return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in piece_bounds(numel, chunk)])
 
 
 def contribution_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
-    """SHA-256 of each piece (:func:`hash_grid`) of a contribution's payload; [] if it does not fit."""
+    """The digest of each piece (:func:`hash_grid`) of a contribution's payload; [] if it does not fit."""
     c = codec_of(codec)
     return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in hash_grid(numel, c, chunk)])
 
 
 def root(shas: Sequence[bytes]) -> bytes:
-    """What a commitment names of a payload: the Merkle root of its pieces' SHA-256s (net/merkle.py), so that one
+    """What a commitment names of a payload: the Merkle root of its pieces' digests (net/merkle.py), so that one
     piece can be shown with a path of log2(n) hashes."""
     return merkle_root(shas)
 

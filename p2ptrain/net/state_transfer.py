@@ -1,6 +1,6 @@
 """Chunked, hash-verified state transfer (a late joiner's θ, outer state and counters).
 
-The serving peer snapshots the state once per transfer, publishes its SHA-256 and size
+The serving peer snapshots the state once per transfer, publishes its digest (net/digest.py) and size
 in the first reply, and serves the same bytes chunk by chunk (so a transfer stays
 consistent while the swarm moves on). The receiver checks the announced size against
 its limit before allocating, assembles the chunks in order and verifies the hash; a
@@ -11,12 +11,12 @@ another source (:meth:`p2ptrain.net.transport.Transport.download_state`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .digest import hexdigest
 from .offers import Offers
 from .transport import Answered, Declined, RoundFailed, StateProvider
 
@@ -49,8 +49,8 @@ class StateServer:
             self._served.popitem(last=False)
 
     async def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Answer one request: ``{"name"}`` starts a transfer, ``{"name", "sha256", "offset"}`` continues it."""
-        name, want, offset = msg.get("name"), msg.get("sha256"), msg.get("offset", 0)
+        """Answer one request: ``{"name"}`` starts a transfer, ``{"name", "digest", "offset"}`` continues it."""
+        name, want, offset = msg.get("name"), msg.get("digest"), msg.get("offset", 0)
         if not isinstance(name, str) or not isinstance(offset, int) or offset < 0:
             return {"error": "bad state request"}
         offered = self.offers.get(name)
@@ -65,7 +65,7 @@ class StateServer:
             data = await asyncio.to_thread(self.provider, name)
             if data is None:
                 return {"error": "unknown state"}
-            digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+            digest = await asyncio.to_thread(hexdigest, data)
             self._served[digest] = (data, time.monotonic())
             self._served.move_to_end(digest)
             self._prune()
@@ -77,7 +77,7 @@ class StateServer:
             return {"error": "offset past the end of the state"}
         if from_offer and offset + self.chunk >= len(data):  # the transfer's last reply
             self.offers.fetched(name)
-        return {"sha256": digest, "size": len(data), "offset": offset, "chunk": data[offset : offset + self.chunk]}
+        return {"digest": digest, "size": len(data), "offset": offset, "chunk": data[offset : offset + self.chunk]}
 
 
 async def fetch_chunked(call: Call, name: str, *, max_bytes: int = MAX_STATE,
@@ -96,7 +96,7 @@ async def fetch_chunked(call: Call, name: str, *, max_bytes: int = MAX_STATE,
 
     first = await call({"name": name})
     chunk = check(first, 0)
-    size, digest = first.get("size"), first.get("sha256")
+    size, digest = first.get("size"), first.get("digest")
     if not isinstance(size, int) or not isinstance(digest, str) or not 0 <= size <= max_bytes:
         raise RoundFailed(f"state {name!r}: announced size {size!r} is not acceptable (limit {max_bytes})")
     buf = bytearray(size)
@@ -110,8 +110,8 @@ async def fetch_chunked(call: Call, name: str, *, max_bytes: int = MAX_STATE,
             progress(offset, size)
         if offset >= size:
             break
-        chunk = check(await call({"name": name, "sha256": digest, "offset": offset}), offset)
+        chunk = check(await call({"name": name, "digest": digest, "offset": offset}), offset)
     data = bytes(buf)
-    if await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest()) != digest:
+    if await asyncio.to_thread(hexdigest, data) != digest:
         raise RoundFailed(f"state {name!r}: hash mismatch (corrupt or lying source)")
     return data

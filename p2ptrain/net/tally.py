@@ -16,7 +16,6 @@ size) is summed whole, as before.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,8 +24,9 @@ import torch
 
 from ..collective.butterfly import chunk_bounds
 from ..collective.codec_base import Codec
-from ..collective.sketch import BUCKETS, add_chunk, seed
+from ..collective.sketch import BUCKETS, add_chunks, seed
 from .claims import result_bounds, result_header
+from .digest import digest
 
 __all__ = ["F32_ROUND", "ChunkTally", "Tallies"]
 
@@ -78,10 +78,18 @@ class ChunkTally:
             if values.numel() != hi - lo:
                 self.broken = True
                 return
-            sha = hashlib.sha256(piece).digest()
+            sha = digest(piece)
             k = seed(self.run, self.key, self.phase, self.part, self.head, c, sha)
+            x = self.mine(c, lo, hi) if self.mine is not None and self.mine_sketch is not None else None
+            if x is not None and x.numel() != hi - lo:
+                x = None
+            if self.mine_sketch is not None and x is None:
+                self.mine_sketch = None  # (our contribution to this chunk is not known: it is summed whole)
+            # One sign stream for the result's sketch and our contribution's (the same key and place).
+            add_chunks([*([(self.result, values)] if self.judge else []),
+                        *([(self.mine_sketch, x)] if self.mine_sketch is not None and x is not None else [])],
+                       k, lo, self.numel)
             if self.judge:
-                add_chunk(self.result, values, k, lo, self.numel)
                 absv = values.abs().to(torch.float64)
                 e0 = self.codec.error_bound(values).to(torch.float64).add_(absv, alpha=F32_ROUND)
                 if hi > lo:  # (one pass for the extremes, a dot for Σ e0²: the chunk's float64 copies are few)
@@ -90,14 +98,8 @@ class ChunkTally:
                     self.over = max(self.over, float(high))
                     self.slack = max(self.slack, float(-low))
                     self.e0_sq += float(torch.dot(e0, e0))
-            if self.mine is not None and self.mine_sketch is not None:
-                x = self.mine(c, lo, hi)
-                if x is None:
-                    self.mine_sketch = None
-                else:
-                    add_chunk(self.mine_sketch, x, k, lo, self.numel)
-                    if x.numel():
-                        self.mine_inf = max(self.mine_inf, float(x.abs().max()))
+            if x is not None and x.numel() and self.mine_sketch is not None:
+                self.mine_inf = max(self.mine_inf, float(x.abs().max()))
             self.shas[c], self.keys[c] = sha, (lo, hi, k)
             self.done += 1
 

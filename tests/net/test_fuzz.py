@@ -95,7 +95,7 @@ def test_result_and_getpart_handlers(msg: dict[str, Any]) -> None:
 
 
 @FUZZ
-@given(_msg(["name", "sha256", "offset"]))
+@given(_msg(["name", "digest", "offset"]))
 def test_state_server_always_answers(msg: dict[str, Any]) -> None:
     srv = StateServer(chunk=16)
     srv.provider = lambda name: b"x" * 100 if name == "outer" else None
@@ -104,7 +104,7 @@ def test_state_server_always_answers(msg: dict[str, Any]) -> None:
 
 
 @FUZZ
-@given(st.lists(_msg(["sha256", "size", "offset", "chunk", "error"]), min_size=1, max_size=4))
+@given(st.lists(_msg(["digest", "size", "offset", "chunk", "error"]), min_size=1, max_size=4))
 def test_state_download_refuses_whatever_a_source_sends(replies: list[dict[str, Any]]) -> None:
     it = iter(replies)
 

@@ -4,12 +4,12 @@ regions per region, and a carrier that dies or lies cannot stall or poison its r
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import blake3
 import pytest
 import torch
 
@@ -255,7 +255,7 @@ def test_a_silent_carrier_is_given_up_once_another_cells_carrier_has_offered(mon
                 raise TimeoutError
             if asyncio.get_running_loop().time() - self.t0 < 2.0:
                 raise Answered("not yet")
-            return hashlib.sha256(offer).hexdigest().encode() if name.endswith("#sha") else offer
+            return blake3.blake3(offer).hexdigest().encode() if name.endswith("#sha") else offer
 
     async def go() -> tuple[bytes, int, str, float]:
         fake = Fake()
@@ -346,7 +346,7 @@ def test_a_shard_is_not_applied_unchecked_while_the_other_regions_carrier_is_onl
                 def later(name: str, data: bytes, *, ttl: float, _put: Any = put, **wanted: Any) -> str:
                     if name.endswith("#sha"):
                         loop.call_later(7.0, lambda: _put(name, data, ttl=ttl, **wanted))
-                        return hashlib.sha256(data).hexdigest()
+                        return blake3.blake3(data).hexdigest()
                     return _put(name, data, ttl=ttl, **wanted)
 
                 late.offers.put = later  # type: ignore[method-assign]
@@ -380,7 +380,7 @@ def test_a_carrier_that_lies_to_its_region_fails_the_round_there_and_poisons_no_
                 head = _HEADER.size
                 bad = data[:head] + torch.full(((len(data) - head) // 4,), 100.0).numpy().tobytes()
                 lie = honest_put(name, bad, ttl=ttl, **wanted)
-                return hashlib.sha256(data).hexdigest() if digest == "honest" else lie
+                return blake3.blake3(data).hexdigest() if digest == "honest" else lie
 
             liar.offers.put = lying_put  # type: ignore[method-assign]
             xs = [[torch.full((10,), float(i))] for i in range(4)]

@@ -6,8 +6,8 @@ cover the values asked is refused, and the slice's aggregate is checked as exact
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
+import blake3
 import pytest
 import torch
 
@@ -71,7 +71,7 @@ def test_an_owner_own_raw_share_is_shown_by_the_slice_as_signed() -> None:
     ident = Identity.generate()
     x = _values(1)
     shas = raw_shas(x, 1 << 18)
-    assert shas == [hashlib.sha256(get_codec("fp32").encode(x[a:b])).digest() for a, b in chunk_bounds(N, G)]
+    assert shas == [blake3.blake3(get_codec("fp32").encode(x[a:b])).digest() for a, b in chunk_bounds(N, G)]
     assert len(raw_shas(x, 1024)) == -(-N // 1024)  # chunks smaller than the grain: pieces of a chunk
     sig, _ = sign_contribution(ident, RUN, KEY, 0, 0, 2.0, N, RAW, 1 << 18, root(shas))
     ev = Evidence((), 2.0, N, RAW, 1 << 18, sig, ident.public, shas=shas, raw=x)
@@ -96,7 +96,7 @@ def test_pieces_in_value_order_start_at_each_chunk_so_that_an_audit_slice_is_one
     ident = Identity.generate()
     x = _values(5)
     shas = raw_shas(x, chunk)
-    assert shas == [hashlib.sha256(get_codec("fp32").encode(x[a:b])).digest() for a, b in want]
+    assert shas == [blake3.blake3(get_codec("fp32").encode(x[a:b])).digest() for a, b in want]
     sig, _ = sign_contribution(ident, RUN, KEY, 0, 0, 1.0, N, RAW, chunk, root(shas))
     ev = Evidence((), 1.0, N, RAW, chunk, sig, ident.public, shas=shas, raw=x)
     for lo, hi in [(chunk, chunk + G), (2 * chunk, N)]:  # slices an audit draws

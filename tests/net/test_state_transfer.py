@@ -4,10 +4,10 @@ source dies mid-transfer and the download still ends correct from another."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from typing import Any
 
+import blake3
 import pytest
 
 from p2ptrain.net.state_transfer import StateServer, fetch_chunked
@@ -65,7 +65,7 @@ def test_a_lying_source_is_rejected(lie: str) -> None:
         reply = dict(await srv.handle(msg))
         if lie == "flip" and msg.get("offset") == 65536:
             reply["chunk"] = bytes([reply["chunk"][0] ^ 1]) + reply["chunk"][1:]
-        elif lie == "size" and "sha256" not in msg:
+        elif lie == "size" and "digest" not in msg:
             reply["size"] = len(BLOB) - 10
         elif lie == "offset" and msg.get("offset"):
             reply["offset"] = 0
@@ -86,11 +86,11 @@ def test_a_lying_source_is_rejected(lie: str) -> None:
 def test_the_server_answers_bad_requests_with_an_error() -> None:
     srv = _server()
     for msg in ({}, {"name": 3}, {"name": "outer", "offset": -1}, {"name": "outer", "offset": "x"},
-                {"name": "outer", "sha256": "0" * 64, "offset": 0}, {"name": "nothing"}):
+                {"name": "outer", "digest": "0" * 64, "offset": 0}, {"name": "nothing"}):
         assert "error" in asyncio.run(srv.handle(msg)), msg
     first = asyncio.run(srv.handle({"name": "outer"}))
-    assert first["sha256"] == hashlib.sha256(BLOB).hexdigest() and first["size"] == len(BLOB)
-    assert "error" in asyncio.run(srv.handle({"name": "outer", "sha256": first["sha256"], "offset": len(BLOB) + 1}))
+    assert first["digest"] == blake3.blake3(BLOB).hexdigest() and first["size"] == len(BLOB)
+    assert "error" in asyncio.run(srv.handle({"name": "outer", "digest": first["digest"], "offset": len(BLOB) + 1}))
 
 
 @pytest.mark.net
