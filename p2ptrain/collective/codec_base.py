@@ -199,6 +199,12 @@ class Codec(ABC):
         values themselves. Used to check a part owner's average (collective/sketch.py)."""
         return torch.zeros_like(decoded)
 
+    @property
+    def lossless(self) -> bool:
+        """Whether :meth:`error_bound` is 0 everywhere (the codec's own, not overridden): a payload decodes to
+        exactly the float32 values encoded."""
+        return type(self).error_bound is Codec.error_bound
+
     @abstractmethod
     def _encode(self, x: torch.Tensor) -> bytes:
         """Payload of ``x``: a non-empty, finite, contiguous 1-D float32 tensor (CPU, or the encoding GPU)."""

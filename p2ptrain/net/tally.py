@@ -67,6 +67,20 @@ class ChunkTally:
         return (self.sender == sender and not self.broken and self.done == len(self.bounds)
                 and result_header(res) == self.head)
 
+    def _lossless_sums(self, values: torch.Tensor) -> None:
+        """The error bound's sums of a chunk of a codec without error (fp32): e0 = |v|·2^-24, so they follow from
+        Σ|v|, the extremes of |v| and Σ v², with the same values as the general sums in :meth:`feed` (|v|·(1 − 2^-24)
+        and v² of a float32 v are exact in float64, and scaling by 2^-48 is exact), in half of its passes over
+        float64 copies of the chunk (a 64 MB round between two peers: 8 M values a member judges)."""
+        absv = values.abs()
+        self.abs_sum += float(absv.sum(dtype=torch.float64))
+        low, high = torch.aminmax(absv)
+        keep = 1.0 - F32_ROUND
+        self.over = max(self.over, float(high) * keep)  # max(|v| − e0)
+        self.slack = max(self.slack, -float(low) * keep)  # max(e0 − |v|)
+        d = values.to(torch.float64)
+        self.e0_sq += float(torch.dot(d, d)) * F32_ROUND**2
+
     def feed(self, c: int, piece: bytes, values: torch.Tensor) -> None:
         """Chunk ``c`` arrived: its payload and its decoded values (run it in a worker thread). A chunk that does
         not fit the header's chunks leaves the tally broken (the audit then sums the result whole)."""
@@ -89,7 +103,9 @@ class ChunkTally:
             add_chunks([*([(self.result, values)] if self.judge else []),
                         *([(self.mine_sketch, x)] if self.mine_sketch is not None and x is not None else [])],
                        k, lo, self.numel)
-            if self.judge:
+            if self.judge and hi > lo and self.codec.lossless and values.dtype == torch.float32:
+                self._lossless_sums(values)
+            elif self.judge:
                 absv = values.abs().to(torch.float64)
                 e0 = self.codec.error_bound(values).to(torch.float64).add_(absv, alpha=F32_ROUND)
                 if hi > lo:  # (one pass for the extremes, a dot for Σ e0²: the chunk's float64 copies are few)

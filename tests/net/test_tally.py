@@ -122,3 +122,33 @@ def test_our_share_of_another_part_is_sketched_from_the_payloads_we_sent() -> No
     # without the payloads of our send (not registered) the tally has no sketch of ours: the audit sums it whole
     blind = tallies().make(0, "o", res, N)
     assert blind is not None and blind.mine is None
+
+
+class _ZeroBoundFP32(type(get_codec("fp32"))):  # type: ignore[misc]
+    """fp32 with its zero error bound spelled out: not :attr:`lossless`, so the tally takes its general sums."""
+
+    def error_bound(self, decoded: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(decoded)
+
+
+@pytest.mark.parametrize("lie", [False, True])
+def test_a_lossless_codecs_sums_are_the_general_ones(lie: bool) -> None:
+    """fp32's sums come from Σ|v|, the extremes of |v| and Σ v² (net/tally.py ``_lossless_sums``): the same values
+    as the general sums over e0 = |v|·2^-24, bit for bit where they are exact."""
+    res, values, pieces, _ = _result("fp32", lie)
+    values = values.clone()
+    values[7] = -values.abs().max() * 3  # the largest magnitude is a negative value
+    values[11] = 0.0  # and the smallest is 0
+    tallies = []
+    for codec in (get_codec("fp32"), _ZeroBoundFP32()):
+        tally = ChunkTally(run="run", key="r", phase=0, part=1, sender="o", res=res, numel=N, codec=codec,
+                           judge=True, mine=None)
+        for c, ((a, b), p) in enumerate(zip(chunk_bounds(N, CHUNK), pieces, strict=True)):
+            tally.feed(c, p, values[a:b])
+        tallies.append(tally)
+    fast, general = tallies
+    assert get_codec("fp32").lossless and not _ZeroBoundFP32().lossless and not get_codec("e3m0").lossless
+    assert fast.over == general.over and fast.slack == general.slack and fast.e0_sq == general.e0_sq
+    assert fast.abs_sum == pytest.approx(general.abs_sum, rel=1e-15)
+    assert fast.over == pytest.approx(float(values.abs().max()), rel=1e-6) and fast.slack == 0.0
+    assert torch.equal(fast.result, general.result)
