@@ -13,6 +13,24 @@ def test_weighted_mean_by_hand() -> None:
     assert torch.equal(weighted_mean(xs, [1.0, 3.0]), torch.tensor([2.5, 5.0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_weighted_mean_sums_in_float64(dtype: torch.dtype) -> None:
+    """Each contribution is added to a float64 sum as it is (no float64 copy of it): the same values as adding its
+    float64 copy, and within one float32 rounding of the exact mean."""
+    g = torch.Generator().manual_seed(1)
+    xs = [(torch.randn(5001, generator=g) * 10 ** k).to(dtype) for k in range(3)]
+    ws = [1.0, 2.5, 0.5]
+    total = sum(ws)
+    ref = torch.zeros(5001, dtype=torch.float64)
+    for x, w in zip(xs, ws, strict=True):
+        ref.add_(x.to(torch.float64), alpha=w / total)
+    got = weighted_mean(xs, ws)
+    assert got.dtype == dtype
+    assert torch.equal(got, ref.to(dtype))
+    exact = sum(x.double() * w for x, w in zip(xs, ws, strict=True)) / total
+    assert torch.allclose(got.double(), exact, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=1e-12)
+
+
 def test_trimmed_mean_by_hand() -> None:
     # per coordinate, n = 5, trim 0.2 → drop the smallest and the largest value
     xs = [torch.tensor([1.0, 10.0]), torch.tensor([2.0, -50.0]), torch.tensor([3.0, 20.0]),
