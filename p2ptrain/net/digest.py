@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import blake3
 
-__all__ = ["DIGEST_BYTES", "Hasher", "digest", "hasher", "hexdigest"]
+__all__ = ["Hasher", "digest", "hasher", "hexdigest"]
 
-DIGEST_BYTES = 32
 Hasher = blake3.blake3
 
 

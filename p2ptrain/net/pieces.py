@@ -1,8 +1,9 @@
 """How a payload is cut into pieces and hashed (net/claims.py's commitments name the result): a contributor signs
-the Merkle root of its pieces' digests (:func:`root`, BLAKE3: net/digest.py), so that the owner can show one piece with its path and an
-auditor check it against the signature alone (claims.Slice). A payload whose bytes are its values in order (fp32, fp16, bf16, an
-owner's raw share) is hashed in pieces of :data:`AUDIT_GRAIN` values from each chunk's start; a codec with
-block headers first, in its chunks. Results are hashed in their chunks (:func:`payload_shas`), as they arrive.
+the Merkle root of its pieces' digests (:func:`root`; BLAKE3, net/digest.py), so that the owner can show one piece
+with its path and an auditor check it against the signature alone (claims.Slice). A payload whose bytes are its
+values in order (fp32, fp16, bf16, an owner's raw share) is hashed in pieces of :data:`AUDIT_GRAIN` values from each
+chunk's start; a codec with block headers first, in its chunks. Results are hashed in their chunks
+(:func:`payload_shas`), as they arrive.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ __all__ = ["DIGEST_BYTES", "MIB", "CellLayout", "LinkModel", "RoundModel", "boun
            "region_of", "rounds_to_mix"]
 
 MIB = 2**20
-DIGEST_BYTES = 64  # a shard offer's sha256, hex (what a member fetches from another cell's carrier)
+DIGEST_BYTES = 64  # a shard offer's digest, hex (what a member fetches from another cell's carrier)
 SILENT_CARRIER_WAIT = 2.0  # seconds a member gives its cell's silent carrier once the witness answered (hierarchy.py)
 
 
