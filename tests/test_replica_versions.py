@@ -91,3 +91,29 @@ def test_a_repair_takes_only_the_theta_the_majority_holds() -> None:
         assert rep.repair(rnd, "me", fetch) and torch.equal(taken[-1][0], bad[0])
     finally:
         rep.close()
+
+
+def test_a_replica_behind_its_sources_rounds_serves_no_outer_state_until_it_applies_them() -> None:
+    """A joiner in its warm-up holds θ without the rounds its source had in flight (peer/outer.py defers that
+    catch-up): its ``outer`` state would not name them as pending, so it serves none until every such fragment has
+    applied a round of its own (or caught up)."""
+    theta = [torch.zeros(3)]
+    outer = types.SimpleNamespace(theta=lambda f: theta, momentum=lambda f: [torch.zeros(3)],
+                                  round_state=lambda f: {}, initialized=True,
+                                  shared_state=lambda: {"theta": [theta, theta]})
+    frags = [types.SimpleNamespace(index=0), types.SimpleNamespace(index=1)]
+    flying: list[Round] = []
+    rep = ReplicaState(outer, None, frags, threading.Lock(), lambda: flying, keep=2)  # type: ignore[arg-type]
+    try:
+        assert rep.provide("outer") is not None
+        rep.behind = {0, 1}
+        assert rep.provide("outer") is None
+        rnd = _round(3, theta)
+        rep.record_send(rnd)
+        rnd.state = RoundState.APPLIED
+        rep.record_apply(rnd)  # fragment 0 applied a round: fragment 1 is still behind
+        assert rep.behind == {1} and rep.provide("outer") is None
+        rep.catch_up("src", [], False, lambda peer, name: b"", deadline=0.0, poll=0.0)
+        assert not rep.behind and rep.provide("outer") is not None
+    finally:
+        rep.close()

@@ -108,8 +108,9 @@ class PeerBase:
         """State other peers may ask for (called in the network loop's worker thread)."""
         return None
 
-    def _take_state(self, state: dict[str, Any], source: str, keep_progress: bool) -> None:
-        """Take a downloaded ``outer`` state (ValueError/KeyError if it does not fit)."""
+    def _take_state(self, state: dict[str, Any], source: str, keep_progress: bool, catch_up: bool = True) -> None:
+        """Take a downloaded ``outer`` state (ValueError/KeyError if it does not fit). ``catch_up``: also take θ
+        after the source's rounds that were in flight (where the kind has such rounds)."""
 
     def step(self) -> None:
         """One iteration of the compute loop."""
@@ -250,8 +251,12 @@ class PeerBase:
                 setattr(self.runner.stats, k, int(v))
             self.resume_state = None
         if self.cfg.sync_on_join:
-            # A resumed peer keeps its local progress and own state where the swarm's θ still fits it.
-            self.sync_from_swarm(keep_progress=resumed is not None)
+            # A resumed peer keeps its local progress and own state where the swarm's θ still fits it. The source's
+            # rounds in flight are not waited for here: a peer trains on this state only through its warm-up, and
+            # then takes the swarm's state again with its progress (Peer.after_step), waiting for those rounds then.
+            # Waited for here too, they held joiners idle for up to 42 s in churn (the source's rounds in flight
+            # until applied, τ steps and more) before their first step.
+            self.sync_from_swarm(keep_progress=resumed is not None, catch_up=False)
         clock.mark("state")
         self.link.announce_now(self._info())
         clock.report()
@@ -306,11 +311,13 @@ class PeerBase:
                         extra={"rounds": st.complete + st.partial if st else 0, "in_flight": st.in_flight if st else 0,
                                "model": self.model_fingerprint, **self.announce_extra})
 
-    def sync_from_swarm(self, keep_progress: bool = False) -> None:
+    def sync_from_swarm(self, keep_progress: bool = False, catch_up: bool = True) -> None:
         """Take the swarm's state, downloaded chunked and hash-verified from the first live peer that
         delivers it whole (most advanced first). ``keep_progress``: keep local progress and own state where
-        the swarm's still fits (see :meth:`_take_state`)."""
-        source = self.link.take_state("outer", lambda state, src: self._take_state(state, src, keep_progress))
+        the swarm's still fits; ``catch_up``: take θ after the source's rounds then in flight as well (see
+        :meth:`_take_state`)."""
+        source = self.link.take_state("outer", lambda state, src: self._take_state(state, src, keep_progress,
+                                                                                   catch_up))
         if source is not None:
             self.synced_from = source
 

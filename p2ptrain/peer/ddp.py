@@ -61,7 +61,7 @@ class DDPPeer(PeerBase, DriverHooks):
                      "step": self.trainer.step_count, "optimizer": self.trainer.optimizer.state_dict()}
         return state_to_bytes(state)
 
-    def _take_state(self, state: dict[str, Any], source: str, keep_progress: bool) -> None:
+    def _take_state(self, state: dict[str, Any], source: str, keep_progress: bool, catch_up: bool = True) -> None:
         with self.lock:
             names = list(self.trainer.params)
             self.trainer.apply_outer(names, [state["params"][n] for n in names])

@@ -127,8 +127,13 @@ class Peer(PeerBase):
     def _provide(self, name: str) -> bytes | None:
         return self.replica.provide(name)
 
-    def _take_state(self, state: dict[str, Any], source: str, keep_progress: bool) -> None:
+    def _take_state(self, state: dict[str, Any], source: str, keep_progress: bool, catch_up: bool = True) -> None:
         self.replica.take(state, keep_progress)
+        if not catch_up:
+            with self.lock:
+                self.replica.behind = {int(f) for f, _ in state.get("pending", [])}
+            log.info("event=catch_up_deferred pending=%d", len(state.get("pending", [])))
+            return
         t0 = time.perf_counter()
         self.replica.catch_up(source, state.get("pending", []), keep_progress, self.fetch,
                               deadline=time.monotonic() + self.method.timeout + self.cfg.join_timeout,

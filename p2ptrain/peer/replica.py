@@ -90,6 +90,10 @@ class ReplicaState:
         self.served_digests: list[list[str]] = []  # digest of θ per fragment in every outer state served
         self.sent_at: dict[str, float] = {}  # round key -> unix time this peer sent it
         self.repairs = 0
+        #: Fragments whose θ was taken without a round its source then had in flight (a joiner in its warm-up): the
+        #: ``outer`` state is not served while any is left (it would not name those rounds as pending); a fragment
+        #: leaves the set once caught up (:meth:`catch_up`) or once a round of it is applied here.
+        self.behind: set[int] = set()
         self._digests = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2ptrain-digest")
 
     # ------------------------------------------------------------------ versions (compute thread, under the lock)
@@ -100,6 +104,7 @@ class ReplicaState:
 
     def record_apply(self, rnd: Round) -> None:
         f = rnd.fragment
+        self.behind.discard(f)
         theta = self.outer.theta(f)
         self.after[rnd.key] = (f, theta, self.outer.momentum(f), self.outer.round_state(f))
         self._prune(self.after)
@@ -150,8 +155,8 @@ class ReplicaState:
         rounds this θ does not include yet), ``before:KEY``, ``after:KEY``; None when unknown or not yet."""
         if name == "outer":
             with self.lock:  # references only: serialised below, after the compute thread may go on
-                if not self.outer.initialized:
-                    return None  # still starting: nothing to give yet
+                if not self.outer.initialized or self.behind:
+                    return None  # still starting, or behind its source's rounds: nothing to give yet
                 state = self.outer.shared_state()
                 thetas = [self.outer.theta(f.index) for f in self.frags]
                 # Rounds this θ does not include yet: the taker fetches θ after each ("after:KEY").
@@ -224,6 +229,7 @@ class ReplicaState:
                     self.params.apply_outer(names, new)
                 log.info("event=caught_up fragment=%s key=%s", fragment, key)
                 break
+        self.behind.clear()  # (a round the source never applied is left to repair, as before)
 
     def repair(self, rnd: Round, me: str, fetch: Fetch) -> bool:
         """Our θ^(p) disagreed with the round's majority: take theirs as it was before the round, from the

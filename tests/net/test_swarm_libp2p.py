@@ -81,8 +81,8 @@ def test_late_joiner_syncs_and_takes_part(corpus: Corpus) -> None:
     assert not run.errors, run.errors
     late = run.results[3]
     assert late is not None and late.rounds_complete + late.rounds_partial >= 2
-    # Before its first inner step the joiner's θ was, bitwise, the θ a live peer held: the one it served,
-    # or the one after a round the source then had in flight (the joiner catches up on those).
+    # Before its first inner step the joiner's θ was, bitwise, the θ a live peer held: the one it served (the rounds
+    # the source then had in flight are taken after the joiner's warm-up, test_join_catch_up.py), or one after them.
     joiner = run.peers[3]
     assert joiner.synced_from is not None and joiner.start_digests
     source = next(p for p in run.peers[:3] if p.peer_id == joiner.synced_from)

@@ -1,0 +1,55 @@
+"""A joiner trains through its warm-up on the state it downloaded at start, without waiting there for the rounds its
+source had in flight: it takes the swarm's state again after its warm-up (with its progress), and waits for those
+rounds then. In churn, the wait at start held joiners idle for up to 42 s before their first inner step."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+
+from p2ptrain.algo.methods import method_config
+from p2ptrain.data import Corpus
+from p2ptrain.net.memory import MemorySwarm
+from p2ptrain.peer.base import PeerBase
+from p2ptrain.peer.replica import ReplicaState
+
+from .peers import Spec, applied_agree, memory_transports, run_peers
+
+
+def test_a_joiner_waits_for_its_sources_rounds_after_its_warmup_not_at_start(
+        corpus: Corpus, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    starting = threading.local()
+    calls: list[tuple[int, bool]] = []  # (id of the replica, whether inside PeerBase.start)
+    start, catch_up = PeerBase.start, ReplicaState.catch_up
+
+    def recorded_start(self: PeerBase) -> None:
+        starting.on = True
+        try:
+            start(self)
+        finally:
+            starting.on = False
+
+    def recorded_catch_up(self: ReplicaState, *args: Any, **kwargs: Any) -> None:
+        calls.append((id(self), getattr(starting, "on", False)))
+        catch_up(self, *args, **kwargs)
+
+    monkeypatch.setattr(PeerBase, "start", recorded_start)
+    monkeypatch.setattr(ReplicaState, "catch_up", recorded_catch_up)
+    caplog.set_level(logging.INFO, logger="p2ptrain.peer.outer")
+    specs = [Spec(steps=70, delay=0.02)] * 2 + [Spec(steps=30, delay=0.02, start_when=lambda run: all(
+        p.applied > 0 for p in run.peers[:2]))]
+    run = run_peers(method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10), specs, corpus,
+                    memory_transports(MemorySwarm(join_window=10.0, ttl=3.0)), shared_loop=True, clock="steps",
+                    warmup=1.0, timeout=240)
+    assert not run.errors, run.errors
+    joiner = run.peers[2]
+    assert joiner.synced_from is not None  # it took the swarm's state at start (and again after its warm-up)
+    assert not [c for c in calls if c[1]], calls  # no peer waited for rounds in flight inside its start
+    assert any(c == (id(joiner.replica), False) for c in calls), calls  # the joiner did, after its warm-up
+    assert any("event=catch_up_deferred" in r.getMessage() for r in caplog.records)
+    late = run.results[2]
+    assert late is not None and late.rounds_complete + late.rounds_partial >= 1
+    assert applied_agree(run.results, min_common=1)  # and its θ is the swarm's after the rounds they shared
