@@ -117,3 +117,51 @@ def test_a_replica_behind_its_sources_rounds_serves_no_outer_state_until_it_appl
         assert not rep.behind and rep.provide("outer") is not None
     finally:
         rep.close()
+
+
+def test_a_catch_up_that_keeps_progress_trains_between_its_asks() -> None:
+    """While the source has not applied its round yet, a peer that keeps its progress runs ``idle`` (an inner step)
+    instead of sleeping; that progress is rebased onto θ after the round. Without ``keep_progress`` (θ is taken
+    as it is) it only waits."""
+    from p2ptrain.checkpoint import state_to_bytes
+    from p2ptrain.net.transport import RoundFailed as NotYet
+
+    names = ["w"]
+    local = {"w": torch.full((3,), 1.5)}  # θ 1.0 plus progress 0.5
+    theta = [torch.full((3,), 1.0)]
+    outer = types.SimpleNamespace(theta=lambda f: list(theta), momentum=lambda f: [torch.zeros(3)],
+                                  round_state=lambda f: {}, take_round_state=lambda f, st: None)
+
+    def overwrite(f: int, th: list[torch.Tensor], mom: list[torch.Tensor]) -> None:
+        theta[0] = th[0].clone()
+
+    outer.overwrite = overwrite
+    params = types.SimpleNamespace(snapshot=lambda ns: [local[n].clone() for n in ns],
+                                   apply_outer=lambda ns, vals: local.update(zip(ns, vals, strict=True)))
+    frags = [types.SimpleNamespace(index=0, names=names)]
+    asks: list[str] = []
+
+    def fetch(peer: str, name: str) -> bytes:
+        asks.append(name)
+        if len(asks) < 3:
+            raise NotYet("not applied yet")
+        return state_to_bytes({"theta": [torch.full((3,), 4.0)], "momentum": [torch.zeros(3)]})
+
+    steps: list[int] = []
+
+    def idle() -> None:  # an inner step: 0.25 more progress
+        steps.append(1)
+        local["w"] = local["w"] + 0.25
+
+    rep = ReplicaState(outer, params, frags, threading.Lock(), lambda: [], keep=2)  # type: ignore[arg-type]
+    try:
+        rep.catch_up("src", [[0, "f0.L8"]], True, fetch, deadline=1e18, poll=10.0, idle=idle)
+        assert asks == ["after:f0.L8"] * 3 and len(steps) == 2  # two asks too early: two steps, no 10 s sleeps
+        assert torch.equal(theta[0], torch.full((3,), 4.0))
+        assert torch.equal(local["w"], torch.full((3,), 4.0 + 0.5 + 0.5))  # θ after the round, plus all progress
+        asks.clear()
+        steps.clear()
+        rep.catch_up("src", [[0, "f0.L9"]], False, fetch, deadline=1e18, poll=0.0, idle=idle)
+        assert len(asks) == 3 and not steps  # θ taken as it is: no progress to keep, so no steps
+    finally:
+        rep.close()

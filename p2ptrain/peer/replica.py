@@ -197,16 +197,21 @@ class ReplicaState:
                 self.params.apply_outer(frag.names, new)
 
     def catch_up(self, source: str, pending: Sequence[Sequence[Any]], keep_progress: bool, fetch: Fetch, *,
-                 deadline: float, poll: float) -> None:
+                 deadline: float, poll: float, idle: Callable[[], None] | None = None) -> None:
         """The state taken from ``source`` did not include its rounds then in flight: take θ after each of
         them once the source has applied it, or this peer would start one round behind the swarm on that
-        fragment (bounded by ``deadline``, monotonic; a round the source never applies is left to repair)."""
+        fragment (bounded by ``deadline``, monotonic; a round the source never applies is left to repair).
+        ``idle``: run between asks instead of sleeping ``poll`` s (an inner step: with ``keep_progress`` its
+        progress is rebased onto θ after the round, as the progress made before it is)."""
         for fragment, key in pending:
             while time.monotonic() < deadline:
                 try:
                     raw = fetch(source, f"after:{key}")
                 except RoundFailed:  # not applied yet
-                    time.sleep(poll)
+                    if idle is not None and keep_progress:
+                        idle()
+                    else:
+                        time.sleep(poll)
                     continue
                 except TimeoutError:
                     return

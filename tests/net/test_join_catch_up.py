@@ -1,6 +1,7 @@
 """A joiner trains through its warm-up on the state it downloaded at start, without waiting there for the rounds its
-source had in flight: it takes the swarm's state again after its warm-up (with its progress), and waits for those
-rounds then. In churn, the wait at start held joiners idle for up to 42 s before their first inner step."""
+source had in flight: it takes the swarm's state again after its warm-up (with its progress), and catches up on
+those rounds then, taking inner steps while they are not applied yet. In churn, the wait at start held joiners idle
+for up to 42 s before their first inner step."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def test_a_joiner_waits_for_its_sources_rounds_after_its_warmup_not_at_start(
         corpus: Corpus, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     starting = threading.local()
     calls: list[tuple[int, bool]] = []  # (id of the replica, whether inside PeerBase.start)
+    trains: list[bool] = []  # whether the catch-up was given an inner step to take while it waits
     start, catch_up = PeerBase.start, ReplicaState.catch_up
 
     def recorded_start(self: PeerBase) -> None:
@@ -34,6 +36,7 @@ def test_a_joiner_waits_for_its_sources_rounds_after_its_warmup_not_at_start(
 
     def recorded_catch_up(self: ReplicaState, *args: Any, **kwargs: Any) -> None:
         calls.append((id(self), getattr(starting, "on", False)))
+        trains.append(kwargs.get("idle") is not None)
         catch_up(self, *args, **kwargs)
 
     monkeypatch.setattr(PeerBase, "start", recorded_start)
@@ -49,6 +52,7 @@ def test_a_joiner_waits_for_its_sources_rounds_after_its_warmup_not_at_start(
     assert joiner.synced_from is not None  # it took the swarm's state at start (and again after its warm-up)
     assert not [c for c in calls if c[1]], calls  # no peer waited for rounds in flight inside its start
     assert any(c == (id(joiner.replica), False) for c in calls), calls  # the joiner did, after its warm-up
+    assert trains and all(trains), trains  # keeping its progress, training while the source's rounds end
     assert any("event=catch_up_deferred" in r.getMessage() for r in caplog.records)
     late = run.results[2]
     assert late is not None and late.rounds_complete + late.rounds_partial >= 1
