@@ -139,6 +139,7 @@ class StagedPeer:
             peer = Peer(replace(cfg, run_id=ns), method, view, transport(g, ns, []), net=self.net,  # type: ignore[arg-type]
                         metrics=metrics if i == 0 else None, seed=seed)
             peer.fixed_pacing = True
+            peer.own_steps = False  # (its inner steps are the pipeline's, taken by this driver for every stage)
             peer.announce_extra = {"stage": g, "stages": plan.stages, "pipeline_rank": held.rank,
                                    "pipeline_stages": held.world}
             self.peers.append(peer)

@@ -23,7 +23,6 @@ import hashlib
 import math
 from collections.abc import Sequence
 
-import blake3
 import torch
 
 __all__ = ["BUCKETS", "KAPPA", "Key", "add_chunk", "add_chunks", "clipped", "mean_residual", "passes", "seed", "sketch"]
@@ -62,8 +61,8 @@ Key = bytes | Sequence[tuple[int, int, bytes]]
 
 def sketch(x: torch.Tensor, key: Key, buckets: int = BUCKETS) -> torch.Tensor:
     """The float64 sketch of ``x`` (any shape, read flat) under ``key``: bucket b is Σ_k σ_k x_k over the b-th
-    contiguous stretch of ``ceil(n / buckets)`` values, with signs σ from BLAKE3's extendable output of the seed
-    of the chunk the value is in (one seed: the whole of ``x``), the first bit for the chunk's first value (the
+    contiguous stretch of ``ceil(n / buckets)`` values, with signs σ from SHAKE-256 of the seed of the chunk the
+    value is in (one seed: the whole of ``x``), the first bit for the chunk's first value (the
     same on every machine and torch version)."""
     flat = x.detach().reshape(-1)
     n = flat.numel()
@@ -77,7 +76,7 @@ def sketch(x: torch.Tensor, key: Key, buckets: int = BUCKETS) -> torch.Tensor:
 
 def add_chunk(out: torch.Tensor, values: torch.Tensor, key: bytes, offset: int, numel: int) -> None:
     """Add to ``out`` (float64, its buckets over a vector of ``numel`` values) the signed sums of ``values``, the
-    vector's values from ``offset`` on, with signs from the XOF of ``key`` (the chunk's own seed)."""
+    vector's values from ``offset`` on, with signs from SHAKE-256 of ``key`` (the chunk's own seed)."""
     add_chunks([(out, values)], key, offset, numel)
 
 
@@ -86,10 +85,7 @@ def add_chunks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], key: bytes, o
     contribution to it): the sign stream is drawn and expanded once for all of them. Vectorised: the values are
     signed (exact in float32) and summed in float64 a slab of whole buckets at a time, each bucket's sum taken
     straight from the signed values (a part's chunk starts and ends inside buckets: the partial buckets at a slab's
-    ends are summed on their own, not padded with zeros into a float64 copy of the slab).
-
-    The signs are BLAKE3's extendable output of the key, one bit per value, low bit first (SHAKE-256 was a quarter
-    of a sketch's time here: 0.2 GB/s of sign bytes, BLAKE3 several GB/s)."""
+    ends are summed on their own, not padded with zeros into a float64 copy of the slab)."""
     flats = [(out, values.detach().reshape(-1)) for out, values in pairs]
     if not flats:
         return
@@ -99,7 +95,7 @@ def add_chunks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], key: bytes, o
     if m == 0:
         return
     buckets = flats[0][0].numel()
-    bits = torch.frombuffer(bytearray(blake3.blake3(key).digest(length=(m + 7) // 8)), dtype=torch.uint8)
+    bits = torch.frombuffer(bytearray(hashlib.shake_256(key).digest((m + 7) // 8)), dtype=torch.uint8)
     size = -(-numel // buckets)
     pos = offset
     while pos < offset + m:  # slabs of whole buckets (the first and last may be partial)

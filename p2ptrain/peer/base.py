@@ -97,6 +97,8 @@ class PeerBase:
         # Set by a driver that decides the pacing for several namespaces (p2ptrain.staged): publish
         # step_seconds as given instead of taking this namespace's published value.
         self.fixed_pacing = False
+        #: Whether this peer takes its own inner steps (False: a driver steps several peers' shared model, staged.py).
+        self.own_steps = True
         self.announce_extra: dict[str, Any] = {}  # more fields of this peer's announcement (its stage)
         self.model_fingerprint = model_fingerprint(trainer.model)
 

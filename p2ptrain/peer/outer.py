@@ -136,11 +136,19 @@ class Peer(PeerBase):
             return
         t0, computed = time.perf_counter(), self.compute
         # While the source's rounds are not applied yet, a peer that keeps its progress trains instead of waiting
-        # (after its warm-up the wait was 17 s a start on average in churn, up to 90 s).
+        # (after its warm-up the wait was 17 s a start on average in churn, up to 90 s), if its steps are its own.
         self.replica.catch_up(source, state.get("pending", []), keep_progress, self.fetch,
                               deadline=time.monotonic() + self.method.timeout + self.cfg.join_timeout,
-                              poll=0.25 * (self.step_seconds or 0.2), idle=self._inner_step if keep_progress else None)
+                              poll=0.25 * (self.step_seconds or 0.2),
+                              idle=self._catch_up_step if keep_progress and self.own_steps else None)
         self.catchup_stall += max(0.0, time.perf_counter() - t0 - (self.compute - computed))
+
+    def _catch_up_step(self) -> None:
+        """An inner step while a catch-up waits (none past the run's last step, or once asked to stop)."""
+        if self.trainer.step_count < self.cfg.steps and not self._stop.is_set():
+            self._inner_step()
+        else:
+            time.sleep(0.25 * (self.step_seconds or 0.2))
 
     def checkpoint_state(self) -> dict[str, Any]:
         d = self.driver

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
-import blake3
 import pytest
 import torch
 
@@ -43,15 +43,15 @@ def test_a_sketch_is_linear_and_the_same_for_the_same_seed() -> None:
     assert torch.allclose(sketch(0.25 * a + 0.75 * b, k), 0.25 * sa + 0.75 * sb, atol=1e-9)
     assert torch.equal(sketch(a, k), sa)
     assert not torch.allclose(sketch(a, seed("run", "r1", 0, 3, b"other")), sa)
-    # By hand: one sign bit per value (low bit first) from BLAKE3's extendable output of the key; buckets of ceil(5/2) = 3 values.
-    byte = blake3.blake3(k).digest(length=1)[0]
+    # By hand: one sign bit per value (low bit first) from SHAKE-256 of the key; buckets of ceil(5/2) = 3 values.
+    byte = hashlib.shake_256(k).digest(1)[0]
     sign = [1.0 - 2.0 * ((byte >> i) & 1) for i in range(5)]
     s = sketch(torch.arange(1, 6, dtype=torch.float32), k, buckets=2)
     assert s.tolist() == [sign[0] * 1 + sign[1] * 2 + sign[2] * 3, sign[3] * 4 + sign[4] * 5]
     assert sketch(torch.zeros(0), k).abs().sum() == 0
     # Per chunk: [0, 2) and [2, 5) with seeds of their own; the buckets stay those of the whole vector.
     k1, k2 = seed("c", 1), seed("c", 2)
-    b1, b2 = blake3.blake3(k1).digest(length=1)[0], blake3.blake3(k2).digest(length=1)[0]
+    b1, b2 = hashlib.shake_256(k1).digest(1)[0], hashlib.shake_256(k2).digest(1)[0]
     s1 = [1.0 - 2.0 * ((b1 >> i) & 1) for i in range(2)]
     s2 = [1.0 - 2.0 * ((b2 >> i) & 1) for i in range(3)]
     s = sketch(torch.arange(1, 6, dtype=torch.float32), [(0, 2, k1), (2, 5, k2)], buckets=2)
@@ -98,10 +98,10 @@ def test_the_clipped_pulls_of_a_converged_centered_clip_cancel() -> None:
 
 
 def _sketch_by_hand(x: torch.Tensor, key: bytes, buckets: int = BUCKETS) -> torch.Tensor:
-    """The sketch's definition, value by value in float64: bit k of BLAKE3's extendable output of key (low bit first) signs x_k."""
+    """The sketch's definition, value by value in float64: bit k of SHAKE-256(key) (low bit first) signs x_k."""
     flat = x.reshape(-1).double().tolist()
     n = len(flat)
-    bits = blake3.blake3(key).digest(length=(n + 7) // 8)
+    bits = hashlib.shake_256(key).digest((n + 7) // 8)
     size = -(-n // buckets) if n else 1
     out = [0.0] * buckets
     for k, v in enumerate(flat):
@@ -137,7 +137,7 @@ def test_a_sketch_by_chunks_is_its_definition(slab: int, monkeypatch: pytest.Mon
         size = -(-n // BUCKETS)
         want = [0.0] * BUCKETS
         for lo, hi, k in key:
-            bits = blake3.blake3(k).digest(length=(hi - lo + 7) // 8)
+            bits = hashlib.shake_256(k).digest((hi - lo + 7) // 8)
             for j in range(lo, hi):
                 want[j // size] += (1.0 - 2.0 * ((bits[(j - lo) // 8] >> ((j - lo) % 8)) & 1)) * float(x[j])
         ref = torch.tensor(want, dtype=torch.float64)
