@@ -62,8 +62,8 @@ Key = bytes | Sequence[tuple[int, int, bytes]]
 def sketch(x: torch.Tensor, key: Key, buckets: int = BUCKETS) -> torch.Tensor:
     """The float64 sketch of ``x`` (any shape, read flat) under ``key``: bucket b is Σ_k σ_k x_k over the b-th
     contiguous stretch of ``ceil(n / buckets)`` values, with signs σ from SHAKE-256 of the seed of the chunk the
-    value is in (one seed: the whole of ``x``), the first bit for the chunk's first value (the
-    same on every machine and torch version)."""
+    value is in (one seed: the whole of ``x``), the first bit for the chunk's first value (the same on every
+    machine and torch version)."""
     flat = x.detach().reshape(-1)
     n = flat.numel()
     out = torch.zeros(buckets, dtype=torch.float64)

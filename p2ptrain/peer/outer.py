@@ -140,7 +140,7 @@ class Peer(PeerBase):
         self.replica.catch_up(source, state.get("pending", []), keep_progress, self.fetch,
                               deadline=time.monotonic() + self.method.timeout + self.cfg.join_timeout,
                               poll=0.25 * (self.step_seconds or 0.2),
-                              idle=self._catch_up_step if keep_progress and self.own_steps else None)
+                              idle=self._catch_up_step if self.own_steps else None)
         self.catchup_stall += max(0.0, time.perf_counter() - t0 - (self.compute - computed))
 
     def _catch_up_step(self) -> None:

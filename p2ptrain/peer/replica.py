@@ -201,8 +201,9 @@ class ReplicaState:
         """The state taken from ``source`` did not include its rounds then in flight: take θ after each of
         them once the source has applied it, or this peer would start one round behind the swarm on that
         fragment (bounded by ``deadline``, monotonic; a round the source never applies is left to repair).
-        ``idle``: run between asks instead of sleeping ``poll`` s (an inner step: with ``keep_progress`` its
-        progress is rebased onto θ after the round, as the progress made before it is)."""
+        ``idle``: run between asks instead of sleeping ``poll`` s (an inner step), only with ``keep_progress``:
+        its progress is then rebased onto θ after the round, as the progress made before it is (without, it would
+        be overwritten)."""
         for fragment, key in pending:
             while time.monotonic() < deadline:
                 try:
@@ -234,7 +235,9 @@ class ReplicaState:
                     self.params.apply_outer(names, new)
                 log.info("event=caught_up fragment=%s key=%s", fragment, key)
                 break
-        self.behind.clear()  # (a round the source never applied is left to repair, as before)
+        # Caught up (a round the source never applied, or not by the deadline, is left to repair, as before). A
+        # catch-up cut short by a timeout above leaves its fragments behind until each applies a round of its own.
+        self.behind.clear()
 
     def repair(self, rnd: Round, me: str, fetch: Fetch) -> bool:
         """Our θ^(p) disagreed with the round's majority: take theirs as it was before the round, from the
