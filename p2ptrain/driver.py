@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .algo.bequest import Bequest, blend, displacement
 from .algo.compress import Identity
 from .algo.outer_loop import LocalParams, OuterLoop
 from .algo.rounds import Action, ApplyReport, Round, RoundState
@@ -169,6 +170,7 @@ class OuterDriver:
         # round key -> (fragment, tokens mark before its send, mark it set): an aborted round gives its tokens
         # back to the fragment's next send (its progress stays in θ − θ_i and goes into that round's Δ)
         self._marks: dict[str, tuple[int, int, int]] = {}
+        self.bequests: dict[int, list[Bequest]] = {}  # fragment -> leavers' progress for its next send (inherit)
         self.in_flight: list[Round] = []
         self.pending: list[tuple[int, Pending]] = []  # CoCoDC negotiations: (slot, decision to come)
         self.last_slot = -1
@@ -238,9 +240,45 @@ class OuterDriver:
                 self._give_back(r.key)
         self.in_flight = [r for r in self.in_flight if r.live]
 
+    def inherit(self, bequest: Bequest) -> None:
+        """Take a leaving peer's unsent progress on a fragment into this peer's next round of it (any thread;
+        checked by the caller, :func:`p2ptrain.algo.bequest.problem`)."""
+        with self.lock:
+            self.bequests.setdefault(bequest.fragment, []).append(bequest)
+
+    def will(self) -> list[Bequest]:
+        """This peer's unsent progress, per fragment that holds any: its displacement from θ and the tokens
+        behind it (after :meth:`drain`: what no applied or live round carries; a fragment with a round still in
+        flight is left out; what it inherited and has not sent yet is passed on, taken into its own first)."""
+        out = []
+        now = self._tokens()
+        busy = {r.fragment for r in self.in_flight if r.live}  # (a drain cut short: x − θ holds what it carries)
+        for f in [f for f in self.unsent() if f not in busy]:
+            names = self.outer.fragments[f].names
+            with self.lock:
+                theta = list(self.outer.theta(f))
+                inherited = self.bequests.pop(f, [])
+                local = self.params.snapshot(names)
+            own = max(0, now - self.tokens_at_send[f])
+            if inherited:  # (its own progress and what it holds for others, as one)
+                local = blend(local, theta, own, inherited)
+            tokens = own + sum(b.tokens for b in inherited)
+            if tokens > 0:
+                out.append(Bequest(f, displacement(local, theta), tokens))
+        return out
+
     def _send(self, fragment: int, step: int, request: RoundRequest) -> Round:
         tokens = self._tokens()
         before = self.tokens_at_send[fragment]
+        with self.lock:
+            inherited = self.bequests.pop(fragment, [])
+            if inherited:  # a leaver's progress joins ours in this round's Δ (algo/bequest.py)
+                names = self.outer.fragments[fragment].names
+                self.params.apply_outer(names, blend(self.params.snapshot(names), self.outer.theta(fragment),
+                                                     max(0, tokens - before), inherited))
+                before -= sum(b.tokens for b in inherited)  # (given back with ours if the round is aborted)
+                log.info("event=inherited_sent key=%s fragment=%d tokens=%d from=%s", request.key, fragment,
+                         sum(b.tokens for b in inherited), ",".join(b.source[-8:] for b in inherited))
         # The tokens since this fragment's last round that was not aborted: Δ holds their progress too.
         weight = max(1, tokens - before)
         self.tokens_at_send[fragment] = tokens

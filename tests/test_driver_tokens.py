@@ -239,3 +239,83 @@ def test_unsent_names_the_fragments_whose_tokens_no_round_carries() -> None:
     for s in range(5, 9):
         assert driver.advance(s)
     assert driver.unsent() == [0, 1]  # both rounds failed: their tokens are given back, still to be sent
+
+
+class Recording(Scripted):
+    """Scripted, keeping each round's Δ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deltas: list[list[torch.Tensor]] = []
+
+    def launch(self, rnd: Round, request: Any) -> None:
+        self.deltas.append([d.clone() for d in rnd.delta])
+        super().launch(rnd, request)
+
+
+def _heir() -> tuple[FakePeer, OuterLoop, Recording, OuterDriver]:
+    peer = FakePeer(0)
+    outer = OuterLoop(DiLoCoConfig(H=2, codec="fp32"), make_fragments(UNITS, 1))
+    outer.init(peer)
+    net = Recording()
+    return peer, outer, net, OuterDriver(outer, peer, net)  # type: ignore[arg-type]
+
+
+def test_an_inherited_bequest_is_in_the_next_round_of_its_fragment_with_its_tokens() -> None:
+    """The heir's next Δ of the fragment is the token-weighted mean of its own Δ and the leaver's (−d), sent with
+    both weights; its round then averages as one in which the leaver had sent its own (algo/bequest.py)."""
+    from p2ptrain.algo.bequest import Bequest
+
+    peer, outer, net, driver = _heir()
+    names = outer.fragments[0].names
+    g = torch.Generator().manual_seed(7)
+    d = [torch.randn(t.shape, generator=g) * 0.1 for t in outer.theta(0)]
+    peer.step()
+    assert driver.advance(1)
+    driver.inherit(Bequest(0, d, 30, "leaver"))
+    peer.step()
+    theta, x = [t.double() for t in outer.theta(0)], [peer.x[n].double() for n in names]
+    assert driver.advance(2)  # the send: 20 tokens of its own, 30 inherited
+    assert net.weights == [50] and driver.bequests == {}
+    for got, t, xi, di in zip(net.deltas[0], theta, x, d, strict=True):
+        want = (20 * (t - xi) + 30 * -di.double()) / 50
+        assert torch.allclose(got.double(), want, atol=1e-6)
+
+
+def test_an_aborted_round_gives_an_inherited_bequests_tokens_back_with_the_heirs_own() -> None:
+    from p2ptrain.algo.bequest import Bequest
+
+    peer, outer, net, driver = _heir()
+    driver.inherit(Bequest(0, [torch.full_like(t, 0.01) for t in outer.theta(0)], 30, "leaver"))
+    net.fail = True
+    for s in (1, 2):
+        peer.step()
+        assert driver.advance(s)
+    net.fail = False
+    for s in (3, 4):
+        peer.step()
+        assert driver.advance(s)
+    assert net.weights == [50, 70]
+
+
+def test_a_will_holds_the_unsent_progress_and_what_was_inherited_and_not_sent() -> None:
+    """``will``: per fragment with tokens no round carries, x − θ and those tokens; an inherited bequest not sent
+    yet is passed on inside it (blended: the same weighted mean an heir of this peer would have sent)."""
+    from p2ptrain.algo.bequest import Bequest
+
+    peer, outer, _, driver = _heir()
+    for s in (1, 2, 3):
+        peer.step()
+        assert driver.advance(s)
+    names = outer.fragments[0].names
+    theta = [t.clone() for t in outer.theta(0)]
+    own = [peer.x[n] - t for n, t in zip(names, theta, strict=True)]
+    (w,) = driver.will()
+    assert w.fragment == 0 and w.tokens == 10
+    assert all(torch.allclose(a, b) for a, b in zip(w.displacement, own, strict=True))
+    d = [torch.full_like(t, 0.5) for t in theta]
+    driver.inherit(Bequest(0, d, 30, "earlier"))
+    (w,) = driver.will()
+    assert w.tokens == 40 and driver.bequests == {}
+    for got, o, di in zip(w.displacement, own, d, strict=True):
+        assert torch.allclose(got.double(), (10 * o.double() + 30 * di.double()) / 40, atol=1e-6)

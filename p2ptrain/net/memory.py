@@ -27,6 +27,7 @@ from .transport import (
     Decide,
     Declined,
     Group,
+    Inherit,
     JoinRequest,
     PeerInfo,
     ReduceResult,
@@ -60,6 +61,7 @@ class MemorySwarm:
         self.delay: dict[str, float] = {}
         self.side: dict[str, int] = {}
         self.providers: dict[str, StateProvider] = {}
+        self.heirs: dict[str, Inherit] = {}  # by peer: what it does with a bequest (serve_bequests)
         self.offers: dict[str, Offers] = {}  # by peer: what its transport offers beside its provider
 
     # -- faults ------------------------------------------------------------------------
@@ -123,6 +125,24 @@ class MemoryTransport(Transport):
 
     def serve_state(self, provider: StateProvider) -> None:
         self.swarm.providers[self.peer_id] = provider
+
+    def serve_bequests(self, accept: Inherit) -> None:
+        self.swarm.heirs[self.peer_id] = accept
+
+    async def bequeath(self, peer_id: str, name: str, *, timeout: float) -> str | None:
+        await self._lag()
+        sw = self.swarm
+        accept = sw.heirs.get(peer_id)
+        if peer_id in sw.dead or sw.side.get(peer_id, 0) != self._side:
+            await asyncio.sleep(timeout)
+            raise RoundFailed(f"bequest: peer {peer_id} did not answer")
+        if accept is None:
+            return "no heir here"
+        try:
+            data = await sw.transport(peer_id).fetch_state(self.peer_id, name, timeout=timeout)
+        except RoundFailed as e:
+            return f"download: {e}"
+        return await accept(self.peer_id, data)
 
     async def fetch_state(self, peer_id: str, name: str, *, timeout: float,
                           progress: Callable[[int, int], None] | None = None) -> bytes:

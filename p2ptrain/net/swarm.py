@@ -66,6 +66,7 @@ from .transport import (
     MAX_SKIPPED,
     Decide,
     Group,
+    Inherit,
     JoinRequest,
     Moved,
     PeerInfo,
@@ -78,6 +79,9 @@ from .transport import (
 from .wire import SCHEMA_ERRORS
 
 __all__ = ["HivemindTransport", "SwarmConfig", "SwarmError", "start_p2p"]
+
+#: Seconds an heir waits for each answer while it downloads a bequest (a leaver's will: net/transport.py).
+BEQUEST_WAIT = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +133,7 @@ class HivemindTransport(Transport):
         self._reading: asyncio.Task[None] | None = None  # the read of who is live in progress (one at a time)
         self._maddrs = Addresses(cfg.forget_after)
         self._states = StateServer(cfg.state_chunk, offers=self.offers)
+        self._inherit: Inherit | None = None  # what we do with a bequest (serve_bequests)
         self.guard = Guard(cfg.guard)
         self.blocked: set[str] = set()  # fault injection: peers this one cannot reach (a partition)
         self.links = LinkMeter()
@@ -165,7 +170,7 @@ class HivemindTransport(Transport):
                               ("getpart", self._on_getpart), ("state", self._on_state),
                               ("check", self.mailboxes.accept_check), ("evidence", self.mailboxes.show_evidence),
                               ("verdict", self.mailboxes.accept_verdict), ("hello", self._on_hello),
-                              ("lead", self._on_lead)):
+                              ("lead", self._on_lead), ("bequest", self._on_bequest)):
             await self.streams.serve(kind, handler)
         started = asyncio.Event()
         self._runner = asyncio.create_task(self._background(started))
@@ -659,6 +664,25 @@ class HivemindTransport(Transport):
 
     async def _on_state(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
         return await self._states.handle(msg)
+
+    def serve_bequests(self, accept: Inherit) -> None:
+        self._inherit = accept
+
+    async def _on_bequest(self, sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """A leaving peer asks us to download its bequest (the state it names) and take it."""
+        name = msg.get("name")
+        if self._inherit is None or not isinstance(name, str) or not name.startswith("bequest"):
+            return {"ok": False, "why": "no heir here" if self._inherit is None else "not a bequest"}
+        try:
+            data = await self.fetch_state(sender, name, timeout=BEQUEST_WAIT)
+        except RoundFailed as e:
+            return {"ok": False, "why": f"download: {e}"}
+        why = await self._inherit(sender, data)
+        return {"ok": why is None, "why": why or ""}
+
+    async def bequeath(self, peer_id: str, name: str, *, timeout: float) -> str | None:
+        reply, _ = await self._call(peer_id, "bequest", {"name": name}, timeout=timeout)
+        return None if reply.get("ok") else str(reply.get("why", "refused"))
 
     async def fetch_state(self, peer_id: str, name: str, *, timeout: float,
                           progress: Callable[[int, int], None] | None = None) -> bytes:

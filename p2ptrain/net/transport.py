@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ __all__ = [
     "Decision",
     "Declined",
     "Group",
+    "Inherit",
     "JoinRequest",
     "Moved",
     "PeerInfo",
@@ -44,6 +45,11 @@ __all__ = [
     "TransportState",
     "Unreachable",
 ]
+
+
+#: An heir's answer to a bequest (Transport.serve_bequests): (sender, the state it downloaded) -> None when taken,
+#: or why not.
+Inherit = Callable[[str, bytes], Awaitable[str | None]]
 
 
 class RoundFailed(RuntimeError):
@@ -320,6 +326,16 @@ class Transport(abc.ABC):
     def serve_state(self, provider: StateProvider) -> None:
         """Answer other peers' state requests with ``provider(name)`` (bytes, or None if unknown).
         The provider is called on the loop thread and must be thread-safe."""
+
+    @abc.abstractmethod
+    def serve_bequests(self, accept: Inherit) -> None:
+        """Take what leaving peers bequeath to this one (:meth:`bequeath`): ``accept(sender, data)`` is called on
+        the loop with the state downloaded from the sender, and says None when it took it, or why it did not."""
+
+    @abc.abstractmethod
+    async def bequeath(self, peer_id: str, name: str, *, timeout: float) -> str | None:
+        """Ask ``peer_id`` to download our state ``name`` (served by our provider) as its bequest: None when it
+        took it, or why it did not; RoundFailed when it cannot be reached or does not answer in ``timeout``."""
 
     @abc.abstractmethod
     async def fetch_state(self, peer_id: str, name: str, *, timeout: float,

@@ -384,10 +384,20 @@ class PeerBase:
         if self._stop.is_set() and self.cfg.leave_flush > 0:
             self.flush()
         self.drain()
+        if self._stop.is_set():
+            self.bequeath()
         self.drain_seconds = time.perf_counter() - t_drain
 
     def flush(self) -> None:
         """Hook: a leave by signal, before the drain: send what this peer trained and no round carries yet."""
+
+    def bequeath(self) -> None:
+        """Hook: a leave by signal, after the drain: hand what no round carried to a peer that stays."""
+
+    @property
+    def stopping(self) -> bool:
+        """Whether this peer was asked to leave (:meth:`request_stop`)."""
+        return self._stop.is_set()
 
     def eval_theta(self) -> None:
         """Validation loss of θ now (``eval_every``), logged with the time; not counted as compute."""

@@ -18,7 +18,7 @@ from typing import Any
 from ..checkpoint import state_from_bytes
 from ..collective.codecs import Codec
 from ..net.region import DEFAULT_NEAR, pick_region
-from ..net.transport import PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
+from ..net.transport import Inherit, PeerInfo, ReduceResult, RoundFailed, StateProvider, Transport
 from ..sync import NetLoop, RoundRunner
 from .census import census_every, run_census
 from .config import PeerConfig
@@ -242,6 +242,18 @@ class SwarmLink:
             log.info("event=synced_from peer=%s", source)
             return source
         return None
+
+    def serve_bequests(self, accept: Inherit) -> None:
+        """Take what leaving peers bequeath to this one with ``accept`` (Transport.serve_bequests)."""
+        assert self.transport is not None
+        self.transport.serve_bequests(accept)
+
+    def bequeath(self, peer: str, name: str) -> str | None:
+        """Ask ``peer`` to take our state ``name`` as its bequest: None when it did, or why not (RoundFailed,
+        TimeoutError: unreachable or silent). Bounded by two state downloads' timeouts."""
+        assert self.transport is not None
+        limit = 2 * self.cfg.join_timeout + 10
+        return self.net.call(self.transport.bequeath(peer, name, timeout=limit), limit + 5)
 
     def fetch(self, peer: str, name: str) -> bytes:
         """State ``name`` from ``peer`` (RoundFailed/TimeoutError when it has none or is gone)."""

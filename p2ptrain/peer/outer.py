@@ -21,6 +21,7 @@ from ..algo.fragments import make_fragments, model_units
 from ..algo.outer_loop import OuterLoop
 from ..algo.rounds import ApplyReport, Round
 from ..driver import DriverHooks, OuterDriver
+from . import bequest
 from .base import PeerBase
 from .replica import ReplicaState
 
@@ -92,6 +93,7 @@ class Peer(PeerBase):
         self._synced_after_warmup = False
         self._applied_before = 0  # rounds applied before this run (resumed from a checkpoint)
         self._tokens_resumed: list[int] | None = None
+        self.estate: bytes | None = None  # our will while we leave, served as the state ``bequest``
 
     @property
     def keep_applied(self) -> bool:
@@ -125,7 +127,15 @@ class Peer(PeerBase):
             self.start_digests = self.replica.theta_digests()
 
     def _provide(self, name: str) -> bytes | None:
+        if name == bequest.NAME:
+            return self.estate
         return self.replica.provide(name)
+
+    def _connected(self) -> None:
+        self.link.serve_bequests(bequest.serve(self))
+
+    def bequeath(self) -> None:
+        bequest.bequeath(self)
 
     def _take_state(self, state: dict[str, Any], source: str, keep_progress: bool, catch_up: bool = True) -> None:
         self.replica.take(state, keep_progress)

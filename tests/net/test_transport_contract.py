@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from p2ptrain.collective.codecs import get_codec
-from p2ptrain.net.memory import MemorySwarm
+from p2ptrain.net.memory import MemorySwarm, MemoryTransport
 from p2ptrain.net.transport import Group, JoinRequest, PeerInfo, RoundFailed, Transport
 
 WINDOW = 1.0
@@ -165,5 +165,37 @@ def test_state_is_served_and_unknown_state_refused(make: Make) -> None:
             assert await ts[0].fetch_state(ts[1].peer_id, "outer", timeout=5) == b"theta-bytes" * 1000
             with pytest.raises(RoundFailed):
                 await ts[0].fetch_state(ts[1].peer_id, "nothing", timeout=5)
+
+    run(go())
+
+
+@pytest.mark.parametrize("make", SWARMS)
+def test_a_bequest_is_downloaded_by_the_heir_and_its_answer_returned(make: Make) -> None:
+    """A leaver serves its will as a state and asks an heir to take it: the heir downloads exactly those bytes,
+    and what it says (taken, or why not) comes back; one that serves no bequests says so; a dead heir is a
+    RoundFailed within the timeout."""
+    will = bytes(range(256)) * 3000  # 768 kB: more than one chunk of a state download
+
+    async def go() -> None:
+        async with make(3) as ts:
+            leaver, heir, other = ts
+            leaver.serve_state(lambda name: will if name == "bequest" else None)
+            got: list[tuple[str, bytes]] = []
+
+            async def take(sender: str, data: bytes) -> str | None:
+                got.append((sender, data))
+                return None if len(got) == 1 else "fragment 0: norm 9 over 4"
+
+            heir.serve_bequests(take)
+            assert await leaver.bequeath(heir.peer_id, "bequest", timeout=20) is None
+            assert got == [(leaver.peer_id, will)]
+            assert await leaver.bequeath(heir.peer_id, "bequest", timeout=20) == "fragment 0: norm 9 over 4"
+            assert await leaver.bequeath(other.peer_id, "bequest", timeout=20) == "no heir here"
+            if isinstance(heir, MemoryTransport):
+                heir.swarm.kill(heir.peer_id)
+            else:
+                await heir.aclose()
+            with pytest.raises(RoundFailed):
+                await asyncio.wait_for(leaver.bequeath(heir.peer_id, "bequest", timeout=3), 30)
 
     run(go())
