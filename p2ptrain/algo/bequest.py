@@ -19,7 +19,9 @@ in θ − x_h with them, as the heir's own does.
 
 An heir holds what it takes to bounds (:func:`problem`), since a leaver's bytes are the leaver's word: the shapes
 of the fragment, finite values, at most ``cap`` tokens, and a norm within ``ratio`` of the heir's own
-displacement scaled by the tokens (drift grows at most linearly in the steps taken). Within them a lying leaver
+displacement scaled by the tokens (drift grows at most linearly in the steps taken). The heir's displacement holds
+more than the tokens since its last send (under rules that keep the local model, the progress of its rounds in
+flight too), so it stands for the work of at least H steps. Within them a lying leaver
 moves the heir's contribution no further than a peer of its own could move the round.
 """
 
@@ -34,7 +36,7 @@ import torch
 __all__ = ["Bequest", "blend", "displacement", "problem"]
 
 #: An heir refuses a displacement more than this many times its own, scaled by the tokens behind each.
-RATIO = 4.0
+RATIO = 3.0
 
 
 @dataclass
@@ -74,9 +76,10 @@ def _norm(ts: Sequence[torch.Tensor]) -> float:
 
 def problem(b: Bequest, shapes: Sequence[torch.Size], own: Sequence[torch.Tensor], own_tokens: float,
             cap: float, ratio: float = RATIO) -> str | None:
-    """Why an heir whose own displacement on the fragment is ``own`` (behind ``own_tokens``) refuses ``b``, or
-    None: the fragment's shapes, finite values, ``0 < tokens ≤ cap``, and ``‖d_b‖ ≤ ratio·‖own‖·max(1, w_b/w_h)``.
-    An heir with no progress of its own on the fragment has nothing to hold it to and refuses."""
+    """Why an heir whose own displacement on the fragment is ``own``, the work of about ``own_tokens`` tokens,
+    refuses ``b``, or None: the fragment's shapes, finite values, ``0 < tokens ≤ cap``, and
+    ``‖d_b‖ ≤ ratio·‖own‖·max(1, w_b/own_tokens)``. An heir whose model stands on θ (a rule that restarts each
+    round, just after its send) has nothing to hold it to and refuses."""
     if len(b.displacement) != len(shapes) or any(d.shape != s for d, s in zip(b.displacement, shapes, strict=True)):
         return "its tensors are not the fragment's"
     if not (0 < b.tokens <= cap):

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 NAME = "bequest"  # the state a leaver serves its will as
 TRIES = 3  # heirs asked at most
 PENDING = 4  # bequests an heir holds at most per fragment before its next round of it
-CAP = 4.0  # an heir takes at most this many times the tokens it trains itself in H steps (or holds unsent)
+CAP = 8.0  # an heir takes at most this many times the tokens it trains in H steps (or holds unsent): a
+#: leaver whose rounds failed holds several windows of H steps (2240 tokens for 512 a window in the test of it)
 
 
 def to_bytes(will: Sequence[Bequest]) -> bytes:
@@ -86,7 +87,8 @@ def accept(peer: Peer, sender: str, data: bytes) -> str | None:
         own_tokens = now - d.tokens_at_send[b.fragment]
         if held >= PENDING:
             return f"fragment {b.fragment}: {held} bequests held already"
-        why = problem(b, [t.shape for t in theta], own, own_tokens, CAP * max(own_tokens, per_h))
+        ref = max(own_tokens, per_h)  # (its displacement holds its rounds in flight too: at least H steps' work)
+        why = problem(b, [t.shape for t in theta], own, ref, CAP * ref)
         if why is not None:
             return f"fragment {b.fragment}: {why}"
     for b in will:
@@ -103,6 +105,8 @@ def bequeath(peer: Peer) -> None:
         return
     will = d.will()
     if not will:
+        log.info("event=bequest_none unsent=%s in_flight=%s", ",".join(map(str, d.unsent())) or "none",
+                 ",".join(r.key for r in d.in_flight if r.live) or "none")
         return
     tokens = sum(b.tokens for b in will)
     peer.estate = to_bytes(will)
