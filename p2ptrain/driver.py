@@ -278,7 +278,7 @@ class OuterDriver:
                                                      max(0, tokens - before), inherited))
                 before -= sum(b.tokens for b in inherited)  # (given back with ours if the round is aborted)
                 log.info("event=inherited_sent key=%s fragment=%d tokens=%d from=%s", request.key, fragment,
-                         sum(b.tokens for b in inherited), ",".join(b.source[-8:] for b in inherited))
+                         sum(b.tokens for b in inherited), ",".join(f"{b.source[-8:]}:{b.tokens}" for b in inherited))
         # The tokens since this fragment's last round that was not aborted: Δ holds their progress too.
         weight = max(1, tokens - before)
         self.tokens_at_send[fragment] = tokens
