@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..algo.bequest import Bequest
 from ..algo.configs import DDPConfig
 from ..algo.fragments import make_fragments, model_units
 from ..algo.outer_loop import OuterLoop
@@ -94,6 +95,7 @@ class Peer(PeerBase):
         self._applied_before = 0  # rounds applied before this run (resumed from a checkpoint)
         self._tokens_resumed: list[int] | None = None
         self.estate: bytes | None = None  # our will while we leave, served as the state ``bequest``
+        self._bequests_resumed: list[Bequest] = []
 
     @property
     def keep_applied(self) -> bool:
@@ -121,6 +123,8 @@ class Peer(PeerBase):
                                   negotiate_at_slot=self.cfg.clock == "steps", slot_lag=lag)
         if self._tokens_resumed is not None and len(self._tokens_resumed) == len(self.driver.tokens_at_send):
             self.driver.tokens_at_send = list(self._tokens_resumed)
+        for b in self._bequests_resumed:  # (a checkpoint of this run: the fragments are the same)
+            self.driver.inherit(b)
 
     def _on_started(self) -> None:
         with self.lock:
@@ -164,7 +168,10 @@ class Peer(PeerBase):
         d = self.driver
         return {"outer": self.outer.state_dict() if self.outer.initialized else None,
                 "applied": self.applied,
-                "tokens_at_send": list(d.tokens_at_send) if d is not None else [0] * len(self.frags)}
+                "tokens_at_send": list(d.tokens_at_send) if d is not None else [0] * len(self.frags),
+                # leavers' progress this peer holds for its next rounds (called under the lock: inherit waits)
+                "bequests": [{"fragment": b.fragment, "tokens": b.tokens, "source": b.source, "d": b.displacement}
+                             for bs in (d.bequests.values() if d is not None else ()) for b in bs]}
 
     def restore(self, state: dict[str, Any]) -> None:
         super().restore(state)
@@ -172,6 +179,8 @@ class Peer(PeerBase):
         self._applied_before = int(counters["applied"])
         self.replica.repairs = int(counters["repairs"])
         self._tokens_resumed = [int(x) for x in counters["tokens_at_send"]]
+        self._bequests_resumed = [Bequest(int(b["fragment"]), list(b["d"]), int(b["tokens"]), str(b["source"]))
+                                  for b in counters.get("bequests", [])]
 
     @property
     def applied(self) -> int:

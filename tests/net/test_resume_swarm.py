@@ -76,3 +76,44 @@ def test_resume_takes_the_swarms_theta_and_keeps_its_own_inner_state(corpus: Cor
         for p in (a, b, c):
             p.request_stop()
         net.close()
+
+
+def test_a_bequest_held_for_the_next_round_is_in_the_checkpoint(corpus: Corpus, tmp_path: Path) -> None:
+    """What an heir holds of a leaver's progress until its next round of the fragment is saved with its checkpoint
+    and held again after a resume (a crash in between loses it no more than the heir's own progress)."""
+    from p2ptrain.algo.bequest import Bequest
+    from p2ptrain.checkpoint import state_from_bytes, state_to_bytes
+
+    net, swarm = NetLoop(), MemorySwarm(join_window=0.3, ttl=3.0)
+    method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10)
+
+    def peer() -> Peer:
+        tr = make_trainer(MODEL, TrainerConfig(batch_size=2, warmup_steps=2, total_steps=300), DataConfig(),
+                          rank=0, world=1, corpus=corpus)
+        cfg = PeerConfig(run_id="r", steps=10, step_seconds=0.03, join_window=0.3, join_timeout=5, heartbeat=0.2,
+                         ttl=3.0, drain_timeout=5, min_step_seconds=0.03)
+
+        async def make() -> object:
+            return swarm.transport("heir")
+
+        return Peer(cfg, method, tr, make, net=net)  # type: ignore[arg-type]
+
+    try:
+        heir = peer()
+        heir.start()
+        assert heir.driver is not None
+        g = torch.Generator().manual_seed(3)
+        d = [torch.randn(t.shape, generator=g) for t in heir.outer.theta(1)]
+        heir.driver.inherit(Bequest(1, d, 123, "leaver-id"))
+        saved = state_from_bytes(state_to_bytes(PeerCheckpoints.state(heir)))  # as written and read back
+        heir.close()
+        back = peer()
+        PeerCheckpoints.restore(back, saved)
+        back.start()
+        assert back.driver is not None and list(back.driver.bequests) == [1]
+        (b,) = back.driver.bequests[1]
+        assert (b.fragment, b.tokens, b.source) == (1, 123, "leaver-id")
+        assert all(torch.equal(x, y) for x, y in zip(b.displacement, d, strict=True))
+        back.close()
+    finally:
+        net.close()
