@@ -3,7 +3,8 @@
 The leaver, after its flush and drain, serves its *will* (per fragment with unsent tokens: its displacement from θ
 and those tokens) as the state ``bequest`` and asks a live peer to take it, its own region's first (the bytes stay
 inside the region): the heir downloads it (chunked and hashed as any state download), checks it against its own
-progress, and takes it into its next round of each fragment. Once one heir took it, the leaver's local model is
+progress, and takes it into its next round of each fragment. An heir that was asked and did not answer may hold
+it: no other is asked then (a bequest taken twice would be counted twice). Once one heir took it, the leaver's local model is
 put back on θ with those tokens counted as sent, so its leave checkpoint does not hold that progress a second
 time. No heir (none live, every one refused or unreachable): the progress stays in the leave checkpoint, as
 before.
@@ -24,7 +25,7 @@ import torch
 
 from ..algo.bequest import Bequest, displacement, problem
 from ..checkpoint import CheckpointError, state_from_bytes, state_to_bytes
-from ..net.transport import PeerInfo, RoundFailed
+from ..net.transport import PeerInfo, RoundFailed, Unreachable
 
 if TYPE_CHECKING:
     from .outer import Peer
@@ -119,8 +120,17 @@ def bequeath(peer: Peer) -> None:
     for heir in candidates[:TRIES]:
         try:
             why = link.bequeath(heir, NAME)
-        except (TimeoutError, RoundFailed, RuntimeError) as e:
+        except Unreachable as e:  # (never asked: the next heir may take it)
             why = f"{type(e).__name__}: {e}"
+        except (TimeoutError, RoundFailed, RuntimeError) as e:
+            # Asked, and no answer: it may have taken it. Given to nobody else and not kept here either (the
+            # leave checkpoint would bring it back into θ a second time): a leaver's progress counted twice is a
+            # contribution the average holds twice; lost, it is work not done.
+            _settled(peer, will)
+            log.info("event=bequest_uncertain heir=%s tokens=%d reason=%s: %s", heir[-8:], tokens,
+                     type(e).__name__, e)
+            peer.estate = None
+            return
         if why is None:
             _settled(peer, will)
             log.info("event=bequeathed heir=%s fragments=%s tokens=%d seconds=%.1f", heir[-8:],
