@@ -34,6 +34,7 @@ from .transport import (
     RoundFailed,
     StateProvider,
     Transport,
+    Unreachable,
 )
 
 __all__ = ["MemorySwarm", "MemoryTransport"]
@@ -135,7 +136,7 @@ class MemoryTransport(Transport):
         accept = sw.heirs.get(peer_id)
         if peer_id in sw.dead or sw.side.get(peer_id, 0) != self._side:
             await asyncio.sleep(timeout)
-            raise RoundFailed(f"bequest: peer {peer_id} did not answer")
+            raise Unreachable(f"bequest: peer {peer_id} cannot be reached")
         if accept is None:
             return "no heir here"
         try:
