@@ -148,14 +148,18 @@ class Peer(PeerBase):
                 self.replica.behind = {int(f) for f, _ in state.get("pending", [])}
             log.info("event=catch_up_deferred pending=%d", len(state.get("pending", [])))
             return
-        t0, computed = time.perf_counter(), self.compute
+        t0, computed, steps = time.perf_counter(), self.compute, self.trainer.step_count
         # While the source's rounds are not applied yet, a peer that keeps its progress trains instead of waiting
         # (after its warm-up the wait was 17 s a start on average in churn, up to 90 s), if its steps are its own.
         self.replica.catch_up(source, state.get("pending", []), keep_progress, self.fetch,
                               deadline=time.monotonic() + self.method.timeout + self.cfg.join_timeout,
                               poll=0.25 * (self.step_seconds or 0.2),
                               idle=self._catch_up_step if self.own_steps else None)
-        self.catchup_stall += max(0.0, time.perf_counter() - t0 - (self.compute - computed))
+        stall = max(0.0, time.perf_counter() - t0 - (self.compute - computed))
+        self.catchup_stall += stall
+        if state.get("pending"):
+            log.info("event=catch_up_done seconds=%.1f stall=%.1f steps=%d", time.perf_counter() - t0, stall,
+                     self.trainer.step_count - steps)
 
     def _catch_up_step(self) -> None:
         """An inner step while a catch-up waits (none past the run's last step, or once asked to stop)."""
