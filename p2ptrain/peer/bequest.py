@@ -3,14 +3,15 @@
 The leaver, after its flush and drain, serves its *will* (per fragment with unsent tokens: its displacement from θ
 and those tokens) as the state ``bequest`` and asks a live peer to take it, its own region's first (the bytes stay
 inside the region): the heir downloads it (chunked and hashed as any state download), checks it against its own
-progress, and takes it into its next round of each fragment. An heir that was asked and did not answer may hold
-it: no other is asked then (a bequest taken twice would be counted twice). Once one heir took it, the leaver's local model is
+progress, and takes it into its next round of each fragment. Once one heir took it, the leaver's local model is
 put back on θ with those tokens counted as sent, so its leave checkpoint does not hold that progress a second
-time. No heir (none live, every one refused or unreachable): the progress stays in the leave checkpoint, as
-before.
+time. An heir that was asked and did not answer may hold it: no other is asked then, and the leaver does not keep
+it either (taken twice, it would be counted twice). No heir (none live, every one refused or unreachable): the
+progress stays in the leave checkpoint, as before.
 
 An heir refuses while it is leaving itself, before its outer loop runs, while behind its source's rounds, or when
-a fragment's bequest breaks the bounds of :func:`p2ptrain.algo.bequest.problem` (it takes all or nothing).
+a fragment's bequest breaks the bounds of :func:`p2ptrain.algo.bequest.problem` (it takes all or nothing). What it
+holds until its next round of a fragment is saved with its checkpoints.
 """
 
 from __future__ import annotations
