@@ -75,15 +75,20 @@ def life_rows(phase: dict[str, Any], seq: int, fragments: int) -> list[dict[str,
     rows = _life_rows(phase, seq, fragments)
     work = Path(phase["work"])
     ids: dict[str, str] = {}  # log -> the peer id it names
+    wills: set[str] = set()  # logs of lives that handed a will on
     for r in rows:
         log = work / r["log"]
-        head = log.read_text(errors="replace")[:20000] if log.exists() else ""
-        if (m := _PEER.search(head)) is not None:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if (m := _PEER.search(text[:20000])) is not None:
             ids[r["log"]] = m.group(1)
+        if "event=bequeathed " in text:
+            wills.add(r["log"])
     for r in rows:
         for tail, tokens in bequests_applied(work / r["log"], r.pop("_keys")):
             r["in_theta"] -= tokens / fragments
-            leaver = next((x for x in rows if ids.get(x["log"], "").endswith(tail)), None)
+            # (a restarted peer keeps its id: the life of it that bequeathed, the last one if several did)
+            mine = [x for x in rows if ids.get(x["log"], "").endswith(tail)]
+            leaver = ([x for x in mine if x["log"] in wills] or mine or [None])[-1]
             if leaver is not None:
                 leaver["in_theta"] += tokens / fragments
                 leaver["handed_on"] += tokens / fragments

@@ -37,7 +37,8 @@ def test_tokens_in_theta_follow_each_lives_own_tokens_over_the_fragments(tmp_pat
 
 def test_a_bequest_that_reached_theta_is_the_leavers_not_the_heirs(tmp_path: Path) -> None:
     """An heir's ``own`` in the round that carried a leaver's bequest holds the leaver's tokens: they are moved to
-    the leaver's life (and counted as handed on); a bequest sent in a round the heir did not apply stays nobody's."""
+    the leaver's life (and counted as handed on), the life of that peer id that bequeathed (a restarted peer keeps
+    its id); a bequest sent in a round the heir did not apply stays nobody's."""
     ts = datetime.fromtimestamp(T0 + 50).strftime("%Y-%m-%d %H:%M:%S,000")
     sent = (f"ts={ts} level=INFO logger=p2ptrain.driver event=inherited_sent key={{}} fragment=0 tokens={{}} "
             f"from={{}}")
@@ -46,15 +47,19 @@ def test_a_bequest_that_reached_theta_is_the_leavers_not_the_heirs(tmp_path: Pat
         sent.format("f0.L5", 300, "leaverAA:300"), _line(55, "f0.L5", 500),
         sent.format("f1.L6", 90, "leaverAA:40,otherBBB:50"), _line(60, "f1.L6", 190),
         sent.format("f0.L7", 70, "leaverAA:70")]) + "\n")  # f0.L7: never applied
-    (tmp_path / "l.0.log").write_text("p2ptrain 0.1.0 · peer 12D3KooWleaverAA · run r · streaming\n"
-                                      + _line(20, "f0.L2", 100) + "\n")
+    (tmp_path / "l.0.log").write_text("p2ptrain 0.1.0 · peer 12D3KooWleaverAA · run r · streaming\n")  # killed
+    (tmp_path / "l.1.log").write_text("p2ptrain 0.1.0 · peer 12D3KooWleaverAA · run r · streaming\n"  # restarted
+                                      + _line(20, "f0.L2", 100) + "\n"
+                                      + "ts=x level=INFO event=bequeathed heir=heirheir fragments=0,1 tokens=410\n")
     phase = {"window_s": [10.0, 100.0], "started_unix": T0, "work": str(tmp_path), "peers": {
         "h": {"lives": [{"started": 0.0, "ended": None, "how": "left at the end", "log": "h.0.log"}], "loss": []},
-        "l": {"lives": [{"started": 0.0, "ended": 40.0, "how": "left", "log": "l.0.log"}], "loss": []}}}
-    heir, leaver = life_rows(phase, seq=4, fragments=2)
+        "l": {"lives": [{"started": 0.0, "ended": 12.0, "how": "killed", "log": "l.0.log"},
+                        {"started": 15.0, "ended": 40.0, "how": "left", "log": "l.1.log"}], "loss": []}}}
+    heir, killed, leaver = life_rows(phase, seq=4, fragments=2)
+    assert (killed["in_theta"], killed["handed_on"]) == (0.0, 0.0)
     assert (heir["in_theta"], heir["handed_on"]) == ((500 + 190 - 300 - 40 - 50) / 2, 0.0)
     assert (leaver["in_theta"], leaver["handed_on"]) == ((100 + 300 + 40) / 2, (300 + 40) / 2)
-    assert summarise([heir, leaver])[-1]["handed_on"] == 170.0
+    assert summarise([heir, killed, leaver])[-1]["handed_on"] == 170.0
 
 def test_each_lives_start_up_line_is_read_and_summarised_by_kind_of_start(tmp_path: Path) -> None:
     """``event=started`` (p2ptrain/peer/startup.py): a life 0 started in the phase's first minute is a first start,
