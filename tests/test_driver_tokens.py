@@ -44,6 +44,13 @@ class Scripted:
         return None
 
 
+def _steps(peer: FakePeer, driver: OuterDriver, *steps: int) -> None:
+    """Inner steps ``steps`` of ``peer``, each followed by its driver's logical step."""
+    for s in steps:
+        peer.step()
+        assert driver.advance(s)
+
+
 def test_an_aborted_rounds_tokens_go_into_the_next_round_of_its_fragment() -> None:
     peer = FakePeer(0)
     outer = OuterLoop(DiLoCoConfig(H=2, codec="fp32"), make_fragments(UNITS, 1))
@@ -154,13 +161,9 @@ def _outvoted_run(counted: bool) -> tuple[FakePeer, OuterLoop, Outvoted, dict[st
         peer.step()
         assert driver.advance(s)
     net.outvote = True
-    for s in (3, 4):
-        peer.step()
-        assert driver.advance(s)
+    _steps(peer, driver, 3, 4)
     net.outvote = False
-    for s in (5, 6):
-        peer.step()
-        assert driver.advance(s)
+    _steps(peer, driver, 5, 6)
     return peer, outer, net, seen["local"], seen["theta"], majority
 
 
@@ -288,13 +291,9 @@ def test_an_aborted_round_gives_an_inherited_bequests_tokens_back_with_the_heirs
     peer, outer, net, driver = _heir()
     driver.inherit(Bequest(0, [torch.full_like(t, 0.01) for t in outer.theta(0)], 30, "leaver"))
     net.fail = True
-    for s in (1, 2):
-        peer.step()
-        assert driver.advance(s)
+    _steps(peer, driver, 1, 2)
     net.fail = False
-    for s in (3, 4):
-        peer.step()
-        assert driver.advance(s)
+    _steps(peer, driver, 3, 4)
     assert net.weights == [50, 70]
 
 
@@ -304,9 +303,7 @@ def test_a_will_holds_the_unsent_progress_and_what_was_inherited_and_not_sent() 
     from p2ptrain.algo.bequest import Bequest
 
     peer, outer, _, driver = _heir()
-    for s in (1, 2, 3):
-        peer.step()
-        assert driver.advance(s)
+    _steps(peer, driver, 1, 2, 3)
     names = outer.fragments[0].names
     theta = [t.clone() for t in outer.theta(0)]
     own = [peer.x[n] - t for n, t in zip(names, theta, strict=True)]
