@@ -78,6 +78,21 @@ def test_resume_takes_the_swarms_theta_and_keeps_its_own_inner_state(corpus: Cor
         net.close()
 
 
+
+def _lone(corpus: Corpus, swarm: MemorySwarm, net: NetLoop) -> Peer:
+    """A streaming peer (P 2) alone in a memory swarm, started: its driver and outer loop exist."""
+    method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10)
+    tr = make_trainer(MODEL, TrainerConfig(batch_size=2, warmup_steps=2, total_steps=300), DataConfig(),
+                      rank=0, world=1, corpus=corpus)
+    cfg = PeerConfig(run_id="r", steps=10, step_seconds=0.03, join_window=0.3, join_timeout=5, heartbeat=0.2,
+                     ttl=3.0, drain_timeout=5, min_step_seconds=0.03)
+
+    async def make() -> object:
+        return swarm.transport("heir")
+
+    return Peer(cfg, method, tr, make, net=net)  # type: ignore[arg-type]
+
+
 def test_a_bequest_held_for_the_next_round_is_in_the_checkpoint(corpus: Corpus, tmp_path: Path) -> None:
     """What an heir holds of a leaver's progress until its next round of the fragment is saved with its checkpoint
     and held again after a resume (a crash in between loses it no more than the heir's own progress)."""
@@ -85,21 +100,8 @@ def test_a_bequest_held_for_the_next_round_is_in_the_checkpoint(corpus: Corpus, 
     from p2ptrain.checkpoint import state_from_bytes, state_to_bytes
 
     net, swarm = NetLoop(), MemorySwarm(join_window=0.3, ttl=3.0)
-    method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10)
-
-    def peer() -> Peer:
-        tr = make_trainer(MODEL, TrainerConfig(batch_size=2, warmup_steps=2, total_steps=300), DataConfig(),
-                          rank=0, world=1, corpus=corpus)
-        cfg = PeerConfig(run_id="r", steps=10, step_seconds=0.03, join_window=0.3, join_timeout=5, heartbeat=0.2,
-                         ttl=3.0, drain_timeout=5, min_step_seconds=0.03)
-
-        async def make() -> object:
-            return swarm.transport("heir")
-
-        return Peer(cfg, method, tr, make, net=net)  # type: ignore[arg-type]
-
     try:
-        heir = peer()
+        heir = _lone(corpus, swarm, net)
         heir.start()
         assert heir.driver is not None
         g = torch.Generator().manual_seed(3)
@@ -107,7 +109,7 @@ def test_a_bequest_held_for_the_next_round_is_in_the_checkpoint(corpus: Corpus, 
         heir.driver.inherit(Bequest(1, d, 123, "leaver-id"))
         saved = state_from_bytes(state_to_bytes(PeerCheckpoints.state(heir)))  # as written and read back
         heir.close()
-        back = peer()
+        back = _lone(corpus, swarm, net)
         PeerCheckpoints.restore(back, saved)
         back.start()
         assert back.driver is not None and list(back.driver.bequests) == [1]
@@ -115,5 +117,43 @@ def test_a_bequest_held_for_the_next_round_is_in_the_checkpoint(corpus: Corpus, 
         assert (b.fragment, b.tokens, b.source) == (1, 123, "leaver-id")
         assert all(torch.equal(x, y) for x, y in zip(b.displacement, d, strict=True))
         back.close()
+    finally:
+        net.close()
+
+
+def test_an_heir_takes_a_sound_bequest_and_refuses_what_it_cannot_hold(corpus: Corpus) -> None:
+    """The heir's side on a started peer: bytes that are no bequest, a fragment it has not, one twice, a norm far
+    beyond its own, and more than it holds per fragment are refused with the reason; a sound one is held."""
+    from p2ptrain.algo.bequest import Bequest, displacement
+    from p2ptrain.peer import bequest
+
+    net, swarm = NetLoop(), MemorySwarm(join_window=0.3, ttl=3.0)
+    try:
+        heir = _lone(corpus, swarm, net)
+        heir.start()
+        d = heir.driver
+        assert d is not None
+        for _ in range(3):
+            heir.trainer.step()  # some progress of its own to hold a bequest to
+        frag = heir.frags[0]
+        own = displacement(heir.trainer.snapshot(frag.names), heir.outer.theta(0))
+        sound = [x * 0.5 for x in own]
+        tokens = heir.trainer.tokens_seen
+        assert bequest.accept(heir, "l", b"not a bequest") is not None
+        assert "no fragment 7" in (bequest.accept(heir, "l", bequest.to_bytes([Bequest(7, sound, tokens)])) or "")
+        twice = bequest.to_bytes([Bequest(0, sound, tokens), Bequest(0, sound, tokens)])
+        assert "twice" in (bequest.accept(heir, "l", twice) or "")
+        far = bequest.to_bytes([Bequest(0, [x * 1000 for x in own], tokens)])
+        assert "norm" in (bequest.accept(heir, "l", far) or "")
+        assert d.bequests == {}
+        for _ in range(bequest.PENDING):
+            assert bequest.accept(heir, "leaver", bequest.to_bytes([Bequest(0, sound, tokens)])) is None
+        assert "held already" in (bequest.accept(heir, "l", bequest.to_bytes([Bequest(0, sound, tokens)])) or "")
+        held = d.bequests[0]
+        assert len(held) == bequest.PENDING and held[0].source == "leaver" and held[0].tokens == tokens
+        assert all(torch.allclose(a, b) for a, b in zip(held[0].displacement, sound, strict=True))
+        heir.request_stop()
+        assert bequest.accept(heir, "l", bequest.to_bytes([Bequest(1, sound, tokens)])) == "leaving, or not training"
+        heir.close()
     finally:
         net.close()
