@@ -248,13 +248,16 @@ def test_allreduce_over_the_direct_path_is_exact(configs: Case, everyone: bool) 
             if everyone:  # every member's parts and results went over the direct path: 2 sends and 2 results each
                 assert all(d is not None and d.opened + d.reused >= 4 and d.accepted >= 4 for d in direct), \
                     [(d.opened, d.reused, d.accepted) for d in direct if d is not None]
-                # the next round's exchanges go on the connections kept from this one (a new one starts slow)
+                # the next round's exchanges go on the connections kept from this one (a new one starts slow); a
+                # member may open one or two more where its exchanges with a peer overlap more than they did in the
+                # first round (loaded: a part and a result to one peer at once; 1 run in 7 beside the suite, the
+                # tree before this change too, with 6 reused)
                 before = [(d.opened, d.reused) for d in direct if d is not None]
                 xs, outs = await _allreduce(ts, n, "r1")
                 ref = torch.stack([x.double() for x in xs]).mean(0)
                 assert all(float((out.double() - ref).abs().max()) < 1e-6 for out in outs)
                 after = [(d.opened, d.reused) for d in direct if d is not None]
-                assert all(r1 - r0 >= 4 and o1 - o0 <= 1 for (o0, r0), (o1, r1) in zip(before, after, strict=True)), \
+                assert all(r1 - r0 >= 4 and o1 - o0 <= 2 for (o0, r0), (o1, r1) in zip(before, after, strict=True)), \
                     (before, after)
             else:  # the peer without one took no direct exchange, and the others reached it over libp2p
                 assert direct[1] is None
