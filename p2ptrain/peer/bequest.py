@@ -18,20 +18,43 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from ..algo.bequest import Bequest, displacement, problem
+from ..algo.fragments import Fragment
+from ..algo.outer_loop import OuterLoop
 from ..checkpoint import CheckpointError, state_from_bytes, state_to_bytes
+from ..driver import OuterDriver
 from ..net.transport import PeerInfo, RoundFailed, Unreachable
+from .config import PeerConfig
+from .link import SwarmLink
+from .replica import ReplicaState
 
-if TYPE_CHECKING:
-    from .outer import Peer
 
-__all__ = ["NAME", "accept", "bequeath", "from_bytes", "heirs", "serve", "to_bytes"]
+class Peer(Protocol):
+    """What a bequest needs of a swarm peer of an outer-loop method (:class:`p2ptrain.peer.outer.Peer`)."""
+
+    cfg: PeerConfig
+    method: Any  # its method's config: ``H``, ``name``
+    trainer: Any  # p2ptrain.trainer.Trainer: snapshot, apply_outer, tokens_seen, step_count
+    driver: OuterDriver | None
+    outer: OuterLoop
+    replica: ReplicaState
+    frags: list[Fragment]
+    lock: threading.Lock
+    link: SwarmLink
+    region: str
+    estate: bytes | None  # its will while it leaves, served as the state NAME
+
+    @property
+    def stopping(self) -> bool: ...
+
+__all__ = ["NAME", "Peer", "accept", "bequeath", "from_bytes", "heirs", "serve", "to_bytes"]
 
 log = logging.getLogger(__name__)
 
