@@ -66,7 +66,9 @@ def test_flows_both_ways_share_each_uplink(spec: TestbedSpec) -> None:
     assert set(rates) == {"a", "b"}
     assert all(bits <= 1.2 * RATE for bits in rates.values()), rates
     # a's two flows together (each alone would be about half); b's one flow, short, on a loaded machine: looser
-    assert rates["a"] >= 0.65 * RATE and rates["b"] >= 0.4 * RATE, rates
+    # (its direction is its own: starved, it would be far below; 0.397 of the rate once in a full suite with a
+    # simulator run beside it, the delay relay being a userspace process)
+    assert rates["a"] >= 0.65 * RATE and rates["b"] >= 0.35 * RATE, rates
     assert rates["a"] <= 1.2 * alone, (rates, alone)
 
 
