@@ -677,7 +677,11 @@ class HivemindTransport(Transport):
             data = await self.fetch_state(sender, name, timeout=BEQUEST_WAIT)
         except RoundFailed as e:
             return {"ok": False, "why": f"download: {e}"}
-        why = await self._inherit(sender, data)
+        try:
+            why = await self._inherit(sender, data)
+        except Exception as e:  # ours, not the sender's: answered, not struck as a malformed message
+            log.warning("event=bequest_failed sender=%s reason=%s: %s", sender[-8:], type(e).__name__, e)
+            return {"ok": False, "why": f"the heir failed ({type(e).__name__})"}
         return {"ok": why is None, "why": why or ""}
 
     async def bequeath(self, peer_id: str, name: str, *, timeout: float) -> str | None:

@@ -76,8 +76,8 @@ def from_bytes(data: bytes, source: str) -> list[Bequest]:
         state = state_from_bytes(data, "bequest")
         return [Bequest(int(b["fragment"]), [torch.as_tensor(t) for t in b["d"]], int(b["tokens"]), source)
                 for b in state["bequests"]]
-    except (CheckpointError, KeyError, TypeError) as e:
-        raise ValueError(f"malformed bequest: {e}") from None
+    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError) as e:  # (a leaver's bytes)
+        raise ValueError(f"malformed bequest: {type(e).__name__}: {e}") from None
 
 
 def heirs(others: Sequence[PeerInfo], region: str, method: str) -> list[str]:

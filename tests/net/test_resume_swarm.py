@@ -140,6 +140,11 @@ def test_an_heir_takes_a_sound_bequest_and_refuses_what_it_cannot_hold(corpus: C
         sound = [x * 0.5 for x in own]
         tokens = heir.trainer.tokens_seen
         assert bequest.accept(heir, "l", b"not a bequest") is not None
+        from p2ptrain.checkpoint import state_to_bytes as pack
+
+        for bad in ({"bequests": 3}, {"bequests": [{"fragment": "x", "tokens": 1, "d": []}]},
+                    {"bequests": [{"fragment": 0, "tokens": 1, "d": ["not a tensor"]}]}, {"other": 1}):
+            assert "malformed bequest" in (bequest.accept(heir, "l", pack(bad)) or ""), bad
         assert "no fragment 7" in (bequest.accept(heir, "l", bequest.to_bytes([Bequest(7, sound, tokens)])) or "")
         twice = bequest.to_bytes([Bequest(0, sound, tokens), Bequest(0, sound, tokens)])
         assert "twice" in (bequest.accept(heir, "l", twice) or "")
