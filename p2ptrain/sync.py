@@ -14,12 +14,12 @@ compressor's phases through the transport, hand the average to the round
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -31,6 +31,7 @@ from .collective.codecs import Codec
 from .net.bandwidth import ThroughputEMA
 from .net.hierarchy import allreduce, decline_round, plan_for
 from .net.transport import Decide, Group, JoinRequest, ReduceResult, RoundFailed, StateMismatch, Transport
+from .phase_timeout import PhaseTimeout
 
 __all__ = ["NetLoop", "RoundRunner", "RoundStats", "fingerprint", "theta_digest"]
 
@@ -158,24 +159,8 @@ class RoundRunner:
 
     A phase's all-reduce may take the method's ``round_timeout``, stretched to what the link needs: a fixed
     timeout below a slow link's transfer time aborts every round half-way and sends it again, and the wire
-    then carries several times the payload (:meth:`timeout_for`).
+    then carries several times the payload (:class:`~p2ptrain.phase_timeout.PhaseTimeout`).
     """
-
-    #: A phase may take this many times its expected transfer time at the measured bandwidth.
-    SLACK = 3.0
-    #: ... and at most this many times the method's timeout (a frozen member must not hold rounds forever).
-    MAX_STRETCH = 8.0
-    #: Bytes/s a link is assumed to carry before any is measured (10 Mbit/s: a slow WAN link). Without it the first
-    #: round of a large fragment between regions got the method's timeout whatever its size: 4 peers in 2 regions at
-    #: 20 Mbit/s cut the first diloco round's cross-region shards off half-way, every time (the bytes sent for
-    #: nothing were most of the wire). A faster link ends the round early; a dead member holds it longer, once.
-    FIRST_RATE = 10e6 / 8
-    #: Once rounds have completed, a phase's timeout is at most this many times the slowest of the recent
-    #: complete ones (never under :data:`QUICK_FLOOR` seconds, never over the method's): a member that froze or
-    #: died holds a round for about half its timeout, and 60 s for rounds that take 2 stalled every peer in it
-    #: for half a minute at each fault.
-    QUICK = 5.0
-    QUICK_FLOOR = 10.0
 
     def __init__(self, transport: Transport, codec: Codec, *, join_timeout: float, round_timeout: float,
                  ema: float = 0.3, on_result: Callable[[Round, ReduceResult | None], None] | None = None,
@@ -189,9 +174,7 @@ class RoundRunner:
         self.stats = RoundStats()
         self.needs_resync = threading.Event()  # a group said our round state differs from the swarm's
         self._meter = ThroughputEMA(alpha=ema, min_bytes=0)
-        self._stretch = 1.0  # doubled after a phase that ran into its deadline, halved after one well inside it
-        self._quick: collections.deque[float] = collections.deque(maxlen=16)  # seconds of recent complete phases
-        self.timeout_scale = 1.0  # the last phase's timeout over the method's (the peer's waits scale with it)
+        self.timeouts = PhaseTimeout(round_timeout, codec, self._link_rate)  # each phase's (phase_timeout.py)
         self.on_result = on_result
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -234,7 +217,16 @@ class RoundRunner:
 
     async def negotiate(self, request: JoinRequest, decide: Decide | None) -> Group:
         """Form a group without a round yet (CoCoDC: the leader picks the fragment)."""
-        return await self.transport.form_group(request, decide, timeout=self.join_timeout)
+        return await self.transport.form_group(self._with_terms(request), decide, timeout=self.join_timeout)
+
+    @property
+    def timeout_scale(self) -> float:
+        """The last phase's timeout over the method's (the peer's waits scale with it)."""
+        return self.timeouts.scale
+
+    def _with_terms(self, request: JoinRequest) -> JoinRequest:
+        budget, rate = self.timeouts.terms()
+        return dataclasses.replace(request, budget=budget, rate=rate)
 
     async def launch(self, rnd: Round, group: Group | JoinRequest, *, fingerprint: list[float] | None = None,
                      fingerprint_of: list[torch.Tensor] | None = None, done: threading.Event | None = None) -> None:
@@ -267,7 +259,8 @@ class RoundRunner:
             if isinstance(group_or_request, Group):
                 group = group_or_request
             else:
-                group = await self.transport.form_group(group_or_request, None, timeout=self.join_timeout)
+                group = await self.transport.form_group(self._with_terms(group_or_request), None,
+                                                        timeout=self.join_timeout)
             formed = time.monotonic()
             reducing = 0.0
             phase, partial = 0, False
@@ -277,17 +270,18 @@ class RoundRunner:
             plan = plan_for(group, self.transport.peer_id, self.max_group) if self.hierarchical else None
             while payload is not None:
                 n0 = time.monotonic()
-                # (hierarchical: a carrier's shards cross a link shared by fewer members)
-                timeout = self.timeout_for(payload, len(group.members if plan is None else plan.local.members))
+                # (hierarchical: a carrier's shards cross a link shared by fewer members; sized by the smallest
+                # cell, so that every member of every cell has the same deadlines)
+                timeout = self.timeouts.timeout_for(payload, len(group.members) if plan is None else plan.smallest, group)
                 fp = print_ if phase == 0 else None
                 try:
                     res = await allreduce(self.transport, group, plan, phase, payload, rnd.weight, self.codec,
                                           timeout=timeout, fingerprint=fp)
                 except (RoundFailed, TimeoutError):
-                    self._took(time.monotonic() - n0, timeout, late=True)
+                    self.timeouts.took(time.monotonic() - n0, timeout, late=True)
                     raise
                 took = time.monotonic() - n0
-                self._took(took, timeout, late=res.partial)
+                self.timeouts.took(took, timeout, late=res.partial)
                 self._account(res, took)
                 reducing += took
                 partial |= res.partial
@@ -338,47 +332,12 @@ class RoundRunner:
                 if done is not None:
                     done.set()
 
-    def timeout_for(self, payload: Sequence[torch.Tensor], members: int) -> float:
-        """Seconds one phase of ``members`` may take to all-reduce ``payload``: the method's timeout, or
-        :data:`SLACK` times the expected transfer (each member sends and receives 2/k of the payload over each
-        link, at the slowest link's measured rate, or :data:`FIRST_RATE` before any is measured) if that is longer, stretched after phases that ran into
-        their deadline; at most :data:`MAX_STRETCH` times the method's. Once phases have completed, the method's
-        timeout is cut to :data:`QUICK` times the slowest recent one (at least :data:`QUICK_FLOOR`)."""
-        base = self.round_timeout
-        if len(self._quick) >= 3:
-            base = min(base, max(self.QUICK_FLOOR, self.QUICK * max(self._quick)))
-        need = 0.0
-        rate = self._link_rate() or self.FIRST_RATE
-        if members > 1:  # (the per-link meters count sends cut off by a timeout too)
-            nbytes = self.codec.encoded_size(sum(t.numel() for t in payload))
-            need = self.SLACK * 2.0 * nbytes / members / rate
-        timeout = min(max(base, need) * self._stretch, self.MAX_STRETCH * self.round_timeout)
-        self.timeout_scale = max(1.0, timeout / self.round_timeout)
-        return timeout
-
     def _link_rate(self) -> float:
         """The slowest link's measured rate (bytes/s; the transport's per-link meters, else the rounds' own
         meter), 0 before any is measured."""
         links = getattr(self.transport, "links", None)
         rate = links.slowest() if links is not None else 0.0
         return rate if rate > 0 else max(0.0, self.stats.bandwidth)
-
-    def _took(self, seconds: float, timeout: float, *, late: bool) -> None:
-        """A phase ended after ``seconds`` of its ``timeout``; ``late``: it failed or lost members.
-
-        A late phase stretches the timeout only while no link has been measured: once one has, the timeout follows
-        the slowest link's measured rate (:meth:`timeout_for`; a send cut off by its deadline is measured too), and a
-        phase that ran into its deadline on a measured link waited for a member that froze, died or was cut off,
-        not for bytes. Stretched for those (churn benchmark: up to 8×, 240 s), every later round that lost a member
-        held its peers, and their compute threads (which wait in proportion), for minutes."""
-        if late and seconds >= 0.45 * timeout and self._link_rate() <= 0:  # the link may be slower than assumed
-            self._stretch = min(self.MAX_STRETCH, 2.0 * self._stretch)
-            log.info("event=round_timeout_stretched seconds=%.1f timeout=%.1f stretch=%g", seconds, timeout,
-                     self._stretch)
-        elif not late and seconds < 0.25 * timeout:
-            self._stretch = max(1.0, self._stretch / 2.0)
-        if not late:
-            self._quick.append(seconds)
 
     def _account(self, res: ReduceResult, seconds: float) -> None:
         self.stats.bytes_sent += res.bytes_sent

@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from p2ptrain.collective.codecs import get_codec
+from p2ptrain.net.groups import close_group
+from p2ptrain.net.transport import Group, JoinRequest
+from p2ptrain.phase_timeout import PhaseTimeout
 from p2ptrain.sync import RoundRunner
 
 
@@ -16,45 +19,45 @@ def _runner(base: float = 60.0, codec: str = "fp32") -> RoundRunner:
 
 def test_without_a_measured_link_a_slow_wan_link_is_assumed() -> None:
     r = _runner()
-    assert RoundRunner.FIRST_RATE == 1.25e6  # 10 Mbit/s
+    assert PhaseTimeout.FIRST_RATE == 1.25e6  # 10 Mbit/s
     # 25M fp32 values = 100 MB; 4 members: 2 × 100 MB / 4 over each link = 40 s at 1.25 MB/s; × SLACK 3 = 120 s
-    assert r.timeout_for([torch.zeros(25_000_000)], 4) == pytest.approx(120.0)
+    assert r.timeouts.timeout_for([torch.zeros(25_000_000)], 4) == pytest.approx(120.0)
     # a payload that crosses a slow link well within the method's timeout keeps it
-    assert r.timeout_for([torch.zeros(1_000_000)], 4) == 60.0
-    assert r.timeout_for([torch.zeros(10)], 1) == 60.0
+    assert r.timeouts.timeout_for([torch.zeros(1_000_000)], 4) == 60.0
+    assert r.timeouts.timeout_for([torch.zeros(10)], 1) == 60.0
 
 
 def test_a_slow_link_stretches_the_timeout_to_its_transfer_time() -> None:
     r = _runner()
     r.stats.bandwidth = 1e6  # bytes/s on the slowest link
     # 25M fp32 values = 100 MB; 4 members: 2 × 100 MB / 4 over each link = 50 s at 1 MB/s; × SLACK 3 = 150 s
-    assert r.timeout_for([torch.zeros(20_000_000), torch.zeros(5_000_000)], 4) == pytest.approx(150.0)
+    assert r.timeouts.timeout_for([torch.zeros(20_000_000), torch.zeros(5_000_000)], 4) == pytest.approx(150.0)
     # a 4-bit wire needs 7.1× fewer bytes: back under the method's timeout
     e3m0 = _runner(codec="e3m0")
     e3m0.stats.bandwidth = 1e6
-    assert e3m0.timeout_for([torch.zeros(25_000_000)], 4) == 60.0
+    assert e3m0.timeouts.timeout_for([torch.zeros(25_000_000)], 4) == 60.0
     # never more than MAX_STRETCH times the method's timeout
     r.stats.bandwidth = 1e3
-    assert r.timeout_for([torch.zeros(25_000_000)], 4) == 60.0 * RoundRunner.MAX_STRETCH
+    assert r.timeouts.timeout_for([torch.zeros(25_000_000)], 4) == 60.0 * PhaseTimeout.MAX_STRETCH
 
 
 def test_rounds_that_ran_into_their_deadline_double_it_and_quick_ones_halve_it_back() -> None:
     r = _runner()
     payload = [torch.zeros(1000)]
-    r._took(50.0, 60.0, late=True)  # failed or partial after most of its timeout
-    assert r.timeout_for(payload, 4) == 120.0
-    r._took(100.0, 120.0, late=True)
-    assert r.timeout_for(payload, 4) == 240.0
-    r._took(10.0, 240.0, late=True)  # partial early: a member left, not a slow link
-    assert r.timeout_for(payload, 4) == 240.0
-    r._took(100.0, 240.0, late=False)  # complete but slow: keep it
-    assert r.timeout_for(payload, 4) == 240.0
+    r.timeouts.took(50.0, 60.0, late=True)  # failed or partial after most of its timeout
+    assert r.timeouts.timeout_for(payload, 4) == 120.0
+    r.timeouts.took(100.0, 120.0, late=True)
+    assert r.timeouts.timeout_for(payload, 4) == 240.0
+    r.timeouts.took(10.0, 240.0, late=True)  # partial early: a member left, not a slow link
+    assert r.timeouts.timeout_for(payload, 4) == 240.0
+    r.timeouts.took(100.0, 240.0, late=False)  # complete but slow: keep it
+    assert r.timeouts.timeout_for(payload, 4) == 240.0
     for want in (120.0, 60.0, 60.0):  # complete well inside the deadline
-        r._took(1.0, 240.0, late=False)
-        assert r.timeout_for(payload, 4) == want
+        r.timeouts.took(1.0, 240.0, late=False)
+        assert r.timeouts.timeout_for(payload, 4) == want
     for _ in range(10):
-        r._took(60.0, 60.0, late=True)
-    assert r.timeout_for(payload, 4) == 60.0 * RoundRunner.MAX_STRETCH
+        r.timeouts.took(60.0, 60.0, late=True)
+    assert r.timeouts.timeout_for(payload, 4) == 60.0 * PhaseTimeout.MAX_STRETCH
 
 
 def test_on_a_measured_link_a_phase_that_lost_a_member_does_not_stretch_the_timeout() -> None:
@@ -65,11 +68,11 @@ def test_on_a_measured_link_a_phase_that_lost_a_member_does_not_stretch_the_time
     payload = [torch.zeros(1000)]
     r.stats.bandwidth = 10e6
     for _ in range(3):
-        r._took(59.0, 60.0, late=True)
-    assert r.timeout_for(payload, 4) == 60.0 and r.timeout_scale == 1.0
+        r.timeouts.took(59.0, 60.0, late=True)
+    assert r.timeouts.timeout_for(payload, 4) == 60.0 and r.timeout_scale == 1.0
     # a slow link still gets what it needs, from its measured rate
     r.stats.bandwidth = 1e6
-    assert r.timeout_for([torch.zeros(25_000_000)], 4) == pytest.approx(150.0)
+    assert r.timeouts.timeout_for([torch.zeros(25_000_000)], 4) == pytest.approx(150.0)
 
 
 def test_the_transports_link_meters_count_even_when_no_round_completed() -> None:
@@ -83,7 +86,7 @@ def test_the_transports_link_meters_count_even_when_no_round_completed() -> None
                     round_timeout=60.0)
     Transport.links.update("peer", 30_000_000, 30.0)  # 30 MB went through in the 30 s the send had: 1 MB/s
     assert r.stats.bandwidth == 0.0
-    assert r.timeout_for([torch.zeros(25_000_000)], 4) == pytest.approx(150.0)
+    assert r.timeouts.timeout_for([torch.zeros(25_000_000)], 4) == pytest.approx(150.0)
     assert r.timeout_scale == pytest.approx(2.5)
 
 
@@ -92,24 +95,24 @@ def test_once_rounds_complete_quickly_the_timeout_follows_them_down() -> None:
     stalled every peer in it for half a minute at each fault (the churn benchmark)."""
     r = _runner()
     payload = [torch.zeros(1000)]
-    r._took(2.0, 60.0, late=False)
-    r._took(1.5, 60.0, late=False)
-    assert r.timeout_for(payload, 4) == 60.0  # two rounds are not yet a record
-    r._took(4.0, 60.0, late=False)
-    assert r.timeout_for(payload, 4) == pytest.approx(RoundRunner.QUICK * 4.0)  # 5 × the slowest recent one
+    r.timeouts.took(2.0, 60.0, late=False)
+    r.timeouts.took(1.5, 60.0, late=False)
+    assert r.timeouts.timeout_for(payload, 4) == 60.0  # two rounds are not yet a record
+    r.timeouts.took(4.0, 60.0, late=False)
+    assert r.timeouts.timeout_for(payload, 4) == pytest.approx(PhaseTimeout.QUICK * 4.0)  # 5 × the slowest recent one
     assert r.timeout_scale == 1.0  # the peer's own wait is never cut
     for _ in range(16):
-        r._took(0.5, 20.0, late=False)
-    assert r.timeout_for(payload, 4) == RoundRunner.QUICK_FLOOR  # never under the floor
-    r._took(9.0, 10.0, late=True)  # then a member froze: stretched from the quick timeout
-    assert r.timeout_for(payload, 4) == 2 * RoundRunner.QUICK_FLOOR
+        r.timeouts.took(0.5, 20.0, late=False)
+    assert r.timeouts.timeout_for(payload, 4) == PhaseTimeout.QUICK_FLOOR  # never under the floor
+    r.timeouts.took(9.0, 10.0, late=True)  # then a member froze: stretched from the quick timeout
+    assert r.timeouts.timeout_for(payload, 4) == 2 * PhaseTimeout.QUICK_FLOOR
     r.stats.bandwidth = 1e6  # 1 MB/s: 4 MB need 2 × 4 / 4 / 1 × 3 = 6 s (under the quick base: 10 s, stretched)
-    assert r.timeout_for([torch.zeros(1_000_000)], 4) == 2 * RoundRunner.QUICK_FLOOR
-    assert r.timeout_for([torch.zeros(10_000_000)], 4) == pytest.approx(2 * 60.0)  # 40 MB: 60 s, stretched
+    assert r.timeouts.timeout_for([torch.zeros(1_000_000)], 4) == 2 * PhaseTimeout.QUICK_FLOOR
+    assert r.timeouts.timeout_for([torch.zeros(10_000_000)], 4) == pytest.approx(2 * 60.0)  # 40 MB: 60 s, stretched
     slow = _runner(base=6.0)  # a method timeout under the floor stays as it is
     for _ in range(4):
-        slow._took(0.1, 6.0, late=False)
-    assert slow.timeout_for(payload, 4) == 6.0
+        slow.timeouts.took(0.1, 6.0, late=False)
+    assert slow.timeouts.timeout_for(payload, 4) == 6.0
 
 
 class _StretchingRunner:
@@ -185,3 +188,76 @@ def test_a_round_cut_short_by_the_leaves_drain_limit_is_abandoned_not_stuck() ->
     ev = c._done[done] = threading.Event()  # type: ignore[index]
     ev.set()
     assert c.wait([done]) and not done.aborted and (c.abandoned, c.stuck) == (1, 1)  # type: ignore[list-item]
+
+
+def _with_record(seconds: list[float], rate: float = 0.0) -> RoundRunner:
+    r = _runner()
+    for s in seconds:
+        r.timeouts.took(s, 60.0, late=False)
+    r.stats.bandwidth = rate
+    return r
+
+
+def test_a_peer_proposes_its_budget_and_rate_only_once_it_has_a_word_of_its_own() -> None:
+    fresh = _runner()
+    assert fresh.timeouts.terms() == (None, None)  # the method's timeout and FIRST_RATE: nothing to add
+    quick = _with_record([2.0, 3.0, 2.5], rate=4e6)
+    assert quick.timeouts.terms() == (pytest.approx(PhaseTimeout.QUICK * 3.0), 4e6)
+    stretched = _runner()
+    stretched.timeouts.took(50.0, 60.0, late=True)  # no link measured: the link may be slower than assumed
+    assert stretched.timeouts.terms() == (120.0, PhaseTimeout.FIRST_RATE / 2)
+    # what a proposal gives is what the peer's own view gives
+    for r in (fresh, quick, stretched):
+        budget, rate = r.timeouts.terms()
+        group = Group("k", ("a", "b"), "a", 0, budget=budget, rate=rate)
+        for payload in ([torch.zeros(1000)], [torch.zeros(25_000_000)]):
+            assert r.timeouts.timeout_for(payload, 4, group) == pytest.approx(r.timeouts.timeout_for(payload, 4))
+
+
+def test_every_member_sizes_a_round_by_its_groups_terms_not_its_own_record() -> None:
+    """Each member used its own timeout: one that had just started (the method's 60 s) waited for a shard, and
+    applied the round, that the others (5 × their recent phases) had given up on: a θ the majority had to repair
+    away. With the group's terms every member's deadlines are the same, whatever its own record."""
+    fresh, quick, slow_link = _runner(), _with_record([2.0, 3.0, 2.5]), _with_record([1.0, 1.0, 1.0], rate=1e6)
+    runners = [fresh, quick, slow_link]
+    reqs = {p: r._with_terms(JoinRequest(key="k", peer_id=p, weight=1.0, fragment=0))
+            for p, r in zip("abc", runners, strict=True)}
+    group = Group.from_wire(close_group("k", reqs, "a", None).to_wire())  # as the members receive it
+    assert (group.budget, group.rate) == (pytest.approx(15.0), 1e6)  # the largest budget, the slowest link
+    for payload in ([torch.zeros(1000)], [torch.zeros(10_000_000)]):
+        own = {r.timeouts.timeout_for(payload, 4) for r in runners}
+        agreed = {r.timeouts.timeout_for(payload, 4, group) for r in runners}
+        assert len(own) > 1 and len(agreed) == 1, (own, agreed)
+    assert quick.timeouts.timeout_for([torch.zeros(1000)], 4, group) == pytest.approx(15.0)
+    assert quick.timeouts.timeout_for([torch.zeros(10_000_000)], 4, group) == pytest.approx(60.0)  # 40 MB at 1 MB/s, × 3 / 2
+    # no member proposed: the method's timeout and FIRST_RATE, for everyone
+    bare = close_group("k", {p: JoinRequest(key="k", peer_id=p, weight=1.0, fragment=0) for p in "ab"}, "a", None)
+    assert (bare.budget, bare.rate) == (None, None)
+    assert {r.timeouts.timeout_for([torch.zeros(1000)], 4, bare) for r in runners} == {60.0}
+
+
+def test_a_leaders_terms_are_held_to_the_bounds_a_member_holds_its_own_to() -> None:
+    r = _runner()
+    payload = [torch.zeros(1000)]
+    assert r.timeouts.timeout_for(payload, 4, Group("k", ("a",), "a", 0, budget=1e9)) == 60.0 * PhaseTimeout.MAX_STRETCH
+    assert r.timeouts.timeout_for(payload, 4, Group("k", ("a",), "a", 0, budget=0.01)) == PhaseTimeout.QUICK_FLOOR
+    assert r.timeouts.timeout_for([torch.zeros(25_000_000)], 4,
+                         Group("k", ("a",), "a", 0, rate=1.0)) == 60.0 * PhaseTimeout.MAX_STRETCH
+    # on the wire, anything but a finite positive number is no proposal
+    for bad in (-1.0, 0, float("nan"), float("inf"), "15", True, None):
+        g = Group.from_wire({**Group("k", ("a",), "a", 0).to_wire(), "budget": bad, "rate": bad})
+        j = JoinRequest.from_wire({**JoinRequest(key="k", peer_id="a", weight=1.0).to_wire(), "budget": bad,
+                                   "rate": bad})
+        assert (g.budget, g.rate, j.budget, j.rate) == (None, None, None, None), bad
+
+
+def test_a_hierarchical_round_is_sized_by_its_smallest_cell_at_every_member() -> None:
+    """Each member sized the phase by its own cell (a cell of 3 and one of 2 had different deadlines, and the
+    cross step mixes their carriers)."""
+    from p2ptrain.net.hierarchy import plan_for
+
+    members = ("a", "b", "c", "d", "e")
+    group = Group("k", members, "a", 0, regions=("us", "us", "us", "eu", "eu"))
+    plans = [plan_for(group, m) for m in members]
+    assert {len(p.local.members) for p in plans if p is not None} == {2, 3}
+    assert {p.smallest for p in plans if p is not None} == {2}

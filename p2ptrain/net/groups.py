@@ -287,7 +287,9 @@ def agreed_fragment(requests: Sequence[JoinRequest]) -> int | None:
 
 def close_group(key: str, requests: Mapping[str, JoinRequest], leader: str, decide: Decide | None) -> Group:
     """The group a leader closes from the requests it holds: the members of the most common signature,
-    the fragment they proposed, else the one ``decide`` picks (with the schedule it may set)."""
+    the fragment they proposed, else the one ``decide`` picks (with the schedule it may set); the terms of its
+    timeout: the largest budget and the smallest link rate the members proposed (sync.RoundRunner.terms: every
+    member's deadlines are then the same)."""
     members = tuple(members_by_signature(requests))
     reqs = [requests[m] for m in members]
     decision = Decision(agreed_fragment(reqs))
@@ -298,8 +300,11 @@ def close_group(key: str, requests: Mapping[str, JoinRequest], leader: str, deci
             log.exception("event=decide_failed key=%s", key)  # nothing) rather than striking its joiners
             d = Decision(None)
         decision = d if isinstance(d, Decision) else Decision(d)
+    budgets = [r.budget for r in reqs if r.budget is not None]
+    rates = [r.rate for r in reqs if r.rate is not None]
     return Group(key, members, leader, decision.fragment, reqs[0].signature if reqs else "", decision.schedule,
-                 tuple(r.region for r in reqs) if any(r.region for r in reqs) else ())
+                 tuple(r.region for r in reqs) if any(r.region for r in reqs) else (),
+                 max(budgets) if budgets else None, min(rates) if rates else None)
 
 
 def fingerprints_match(a: Sequence[float], b: Sequence[float], rtol: float = 1e-5) -> bool:

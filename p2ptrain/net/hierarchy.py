@@ -93,6 +93,7 @@ class Plan:
     carriers: dict[int, tuple[str, ...]]  # shard -> its carriers, one per cell (sorted: the step-2 group)
     holder: dict[int, str]  # shard -> its carrier in this member's cell
     carried: tuple[int, ...]  # the shards this member carries across
+    smallest: int = 1  # the smallest cell's size (the same for every member: what the round's timeout is sized by)
 
     def shard_group(self, group: Group, s: int) -> Group:
         members = self.carriers[s]
@@ -133,7 +134,8 @@ def plan_for(group: Group, me: str, max_group: int | None = None) -> Plan | None
     tag = zlib.crc32(f"{region}\0{local[0]}".encode()) & 0xFFFFFFFF
     local_group = Group(f"{group.key}@c{tag:08x}", local, min(local), group.fragment, group.signature,
                         group.schedule)
-    return Plan(region, local_group, shards, carriers, holder, tuple(s for s in range(shards) if holder[s] == me))
+    return Plan(region, local_group, shards, carriers, holder, tuple(s for s in range(shards) if holder[s] == me),
+                min(len(ms) for _, ms in cells))
 
 
 def _offer_name(group: Group, phase: int, s: int) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ __all__ = [
     "Transport",
     "TransportState",
     "Unreachable",
+    "positive",
 ]
 
 
@@ -117,12 +119,18 @@ class JoinRequest:
     # one form_group call's own nonce: the leader answers a member that asks again with the same ticket (its
     # first reply was lost) with its group; a new call for a closed round (another ticket) is refused
     ticket: str = ""
+    # what this peer proposes for the round's phase timeout (sync.RoundRunner.terms): its budget in seconds (None:
+    # no record of its own yet) and its slowest link's measured rate in bytes/s (None: none measured); the leader
+    # closes the group with the largest budget and the smallest rate, so that every member has the same deadlines
+    budget: float | None = None
+    rate: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "peer": self.peer_id, "weight": self.weight, "fragment": self.fragment,
                 "scores": self.scores, "busy": self.busy, "last_sent": self.last_sent, "step": self.step,
                 "abstain": self.abstain, "sig": self.signature, "sends": self.sends, "region": self.region,
-                "skipped": list(self.skipped), "known": list(self.known), "ticket": self.ticket}
+                "skipped": list(self.skipped), "known": list(self.known), "ticket": self.ticket,
+                "budget": self.budget, "rate": self.rate}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> JoinRequest:
@@ -134,12 +142,21 @@ class JoinRequest:
                    sends=None if m.get("sends") is None else int(m["sends"]), region=str(m.get("region", "")),
                    skipped=tuple(str(p) for p in m.get("skipped", ())[:MAX_SKIPPED]),
                    known=tuple(str(p)[:MAX_ID] for p in _listed(m.get("known"))[:MAX_KNOWN]),
-                   ticket=str(m.get("ticket", ""))[:MAX_ID])
+                   ticket=str(m.get("ticket", ""))[:MAX_ID], budget=positive(m.get("budget")),
+                   rate=positive(m.get("rate")))
 
 
 def _listed(v: Any) -> list[Any]:
     """``v`` if it is a list (a wire field that should be one), else empty."""
     return v if isinstance(v, list) else []
+
+
+def positive(v: Any) -> float | None:
+    """``v`` as a float if it is a finite positive number (a wire field), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) and f > 0 else None
 
 
 @dataclass(frozen=True)
@@ -159,8 +176,10 @@ StateProvider = Callable[[str], "bytes | None"]
 
 @dataclass(frozen=True)
 class Group:
-    """A formed round: sorted members, its leader, the agreed fragment and schedule (see Decision), and the
-    region each member announced (``regions[i]`` is ``members[i]``'s; empty when nobody said)."""
+    """A formed round: sorted members, its leader, the agreed fragment and schedule (see Decision), the
+    region each member announced (``regions[i]`` is ``members[i]``'s; empty when nobody said), and the terms of its
+    phase timeout: the largest budget and the smallest link rate its members proposed (JoinRequest; None when none
+    did)."""
 
     key: str
     members: tuple[str, ...]
@@ -169,11 +188,13 @@ class Group:
     signature: str = ""
     schedule: tuple[int, int] | None = None
     regions: tuple[str, ...] = ()
+    budget: float | None = None
+    rate: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "members": list(self.members), "leader": self.leader, "fragment": self.fragment,
                 "sig": self.signature, "schedule": None if self.schedule is None else list(self.schedule),
-                "regions": list(self.regions)}
+                "regions": list(self.regions), "budget": self.budget, "rate": self.rate}
 
     @classmethod
     def from_wire(cls, g: dict[str, Any]) -> Group:
@@ -185,7 +206,7 @@ class Group:
             sched = (n, start)
         return cls(str(g["key"]), tuple(str(m) for m in g["members"]), str(g["leader"]),
                    None if g.get("fragment") is None else int(g["fragment"]), str(g.get("sig", "")), sched,
-                   tuple(str(r) for r in g.get("regions", ())))
+                   tuple(str(r) for r in g.get("regions", ())), positive(g.get("budget")), positive(g.get("rate")))
 
     def __post_init__(self) -> None:
         if list(self.members) != sorted(set(self.members)):
