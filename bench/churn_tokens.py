@@ -11,6 +11,10 @@ number of fragments P. What a life trained and never got into θ was lost with i
 carried it), or was still on its way when the window closed, or went into a round that failed everywhere
 and was re-sent. Lives are counted inside the run's window only (the same window as goodput).
 
+A round applied by some members and failed by others forks θ, and the vote that follows repairs the minority
+away: what that round averaged is not in θ, though its total counts in bench/churn.py's goodput. The last table
+counts the tokens of the rounds whose θ the swarm kept (``kept_rounds``).
+
 Where the time before a life's first step went is read from its ``event=started`` line (p2ptrain/peer/startup.py):
 medians of each phase of a start, for the first starts and for the restarts and joins.
 """
@@ -161,6 +165,7 @@ def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
                 elif (m := _APPLIED.match(line)) is not None and w0 <= _unix(m.group(1)) - t0 <= w1:
                     applied.setdefault(m.group(2), {})[life["log"]] = (float(m.group(3)), m.group(4) == "True",
                                                                        float(m.group(5)))
+    kept = kept_rounds(phase)
     rows = []
     for key, appliers in sorted(applied.items()):
         if key not in cell:
@@ -181,8 +186,59 @@ def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
                 either += short
         rows.append({"key": key, "tokens": tokens, "own": sum(o for _, _, o in appliers.values()),
                      "cells": len(weights), "cells_in_total": None if held is None else len(held),
-                     "counted_twice": twice, "not_applied": missed, "either": either})
+                     "counted_twice": twice, "not_applied": missed, "either": either, "kept": kept.get(key, False)})
     return rows
+
+
+_KEPT = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) fragment=(\d+) .* divergent=(\w+) .* own=(\d+)")
+
+
+def _order(key: str) -> int:
+    """A round key's logical time (``f3.L598627070`` -> 598627070; 0 if it names none)."""
+    tail = key.rpartition(".L")[2]
+    return int(tail) if tail.isdigit() else 0
+
+
+def kept_rounds(phase: dict[str, Any]) -> dict[str, bool]:
+    """For every round applied anywhere in the phase, whether the θ it made is in the θ the swarm ended on.
+
+    A round applied by some members and failed by the others forks θ; the next vote repairs the minority onto the
+    majority's θ, and what the round averaged (the Δs of its appliers, counted as sent) is gone. So a round is kept
+    when a round the swarm ended on was built on its θ, directly or through others: round R' is built on R when a
+    peer applied R and then, as its next round of that fragment, R' without being outvoted: ``divergent=False``
+    (its θ was its group's), or its Δ counted in R' (``own`` > 0: a hierarchical round flags every member of a cell
+    in which any member diverged, and a member outvoted across cells has no Δ in the round). The round the swarm
+    ended on, per fragment: the last one applied by at least half as many peers as the fragment's most applied
+    round. An estimate from the logs (they name no θ before a round): a member with nothing to send whose cell
+    was flagged reads as outvoted."""
+    work = Path(phase["work"])
+    built_on: dict[str, set[str]] = {}  # round -> the rounds built on its θ
+    appliers: dict[str, int] = {}
+    fragment: dict[str, int] = {}
+    for p in phase["peers"].values():
+        for life in p["lives"]:
+            log = work / life["log"]
+            if not log.exists():
+                continue
+            last: dict[int, str] = {}  # fragment -> this life's last applied round of it
+            for line in log.read_text(errors="replace").splitlines():
+                if (m := _KEPT.match(line)) is None:
+                    continue
+                key, f = m.group(2), int(m.group(3))
+                fragment[key] = f
+                appliers[key] = appliers.get(key, 0) + 1
+                if f in last and (m.group(4) == "False" or int(m.group(5)) > 0):
+                    built_on.setdefault(last[f], set()).add(key)
+                last[f] = key
+    kept: set[str] = set()
+    for f in set(fragment.values()):
+        rounds = sorted((k for k in fragment if fragment[k] == f), key=_order)
+        most = max(appliers[k] for k in rounds)
+        kept.add([k for k in rounds if 2 * appliers[k] >= most][-1])
+    for key in sorted(fragment, key=_order, reverse=True):  # (a round is only built on by later ones)
+        if key not in kept and built_on.get(key, set()) & kept:
+            kept.add(key)
+    return {k: k in kept for k in fragment}
 
 
 _STARTED = re.compile(r"event=started (.*)$")
@@ -244,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="a bench/churn.py JSON whose peer logs are still on disk")
     ap.add_argument("--out", type=Path, help="the JSON written (default: beside the run, *_tokens.json)")
+    ap.add_argument("--baseline-tokens", type=float, default=None,
+                    help="the fault-free run's tokens in θ (its tokens_in_theta), for a goodput of the kept rounds")
     a = ap.parse_args(argv)
     payload = json.loads(a.run.read_text())
     args = payload["args"]
@@ -277,6 +335,21 @@ def main(argv: list[str] | None = None) -> None:
                             ["Σ totals (tokens=)", "Σ own", "own=0 appliers (counted twice)",
                              "members that did not apply", "either", "rest"],
                             [[f"{sums[k]:,.0f}" for k in fields] + [f"{rest:,.0f}"]]))
+            kept = [r for r in accounts if r["kept"]]
+            figures = {"rounds": len(accounts), "rounds_kept": len(kept),
+                       "tokens_in_theta": sums["tokens"] / args["P"],
+                       "tokens_in_kept_rounds": sum(r["tokens"] for r in kept) / args["P"],
+                       "tokens_in_kept_rounds_once": sum(r["tokens"] - r["counted_twice"] for r in kept) / args["P"]}
+            result["phases"][ph["phase"]]["kept"] = figures
+            base = a.baseline_tokens
+            out.print(table(f"{ph['phase']}: tokens in θ, by the rounds' totals over P: all applied rounds (as "
+                            "bench/churn.py counts them), the rounds whose θ the swarm kept (kept_rounds), and those "
+                            "less the tokens of their own=0 appliers (counted again in a later round)",
+                            ["rounds applied", "kept", "all rounds", "kept rounds", "kept, counted once",
+                             *(["goodput (kept, once)"] if base else [])],
+                            [[figures["rounds"], figures["rounds_kept"], f"{figures['tokens_in_theta']:,.0f}",
+                              f"{figures['tokens_in_kept_rounds']:,.0f}", f"{figures['tokens_in_kept_rounds_once']:,.0f}",
+                              *([f"{figures['tokens_in_kept_rounds_once'] / base:.3f}"] if base else [])]]))
         if start_summary:
             out.print(table(f"{ph['phase']}: where the starts went (median seconds of each phase; event=started)",
                             ["starts", "count", *START_FIELDS, "seconds in all", "of the peer time"],

@@ -109,3 +109,35 @@ def test_a_rounds_total_is_split_by_cell_against_its_appliers_own_tokens(tmp_pat
     (row,) = round_accounts(phase)
     assert (row["tokens"], row["own"], row["cells"], row["cells_in_total"]) == (400.0, 260.0, 2, 2)
     assert (row["counted_twice"], row["not_applied"], row["either"]) == (100.0, 40.0, 0.0)
+
+
+def test_a_round_whose_theta_the_swarm_repaired_away_is_not_kept(tmp_path: Path) -> None:
+    """A round applied by a minority forks θ; the next vote repairs its appliers onto the majority's θ (outvoted:
+    divergent, no Δ of theirs in the round), so what it averaged never reached the θ the swarm ended on. A round
+    built on by one that was is kept, through a chain of them; a member of a flagged cell whose Δ counted (own > 0)
+    still built on its θ."""
+    from bench.churn_tokens import kept_rounds
+
+    def applied(t: float, key: str, divergent: bool, own: int) -> str:
+        return _line(t, key, own).replace("divergent=False", f"divergent={divergent}")
+
+    logs = {
+        # a and b apply f0.L1, f0.L2 (the fork: c and d failed it) and f0.L3 where the vote goes against them
+        "a": [applied(20, "f0.L1", False, 10), applied(30, "f0.L2", False, 10), applied(40, "f0.L3", True, 0)],
+        "b": [applied(20, "f0.L1", False, 10), applied(30, "f0.L2", False, 10), applied(40, "f0.L3", True, 0)],
+        # c and d held f0.L1's θ, won f0.L3 (d's cell was flagged, its Δ counted), then applied f0.L4
+        "c": [applied(20, "f0.L1", False, 10), applied(40, "f0.L3", False, 10), applied(50, "f0.L4", False, 10)],
+        "d": [applied(20, "f0.L1", False, 10), applied(40, "f0.L3", True, 10), applied(50, "f0.L4", False, 10)],
+        # another fragment, applied by one peer only at the end: its last round is what the swarm ended on
+        "e": [_line(60, "f1.L5", 10).replace("fragment=0", "fragment=1")],
+    }
+    for name, lines in logs.items():
+        (tmp_path / f"{name}.0.log").write_text("\n".join(lines) + "\n")
+    phase = {"work": str(tmp_path), "peers": {n: {"lives": [{"log": f"{n}.0.log"}]} for n in logs}}
+    assert kept_rounds(phase) == {"f0.L1": True, "f0.L2": False, "f0.L3": True, "f0.L4": True, "f1.L5": True}
+    # without the own > 0 rule, d alone would not carry f0.L1 into f0.L3: c still does
+    (tmp_path / "c.0.log").write_text(applied(20, "f0.L1", False, 10) + "\n")
+    assert kept_rounds(phase)["f0.L1"] is True
+    (tmp_path / "d.0.log").write_text("\n".join([applied(20, "f0.L1", False, 10), applied(40, "f0.L3", True, 0),
+                                                 applied(50, "f0.L4", False, 10)]) + "\n")
+    assert kept_rounds(phase)["f0.L1"] is False  # nobody built f0.L3 on it any more
