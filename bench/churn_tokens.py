@@ -59,8 +59,8 @@ _PEER = re.compile(r"· peer (\S+) ·")
 _INHERITED = re.compile(r"event=inherited_sent key=(\S+) fragment=\d+ tokens=\d+ from=(\S+)")
 
 
-def bequests_applied(log: Path, keys: set[str]) -> list[tuple[str, float]]:
-    """(leaver's peer-id tail, its tokens) of every bequest this heir sent in a round of ``keys`` (the rounds it
+def bequests_applied(log: Path, keys: set[str]) -> list[tuple[str, str, float]]:
+    """(round key, leaver's peer-id tail, its tokens) of every bequest this heir sent in a round of ``keys`` (the rounds it
     applied): its ``own`` there holds them, and they are the leaver's (p2ptrain/peer/bequest.py)."""
     if not log.exists():
         return []
@@ -69,14 +69,15 @@ def bequests_applied(log: Path, keys: set[str]) -> list[tuple[str, float]]:
         if m.group(1) in keys:
             for part in m.group(2).split(","):
                 tail, _, tokens = part.partition(":")
-                out.append((tail, float(tokens or 0)))
+                out.append((m.group(1), tail, float(tokens or 0)))
     return out
 
 
 def life_rows(phase: dict[str, Any], seq: int, fragments: int) -> list[dict[str, Any]]:
     """One row per life of every peer in ``phase`` (a phase of bench/churn.py's JSON). Tokens a leaver handed to
     an heir (a bequest) that reached θ in the heir's round are the leaver's (``handed_on``), not the heir's."""
-    rows = _life_rows(phase, seq, fragments)
+    kept = kept_rounds(phase)
+    rows = _life_rows(phase, seq, fragments, kept)
     work = Path(phase["work"])
     ids: dict[str, str] = {}  # log -> the peer id it names
     wills: set[str] = set()  # logs of lives that handed a will on
@@ -88,18 +89,22 @@ def life_rows(phase: dict[str, Any], seq: int, fragments: int) -> list[dict[str,
         if "event=bequeathed " in text:
             wills.add(r["log"])
     for r in rows:
-        for tail, tokens in bequests_applied(work / r["log"], r.pop("_keys")):
+        for key, tail, tokens in bequests_applied(work / r["log"], r.pop("_keys")):
             r["in_theta"] -= tokens / fragments
+            if kept.get(key, False):
+                r["in_kept"] -= tokens / fragments
             # (a restarted peer keeps its id: the life of it that bequeathed, the last one if several did)
             mine = [x for x in rows if ids.get(x["log"], "").endswith(tail)]
             leaver = ([x for x in mine if x["log"] in wills] or mine or [None])[-1]
             if leaver is not None:
                 leaver["in_theta"] += tokens / fragments
                 leaver["handed_on"] += tokens / fragments
+                if kept.get(key, False):
+                    leaver["in_kept"] += tokens / fragments
     return rows
 
 
-def _life_rows(phase: dict[str, Any], seq: int, fragments: int) -> list[dict[str, Any]]:
+def _life_rows(phase: dict[str, Any], seq: int, fragments: int, kept: dict[str, bool]) -> list[dict[str, Any]]:
     w0, w1 = phase["window_s"]
     t0 = phase["started_unix"]
     work = Path(phase["work"])
@@ -115,6 +120,7 @@ def _life_rows(phase: dict[str, Any], seq: int, fragments: int) -> list[dict[str
             applied = [r for r in own_applied(work / life["log"]) if a <= r[0] - t0 <= b]
             rows.append({"peer": name, "log": life["log"], "how": life["how"], "seconds": round(b - a, 1),
                          "trained": steps * seq, "in_theta": sum(r[3] for r in applied) / fragments,
+                         "in_kept": sum(r[3] for r in applied if kept.get(r[1], False)) / fragments,
                          "rounds_applied": len(applied), "rounds_without_own": sum(r[3] == 0 for r in applied),
                          "handed_on": 0.0, "_keys": {r[1] for r in applied}})
     return rows
@@ -288,8 +294,10 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         sel = [r for r in rows if how in ("all", r["how"])]
         trained = sum(r["trained"] for r in sel)
         in_theta = sum(r["in_theta"] for r in sel)
+        in_kept = sum(r.get("in_kept", 0.0) for r in sel)
         out_.append({"how": how, "lives": len(sel), "trained": trained, "in_theta": in_theta,
-                     "kept": in_theta / trained if trained else None,
+                     "kept": in_theta / trained if trained else None, "in_kept_rounds": in_kept,
+                     "kept_in_kept_rounds": in_kept / trained if trained else None,
                      "handed_on": sum(r.get("handed_on", 0.0) for r in sel),
                      "rounds_applied": sum(r["rounds_applied"] for r in sel),
                      "rounds_without_own": sum(r["rounds_without_own"] for r in sel)})
@@ -357,10 +365,12 @@ def main(argv: list[str] | None = None) -> None:
                               f"{x['seconds']:,.0f}", "—" if x["share_of_peer_time"] is None
                               else f"{x['share_of_peer_time']:.1%}"] for x in start_summary]))
         out.print(table(f"{ph['phase']}: tokens trained and reaching θ, by how each life ended",
-              ["life ended", "lives", "trained", "in θ", "of it handed on", "kept", "rounds applied",
-               "of them without own Δ"],
+              ["life ended", "lives", "trained", "in θ", "of it handed on", "kept", "kept, in kept rounds",
+               "rounds applied", "of them without own Δ"],
               [[s["how"], s["lives"], f"{s['trained']:,}", f"{s['in_theta']:,.0f}", f"{s['handed_on']:,.0f}",
-                "—" if s["kept"] is None else f"{s['kept']:.3f}", s["rounds_applied"], s["rounds_without_own"]]
+                "—" if s["kept"] is None else f"{s['kept']:.3f}",
+                "—" if s["kept_in_kept_rounds"] is None else f"{s['kept_in_kept_rounds']:.3f}",
+                s["rounds_applied"], s["rounds_without_own"]]
                for s in summary]))
     dest = a.out or a.run.with_name(a.run.stem + "_tokens.json")
     dest.write_text(json.dumps(result, indent=1))
