@@ -29,6 +29,7 @@ from .aio import new_event_loop
 from .algo.methods import Round
 from .collective.codecs import Codec
 from .net.bandwidth import ThroughputEMA
+from .net.groups import versioned
 from .net.hierarchy import allreduce, decline_round, plan_for
 from .net.transport import Decide, Group, JoinRequest, ReduceResult, RoundFailed, StateMismatch, Transport
 from .phase_timeout import PhaseTimeout
@@ -255,7 +256,7 @@ class RoundRunner:
             tasks = self._group
             prepared = tasks.create_task(_prepare(rnd), name=f"prepare-{rnd.key}") if tasks is not None else None
             if print_ is None and print_of is not None:
-                print_ = await asyncio.to_thread(fingerprint, print_of)
+                print_ = versioned(rnd.based_on, await asyncio.to_thread(fingerprint, print_of))
             if isinstance(group_or_request, Group):
                 group = group_or_request
             else:

@@ -64,12 +64,13 @@ def test_a_repair_takes_only_the_theta_the_majority_holds() -> None:
     another θ (its cell lost the vote across regions) or lie. Only a θ whose fingerprint is the round's
     ``agreed`` is taken; none: no repair (the driver then does not apply the round)."""
     from p2ptrain.checkpoint import state_to_bytes
+    from p2ptrain.net.groups import versioned
     from p2ptrain.sync import fingerprint
 
     good, bad, mine = [torch.arange(6.0)], [torch.arange(6.0) + 1], [torch.zeros(6)]
     taken: list[list[torch.Tensor]] = []
     outer = types.SimpleNamespace(theta=lambda f: mine, momentum=lambda f: [torch.zeros(6)], round_state=lambda f: {},
-                                  overwrite=lambda f, th, mo: taken.append(list(th)))
+                                  overwrite=lambda f, th, mo, version: taken.append([*th, version]))
     params = types.SimpleNamespace(apply_outer=lambda names, theta: None)
     frags = [types.SimpleNamespace(names=["w"], index=0)]
     rep = ReplicaState(outer, params, frags, threading.Lock(), list)  # type: ignore[arg-type]
@@ -78,13 +79,16 @@ def test_a_repair_takes_only_the_theta_the_majority_holds() -> None:
 
     def fetch(peer: str, name: str) -> bytes:
         asked.append(peer)
-        return state_to_bytes({"theta": served[peer], "momentum": [torch.zeros(6)]})
+        return state_to_bytes({"theta": served[peer], "momentum": [torch.zeros(6)], "version": 40})
 
     try:
         rnd = _round(3, mine)
-        rnd.contributors, rnd.divergent, rnd.agreed = ("lier", "me", "honest"), True, tuple(fingerprint(good))
+        # (prints lead with θ's version, which never decides a match: net/groups.py versioned)
+        agreed = tuple(versioned(40, fingerprint(good)))
+        rnd.contributors, rnd.divergent, rnd.agreed = ("lier", "me", "honest"), True, agreed
         assert rep.repair(rnd, "me", fetch)
         assert asked == ["lier", "honest"] and len(taken) == 1 and torch.equal(taken[0][0], good[0])
+        assert taken[0][1] == 40  # the version of the θ taken, with it
         rnd.contributors = ("lier", "me")
         assert not rep.repair(rnd, "me", fetch) and len(taken) == 1  # nobody holds the majority's θ: none taken
         rnd.agreed = None  # a round without fingerprints (none was sent): the first that answers, as before

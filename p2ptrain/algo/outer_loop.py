@@ -56,6 +56,9 @@ class _FragmentState:
     seq: int = 0
     own: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # eager: Δ_i of recent rounds by seq
     last_round: weakref.ref[Round] | None = None  # (weak: a finished round's tensors are not kept for it)
+    # θ's version: the send step of the last round applied into it (0: none). Rounds of a fragment carry it in their
+    # fingerprint, so that a tie between two versions of θ goes to the one that took more of the swarm's rounds.
+    version: int = 0
 
 
 class OuterLoop:
@@ -140,13 +143,21 @@ class OuterLoop:
         return ",".join(str(r) for r in ranks()) if callable(ranks) else ""
 
     @torch.no_grad()
-    def overwrite(self, fragment: int, theta: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> None:
-        """Replace a fragment's θ^(p) and momentum (repair from the swarm's majority)."""
+    def overwrite(self, fragment: int, theta: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+                  version: int | None = None) -> None:
+        """Replace a fragment's θ^(p) and momentum (repair from the swarm's majority), and its version when given
+        (the one the θ taken had)."""
         st = self._state[fragment]
         if [t.shape for t in theta] != [t.shape for t in st.theta]:
             raise ValueError(f"fragment {fragment}: θ of other shapes")
         st.theta = [v.float().clone() for v in theta]
         st.momentum = [v.float().clone() for v in momentum]
+        if version is not None:
+            st.version = int(version)
+
+    def version(self, fragment: int) -> int:
+        """θ^(p)'s version: the send step of the last round applied into it (0: none yet)."""
+        return self._state[fragment].version
 
     def outer_params(self) -> dict[str, torch.Tensor]:
         """All outer parameters θ by name (for evaluation)."""
@@ -237,7 +248,7 @@ class OuterLoop:
         delta = pseudo_gradient(st.theta, snap)
         comp = self.rules.compressor(frag.index, self.seed) if st.compressor.stateless else st.compressor
         rnd = Round(fragment, st.seq, step, step + self.tau, snap, delta, float(weight), comp, name=name,
-                    theta=st.theta)
+                    theta=st.theta, based_on=st.version)
         if st.last_round is not None and (prev := st.last_round()) is not None:
             prev.prepare()  # a deferred begin of this compressor runs before the next one (eager's rounds overlap)
         comp.expect_members(members or self.num_peers)
@@ -301,6 +312,7 @@ class OuterLoop:
                 new = [n + m * (s + k - t) for n, s, k, t in zip(new, rnd.snapshot, kept, st.theta, strict=True)]
         params.apply_outer(frag.names, new)
         rnd.state = RoundState.APPLIED
+        st.version = rnd.send_step
         return ApplyReport(rnd.fragment, rnd.seq, step - rnd.send_step, correction, rnd.members)
 
     @torch.no_grad()
@@ -320,6 +332,7 @@ class OuterLoop:
         params.apply_outer(frag.names, [t + (x - o) for t, x, o in zip(st.theta, local_before, theta_before,
                                                                          strict=True)])
         rnd.state = RoundState.APPLIED
+        st.version = rnd.send_step
         return ApplyReport(rnd.fragment, rnd.seq, step - rnd.send_step, 0.0, rnd.members)
 
     # -- state ----------------------------------------------------------------------
@@ -331,7 +344,7 @@ class OuterLoop:
             **(self.grid.state_dict() if self.grid is not None else {"sends_per_window": None, "sends_changes": []}),
             "fragments": [
                 {"theta": st.theta, "momentum": st.momentum, "last_send": st.last_send, "seq": st.seq,
-                 "own": st.own, "compressor": st.compressor.state_dict()}
+                 "own": st.own, "compressor": st.compressor.state_dict(), "version": st.version}
                 for st in self._state
             ],
         }
@@ -353,7 +366,7 @@ class OuterLoop:
         comp = st.compressor.state_dict()
         if "error" in comp:
             comp = {**comp, "error": []}
-        return {"seq": st.seq, "compressor": comp}
+        return {"seq": st.seq, "compressor": comp, "version": st.version}
 
     def take_round_state(self, fragment: int, state: dict[str, Any]) -> None:
         """Take another peer's :meth:`round_state` of a fragment (ValueError if it does not fit). This
@@ -367,6 +380,7 @@ class OuterLoop:
         comp = self.rules.compressor(self.fragments[fragment].index, self.seed)
         comp.load_state_dict(new)
         st.compressor, st.seq = comp, int(state["seq"])
+        st.version = int(state.get("version", st.version))
 
     def keep_own(self, saved: dict[str, Any]) -> int:
         """After taking a shared state (:meth:`shared_state` of another peer), put back this peer's own
@@ -406,7 +420,7 @@ class OuterLoop:
             theta = [t.float().clone() for t in s["theta"]]
             own = {int(k): v for k, v in s["own"].items()}  # checkpoints store keys as text
             loaded.append(_FragmentState(theta, [m.float().clone() for m in s["momentum"]], comp,
-                                         s["last_send"], int(s["seq"]), own))
+                                         s["last_send"], int(s["seq"]), own, version=int(s.get("version", 0))))
         self._state = loaded
         if self.grid is not None:
             self.grid.load_state_dict(state)

@@ -70,6 +70,7 @@ class Round:
     contributors: tuple[str, ...] = ()
     counted: bool = True  # this peer's own Δ is in the arrived average (False: outvoted, its θ diverged)
     theta: list[torch.Tensor] = field(default_factory=list)  # θ^(p) at send time (never written in place)
+    based_on: int = 0  # θ^(p)'s version at send time (OuterLoop.version: the send step of the last round in it)
     # the compressor's begin, not yet run (see the module docstring); prepare() runs it once
     pending: Callable[[], list[torch.Tensor]] | None = field(default=None, repr=False)
     _preparing: bool = field(default=False, repr=False)

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GRACE", "Forming", "LiveView", "agreed_fragment", "agreed_print", "alone_check", "close_group", "fingerprints_match",
            "half_or_less", "leader_of", "majority_fingerprint", "members_by_signature", "membership_check", "peer_ids",
-           "quorum_problem", "unseen_check"]
+           "quorum_problem", "unseen_check", "versioned"]
 
 #: Seconds (at most the join window itself) a leader keeps a group open after its join window while the group
 #: holds no quorum of who is live: the members it lacks may only be late (a compute thread held by the round
@@ -305,6 +305,23 @@ def close_group(key: str, requests: Mapping[str, JoinRequest], leader: str, deci
     return Group(key, members, leader, decision.fragment, reqs[0].signature if reqs else "", decision.schedule,
                  tuple(r.region for r in reqs) if any(r.region for r in reqs) else (),
                  max(budgets) if budgets else None, min(rates) if rates else None)
+
+
+#: The scale of a fingerprint's version element (:func:`versioned`): 2⁻⁶⁰ (exact for integers below 2⁵³), so that
+#: any two versions differ by far less than :func:`fingerprints_match`'s absolute tolerance.
+VERSION_SCALE = 2.0 ** -60
+
+
+def versioned(version: int, print_: Sequence[float]) -> list[float]:
+    """A fingerprint of θ led by θ's version (the send step of the last round applied into it), as −version·2⁻⁶⁰.
+
+    The element never decides whether two prints match (two versions differ by less than 1e-9, the absolute
+    tolerance), only which of two versions of θ an even vote picks (:func:`majority_fingerprint` breaks ties by the
+    prints' order, the smallest first: the highest version). Broken by the θ's sums alone, the tie went either way:
+    a cell of members that had been cut off while two rounds of a fragment were applied everywhere else met a
+    cell that had applied them, with the third region cut off, and the stale θ won (churn benchmark,
+    churn_bequest2, f1.L598627330: two rounds applied by 11 of 16 peers repaired away)."""
+    return [-float(version) * VERSION_SCALE, *(float(v) for v in print_)]
 
 
 def fingerprints_match(a: Sequence[float], b: Sequence[float], rtol: float = 1e-5) -> bool:

@@ -28,7 +28,7 @@ from ..algo.fragments import Fragment
 from ..algo.outer_loop import LocalParams, OuterLoop
 from ..algo.rounds import Round
 from ..checkpoint import state_from_bytes, state_to_bytes
-from ..net.groups import fingerprints_match
+from ..net.groups import fingerprints_match, versioned
 from ..net.transport import RoundFailed
 from ..sync import fingerprint, theta_digest
 
@@ -82,7 +82,8 @@ class ReplicaState:
                  in_flight: Callable[[], Sequence[Round]], *, keep: int = 2, keep_applied: bool = False) -> None:
         self.outer, self.params, self.frags, self.lock, self._in_flight = outer, params, list(frags), lock, in_flight
         self.keep, self.keep_applied = keep, keep_applied
-        self.before: OrderedDict[str, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+        # round key -> (fragment, θ, momentum, θ's version) at its send
+        self.before: OrderedDict[str, tuple[int, list[torch.Tensor], list[torch.Tensor], int]] = OrderedDict()
         self.after: OrderedDict[str, tuple[int, list[torch.Tensor], list[torch.Tensor], dict[str, Any]]] = OrderedDict()
         # θ^(p) after each applied round, by round key: its digest (and θ when keep_applied)
         self.applied_log: dict[str, tuple[concurrent.futures.Future[str], list[torch.Tensor]]] = {}
@@ -99,7 +100,7 @@ class ReplicaState:
     # ------------------------------------------------------------------ versions (compute thread, under the lock)
     def record_send(self, rnd: Round) -> None:
         self.sent_at.setdefault(rnd.key, time.time())
-        self.before[rnd.key] = (rnd.fragment, rnd.theta, self.outer.momentum(rnd.fragment))
+        self.before[rnd.key] = (rnd.fragment, rnd.theta, self.outer.momentum(rnd.fragment), rnd.based_on)
         self._prune_before(rnd.key)
 
     def record_apply(self, rnd: Round) -> None:
@@ -166,7 +167,8 @@ class ReplicaState:
         if name.startswith("before:"):
             with self.lock:
                 kept = self.before.get(name[len("before:"):])
-            return None if kept is None else state_to_bytes({"theta": kept[1], "momentum": kept[2]})
+            return None if kept is None else state_to_bytes({"theta": kept[1], "momentum": kept[2],
+                                                              "version": kept[3]})
         if name.startswith("after:"):
             key = name[len("after:"):]
             with self.lock:
@@ -249,11 +251,13 @@ class ReplicaState:
                 continue
             try:
                 st = state_from_bytes(fetch(peer, f"before:{rnd.key}"), f"θ from {peer}")
-                if rnd.agreed is not None and not fingerprints_match(fingerprint(list(st["theta"])), rnd.agreed):
+                version = int(st.get("version", 0))
+                if rnd.agreed is not None and not fingerprints_match(versioned(version, fingerprint(list(st["theta"]))),
+                                                                     rnd.agreed):
                     log.info("event=repair_refused peer=%s key=%s reason=not the majority's θ", peer, rnd.key)
                     continue
                 with self.lock:
-                    self.outer.overwrite(rnd.fragment, st["theta"], st["momentum"])
+                    self.outer.overwrite(rnd.fragment, st["theta"], st["momentum"], version)
                     self.params.apply_outer(self.frags[rnd.fragment].names, self.outer.theta(rnd.fragment))
                 self.repairs += 1
                 log.warning("event=repaired fragment=%d from=%s", rnd.fragment, peer)

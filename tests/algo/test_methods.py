@@ -353,3 +353,35 @@ def test_an_outer_state_that_does_not_fit_leaves_the_old_one() -> None:
     assert all(torch.equal(a, b) for f in range(2) for a, b in zip(mine.theta(f), before[f], strict=True))
     mine.load_state_dict(theirs.state_dict())  # the next source's state, which fits, is taken whole
     assert all(torch.equal(a, b) for f in range(2) for a, b in zip(mine.theta(f), theirs.theta(f), strict=True))
+
+
+def test_thetas_version_is_the_send_step_of_the_last_round_applied_into_it() -> None:
+    """A fragment's θ^(p) carries the send step of the last round applied into it; a round sent on it carries that
+    version (its fingerprint leads with it: a tie between two versions of θ goes to the newer one); the version
+    travels with the state, a catch-up's round state and a repair's θ."""
+    cfg = StreamingConfig(H=4, P=2, tau=1, codec="fp32")
+    r, _, _ = run(cfg, peers=2, steps=16)
+    src = r.outers[0]
+    versions = [src.version(f) for f in range(2)]
+    assert all(v > 0 for v in versions) and versions == [r.outers[1].version(f) for f in range(2)]
+    assert all(v <= src.last_send(f) for f, v in enumerate(versions))  # a round sent, then applied
+    peer = FakePeer(0)
+    fresh = OuterLoop(cfg, make_fragments(UNITS, cfg.fragments, cfg.fragment_mode))
+    fresh.init(peer)
+    assert [fresh.version(f) for f in range(2)] == [0, 0]
+    rnd = fresh.start(0, 40, peer)
+    assert rnd.based_on == 0
+    fresh.load_state_dict(src.state_dict())
+    assert [fresh.version(f) for f in range(2)] == versions
+    assert fresh.start(1, 44, peer).based_on == versions[1]
+    old = src.state_dict()
+    for frag in old["fragments"]:
+        del frag["version"]  # a state from before versions: none
+    fresh.load_state_dict(old)
+    assert [fresh.version(f) for f in range(2)] == [0, 0]
+    fresh.take_round_state(0, src.round_state(0))
+    assert fresh.version(0) == versions[0]
+    fresh.overwrite(1, src.theta(1), src.momentum(1), version=7)
+    assert fresh.version(1) == 7
+    fresh.overwrite(1, src.theta(1), src.momentum(1))  # no version given: kept
+    assert fresh.version(1) == 7

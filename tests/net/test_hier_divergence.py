@@ -253,3 +253,27 @@ def test_cells_whose_carriers_are_outvoted_at_home_still_compare_their_theta_acr
     final = _after_repair(holds, applied)
     assert {p: final[p] for p in applied} == dict.fromkeys(applied, X), \
         f"members apply the round onto several versions of θ: {final}"
+
+
+def test_a_tie_goes_to_the_version_of_theta_that_took_more_rounds() -> None:
+    """Churn benchmark, churn_bequest2, f1.L598627330: eu had been cut off while two rounds of fragment 1 were
+    applied by the other 11 peers; then ap was cut off, and eu's cell (stale θ) met us's (the θ those rounds made)
+    alone. A tie between two cells, broken by the θ's sums: the stale θ won and us repaired onto it, and both
+    rounds were gone. Each print now leads with θ's version (the send step of the last round in it): matching
+    ignores it, a tie goes to the higher one, a majority still wins."""
+    from p2ptrain.net.groups import VERSION_SCALE, fingerprints_match, majority_fingerprint, versioned
+
+    stale, fresh = versioned(598627210, X), versioned(598627290, Y)
+    assert fingerprints_match(versioned(0, X), versioned(598627290, X))  # the version never decides a match
+    assert not fingerprints_match(versioned(5, X), versioned(5, Y))
+    assert versioned(3, X)[0] == -3 * VERSION_SCALE and versioned(3, X)[1:] == X
+    assert majority_fingerprint({"a": versioned(7, X), "b": versioned(7, Y)}) == {"a"}  # same version: the sums
+    assert majority_fingerprint({"a": stale, "b": fresh}) == {"b"}  # X sorts first, but Y took more rounds
+    assert majority_fingerprint({"a": stale, "b": stale, "c": fresh}) == {"a", "b"}  # a majority still wins
+    holds = {"p1": stale, "p4": stale, "p5": stale, "p2": fresh, "p3": fresh, "p6": fresh}
+    regions = {p: "eu" if holds[p] is stale else "us" for p in holds}
+    res = asyncio.run(_round(holds, regions))
+    assert [p for p, r in res.items() if r.divergent] == ["p1", "p4", "p5"]  # the stale cell repairs
+    assert all(r.agreed == tuple(fresh) for r in res.values())
+    final = _after_repair(holds, res)
+    assert all(final[p] == fresh for p in holds)
