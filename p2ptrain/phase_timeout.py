@@ -4,7 +4,7 @@ A fixed timeout below a slow link's transfer time aborts every round half-way an
 carries several times the payload); one far above the rounds' time holds every member of a round that lost one for
 most of it. So a phase's timeout follows the measured link and the recent rounds. It is the same at every member of
 a round: each proposes its *terms* (a budget and a link rate) when it joins, the leader closes the group with the
-largest budget and the slowest rate (net/groups.py ``close_group``), and each member sizes the phase by those.
+median of each (net/groups.py ``close_group``), and each member sizes the phase by those.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class PhaseTimeout:
         the stretch (a stretched timeout covers the transfer time too). Either is None while this peer has no word
         of its own to add to the method's timeout and :data:`FIRST_RATE` (no record, nothing measured, no stretch).
 
-        The round's leader closes its group with the largest budget and the smallest rate proposed (net/groups.py
+        The round's leader closes its group with the median budget and rate proposed (net/groups.py
         ``close_group``), so that every member's deadlines are the same: each used its own, and a peer that had
         just started (no record: the method's whole timeout) waited for a shard, and applied the round, that the
         others (5 × their recent phases: 17 s) had given up on: a round applied by 2–5 of 15 members, a θ the

@@ -218,18 +218,22 @@ def test_every_member_sizes_a_round_by_its_groups_terms_not_its_own_record() -> 
     """Each member used its own timeout: one that had just started (the method's 60 s) waited for a shard, and
     applied the round, that the others (5 × their recent phases) had given up on: a θ the majority had to repair
     away. With the group's terms every member's deadlines are the same, whatever its own record."""
-    fresh, quick, slow_link = _runner(), _with_record([2.0, 3.0, 2.5]), _with_record([1.0, 1.0, 1.0], rate=1e6)
-    runners = [fresh, quick, slow_link]
+    fresh, quick = _runner(), _with_record([2.0, 3.0, 2.5], rate=4e6)
+    slow_link, cut_off = _with_record([1.0, 1.0, 1.0], rate=1e6), _with_record([4.0, 4.0, 4.0], rate=1e3)
+    runners = [fresh, quick, slow_link, cut_off]
     reqs = {p: r._with_terms(JoinRequest(key="k", peer_id=p, weight=1.0, fragment=0))
-            for p, r in zip("abc", runners, strict=True)}
+            for p, r in zip("abcd", runners, strict=True)}
     group = Group.from_wire(close_group("k", reqs, "a", None).to_wire())  # as the members receive it
-    assert (group.budget, group.rate) == (pytest.approx(15.0), 1e6)  # the largest budget, the slowest link
+    # The median of the proposals (the fresh peer made none): one member whose meter saw its sends cut off by a
+    # partition (1 kB/s) does not hold every round of its groups to the bound.
+    assert (group.budget, group.rate) == (pytest.approx(15.0), 1e6)
     for payload in ([torch.zeros(1000)], [torch.zeros(10_000_000)]):
         own = {r.timeouts.timeout_for(payload, 4) for r in runners}
         agreed = {r.timeouts.timeout_for(payload, 4, group) for r in runners}
         assert len(own) > 1 and len(agreed) == 1, (own, agreed)
     assert quick.timeouts.timeout_for([torch.zeros(1000)], 4, group) == pytest.approx(15.0)
     assert quick.timeouts.timeout_for([torch.zeros(10_000_000)], 4, group) == pytest.approx(60.0)  # 40 MB at 1 MB/s, × 3 / 2
+    assert cut_off.timeouts.timeout_for([torch.zeros(10_000_000)], 4) == 480.0  # its own view: the bound
     # no member proposed: the method's timeout and FIRST_RATE, for everyone
     bare = close_group("k", {p: JoinRequest(key="k", peer_id=p, weight=1.0, fragment=0) for p in "ab"}, "a", None)
     assert (bare.budget, bare.rate) == (None, None)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -288,8 +289,10 @@ def agreed_fragment(requests: Sequence[JoinRequest]) -> int | None:
 def close_group(key: str, requests: Mapping[str, JoinRequest], leader: str, decide: Decide | None) -> Group:
     """The group a leader closes from the requests it holds: the members of the most common signature,
     the fragment they proposed, else the one ``decide`` picks (with the schedule it may set); the terms of its
-    timeout: the largest budget and the smallest link rate the members proposed (sync.RoundRunner.terms: every
-    member's deadlines are then the same)."""
+    timeout: the median of the budgets and of the link rates the members proposed (phase_timeout.PhaseTimeout.terms:
+    every member's deadlines are then the same). The median, not the largest budget and the slowest rate: one
+    member whose meter saw its sends cut off by a partition (a rate far below its link's) held every round of the
+    group it was in to 80 s and more (churn, f1.L598629010), and one that lies could hold them to the bound."""
     members = tuple(members_by_signature(requests))
     reqs = [requests[m] for m in members]
     decision = Decision(agreed_fragment(reqs))
@@ -304,7 +307,7 @@ def close_group(key: str, requests: Mapping[str, JoinRequest], leader: str, deci
     rates = [r.rate for r in reqs if r.rate is not None]
     return Group(key, members, leader, decision.fragment, reqs[0].signature if reqs else "", decision.schedule,
                  tuple(r.region for r in reqs) if any(r.region for r in reqs) else (),
-                 max(budgets) if budgets else None, min(rates) if rates else None)
+                 statistics.median(budgets) if budgets else None, statistics.median(rates) if rates else None)
 
 
 #: The scale of a fingerprint's version element (:func:`versioned`): 2⁻⁶⁰ (exact for integers below 2⁵³), so that

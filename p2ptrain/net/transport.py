@@ -121,7 +121,7 @@ class JoinRequest:
     ticket: str = ""
     # what this peer proposes for the round's phase timeout (sync.RoundRunner.terms): its budget in seconds (None:
     # no record of its own yet) and its slowest link's measured rate in bytes/s (None: none measured); the leader
-    # closes the group with the largest budget and the smallest rate, so that every member has the same deadlines
+    # closes the group with the median of each, so that every member has the same deadlines
     budget: float | None = None
     rate: float | None = None
 
@@ -178,8 +178,8 @@ StateProvider = Callable[[str], "bytes | None"]
 class Group:
     """A formed round: sorted members, its leader, the agreed fragment and schedule (see Decision), the
     region each member announced (``regions[i]`` is ``members[i]``'s; empty when nobody said), and the terms of its
-    phase timeout: the largest budget and the smallest link rate its members proposed (JoinRequest; None when none
-    did)."""
+    phase timeout: the median of the budgets and of the link rates its members proposed (JoinRequest; None when
+    none did)."""
 
     key: str
     members: tuple[str, ...]
