@@ -31,7 +31,9 @@ What is read, as it happens (every peer's log; the ``--json`` summaries at the e
 ``event=repaired``, and the status line (inner step, train loss). Per round key: outcome, members, how many
 peers applied it and whether their θ agreed (diverged replicas: appliers whose θ differs from the
 majority's right after it), failed and stuck counts. Goodput: tokens that reached θ (the total weight of
-each round applied, by the majority, in the window) over the same figure of the fault-free phase.
+each round applied, by the majority, in the window) over the same figure of the fault-free phase; the target's
+figure counts only the rounds whose θ the swarm kept (bench/churn_rounds.py: a round applied by a minority is
+repaired away).
 Memory: resident memory of each peer and its daemon every ``--rss-every`` seconds. Survival per fault: the
 peer (or the cut region's peers) applied a round with the swarm again within ``--survive-within`` seconds;
 a leave: exit code 0 and a summary written.
@@ -66,6 +68,7 @@ if __package__ in (None, ""):
 
 import itertools
 
+from bench.churn_rounds import kept_rounds
 from bench.harness import DIRECT_PORT, P2PTRAIN, RESULTS, exit_on_sigterm, rss_tree_mb
 from bench.testbed import RegionSpec, Testbed, TestbedSpec, parse_rate, unavailable_reason
 from p2ptrain.procs import wait_lines
@@ -653,6 +656,9 @@ class Report:
                 out["goodput_own"] = figs["faults"]["tokens_in_theta_own"] / figs["baseline"]["tokens_in_theta_own"]
             if figs["baseline"]["tokens_trained"]:
                 out["tokens_trained_ratio"] = figs["faults"]["tokens_trained"] / figs["baseline"]["tokens_trained"]
+            kept = {name: kept_tokens(ph, self.a.P) for name, ph in out["phases"].items()}
+            if kept.get("faults") is not None and kept.get("baseline"):
+                out["goodput_kept"] = kept["faults"] / kept["baseline"]
         return out
 
     def write(self) -> None:
@@ -750,12 +756,21 @@ def phase_figures(ph: dict[str, Any], fragments: int) -> dict[str, Any]:
 FLAT_MB_PER_MIN = 0.5
 
 
+def kept_tokens(ph: dict[str, Any], fragments: int) -> float | None:
+    """Tokens in θ counted in the rounds whose θ the swarm kept (bench/churn_rounds.py): a round applied by a
+    minority and repaired away counts in ``tokens_in_theta`` but is in no θ. None when the phase's logs are gone."""
+    if not Path(ph["work"]).exists():
+        return None
+    kept = kept_rounds(ph)
+    return sum(r["tokens"] for k, r in ph["rounds"].items() if r["in_window"] and kept.get(k, False)) / fragments
+
+
 def targets(payload: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
     """The issue's done-when targets for churn: (target, measured, holds)."""
     f = figs.get("faults")
     if not f:
         return []
-    g = payload.get("goodput")
+    g = payload.get("goodput_kept", payload.get("goodput"))  # (runs from before it: every applied round)
     m = f["rss_growth_mb_per_min_median"]
     return [
         ("0 diverged replicas after any applied round", f"{f['diverged_replicas']} in {f['rounds_with_diverged_replicas']}"
@@ -873,6 +888,9 @@ def _markdown(payload: dict[str, Any]) -> str:
     if "goodput" in payload:
         lines += ["", f"Goodput (tokens that reached θ, faults / fault-free): **{payload['goodput']:.3f}**; "
                       f"tokens trained, faults / fault-free: {payload.get('tokens_trained_ratio', math.nan):.3f}."]
+        if "goodput_kept" in payload:
+            lines += ["", f"Goodput in the rounds whose θ the swarm kept (a round applied by a minority is repaired "
+                          f"away, bench/churn_rounds.py): **{payload['goodput_kept']:.3f}** (the target's figure)."]
         if "goodput_own" in payload:
             lines += ["", f"Goodput counted by the appliers' own tokens (each applier's `own=`: a contributor that "
                           f"died or left before applying is missed): {payload['goodput_own']:.3f}. The two differ where a round's "

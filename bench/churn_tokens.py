@@ -35,6 +35,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.churn import _seq_len
+from bench.churn_rounds import kept_rounds
 from p2ptrain.ui import out, table
 
 _OWN = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) fragment=(\d+) .* own=(\d+)")
@@ -194,57 +195,6 @@ def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
                      "cells": len(weights), "cells_in_total": None if held is None else len(held),
                      "counted_twice": twice, "not_applied": missed, "either": either, "kept": kept.get(key, False)})
     return rows
-
-
-_KEPT = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) fragment=(\d+) .* divergent=(\w+) .* own=(\d+)")
-
-
-def _order(key: str) -> int:
-    """A round key's logical time (``f3.L598627070`` -> 598627070; 0 if it names none)."""
-    tail = key.rpartition(".L")[2]
-    return int(tail) if tail.isdigit() else 0
-
-
-def kept_rounds(phase: dict[str, Any]) -> dict[str, bool]:
-    """For every round applied anywhere in the phase, whether the θ it made is in the θ the swarm ended on.
-
-    A round applied by some members and failed by the others forks θ; the next vote repairs the minority onto the
-    majority's θ, and what the round averaged (the Δs of its appliers, counted as sent) is gone. So a round is kept
-    when a round the swarm ended on was built on its θ, directly or through others: round R' is built on R when a
-    peer applied R and then, as its next round of that fragment, R' without being outvoted: ``divergent=False``
-    (its θ was its group's), or its Δ counted in R' (``own`` > 0: a hierarchical round flags every member of a cell
-    in which any member diverged, and a member outvoted across cells has no Δ in the round). The round the swarm
-    ended on, per fragment: the last one applied by at least half as many peers as the fragment's most applied
-    round. An estimate from the logs (they name no θ before a round): a member with nothing to send whose cell
-    was flagged reads as outvoted."""
-    work = Path(phase["work"])
-    built_on: dict[str, set[str]] = {}  # round -> the rounds built on its θ
-    appliers: dict[str, int] = {}
-    fragment: dict[str, int] = {}
-    for p in phase["peers"].values():
-        for life in p["lives"]:
-            log = work / life["log"]
-            if not log.exists():
-                continue
-            last: dict[int, str] = {}  # fragment -> this life's last applied round of it
-            for line in log.read_text(errors="replace").splitlines():
-                if (m := _KEPT.match(line)) is None:
-                    continue
-                key, f = m.group(2), int(m.group(3))
-                fragment[key] = f
-                appliers[key] = appliers.get(key, 0) + 1
-                if f in last and (m.group(4) == "False" or int(m.group(5)) > 0):
-                    built_on.setdefault(last[f], set()).add(key)
-                last[f] = key
-    kept: set[str] = set()
-    for f in set(fragment.values()):
-        rounds = sorted((k for k in fragment if fragment[k] == f), key=_order)
-        most = max(appliers[k] for k in rounds)
-        kept.add([k for k in rounds if 2 * appliers[k] >= most][-1])
-    for key in sorted(fragment, key=_order, reverse=True):  # (a round is only built on by later ones)
-        if key not in kept and built_on.get(key, set()) & kept:
-            kept.add(key)
-    return {k: k in kept for k in fragment}
 
 
 _STARTED = re.compile(r"event=started (.*)$")

@@ -141,3 +141,25 @@ def test_a_round_whose_theta_the_swarm_repaired_away_is_not_kept(tmp_path: Path)
     (tmp_path / "d.0.log").write_text("\n".join([applied(20, "f0.L1", False, 10), applied(40, "f0.L3", True, 0),
                                                  applied(50, "f0.L4", False, 10)]) + "\n")
     assert kept_rounds(phase)["f0.L1"] is False  # nobody built f0.L3 on it any more
+
+
+def test_churn_counts_goodput_in_the_rounds_the_swarm_kept(tmp_path: Path) -> None:
+    """bench/churn.py's goodput target reads the kept rounds' tokens: a round applied by a minority and repaired
+    away counts in ``tokens_in_theta`` but not here; a phase whose logs are gone has no such figure."""
+    from bench.churn import kept_tokens, targets
+
+    def applied(t: float, key: str, divergent: bool, own: int) -> str:
+        return _line(t, key, own).replace("divergent=False", f"divergent={divergent}")
+
+    logs = {"a": [applied(20, "f0.L1", False, 10), applied(40, "f0.L3", True, 0)],  # f0.L1 forked, then outvoted
+            "b": [applied(40, "f0.L3", False, 10)], "c": [applied(40, "f0.L3", False, 10)]}
+    for name, lines in logs.items():
+        (tmp_path / f"{name}.0.log").write_text("\n".join(lines) + "\n")
+    rounds = {"f0.L1": {"tokens": 300.0, "in_window": True}, "f0.L3": {"tokens": 500.0, "in_window": True}}
+    phase = {"work": str(tmp_path), "peers": {n: {"lives": [{"log": f"{n}.0.log"}]} for n in logs}, "rounds": rounds}
+    assert kept_tokens(phase, fragments=2) == 500.0 / 2
+    assert kept_tokens({**phase, "work": str(tmp_path / "gone")}, fragments=2) is None
+    figs = {"faults": {"diverged_replicas": 0, "rounds_with_diverged_replicas": 0, "stuck_rounds": 0,
+                       "stuck_rounds_when_leaving": 0, "rss_growth_mb_per_min_median": None, "rss_growth": []}}
+    goodput = [t for t in targets({"goodput": 0.99, "goodput_kept": 0.8}, figs) if t[0].startswith("goodput")]
+    assert goodput == [("goodput ≥ 0.98 of the fault-free run", "0.800", False)]
