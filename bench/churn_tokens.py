@@ -74,10 +74,11 @@ def bequests_applied(log: Path, keys: set[str]) -> list[tuple[str, str, float]]:
     return out
 
 
-def life_rows(phase: dict[str, Any], seq: int, fragments: int) -> list[dict[str, Any]]:
+def life_rows(phase: dict[str, Any], seq: int, fragments: int,
+              kept: dict[str, bool] | None = None) -> list[dict[str, Any]]:
     """One row per life of every peer in ``phase`` (a phase of bench/churn.py's JSON). Tokens a leaver handed to
     an heir (a bequest) that reached θ in the heir's round are the leaver's (``handed_on``), not the heir's."""
-    kept = kept_rounds(phase)
+    kept = kept_rounds(phase) if kept is None else kept  # (read from the logs once by main)
     rows = _life_rows(phase, seq, fragments, kept)
     work = Path(phase["work"])
     ids: dict[str, str] = {}  # log -> the peer id it names
@@ -140,7 +141,7 @@ def _cells_summing_to(weights: list[float], total: float) -> tuple[float, ...] |
     return None
 
 
-def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
+def round_accounts(phase: dict[str, Any], kept: dict[str, bool] | None = None) -> list[dict[str, Any]]:
     """Per hierarchical round applied in the window, where its total weight (``tokens=``: the largest of its shards'
     totals, net/hierarchy.py) came from, against the tokens its appliers said were theirs (``own=``). Each member's
     ``event=shards`` line names its cell's weight and every shard's total; the cells a total holds are the subset
@@ -172,7 +173,7 @@ def round_accounts(phase: dict[str, Any]) -> list[dict[str, Any]]:
                 elif (m := _APPLIED.match(line)) is not None and w0 <= _unix(m.group(1)) - t0 <= w1:
                     applied.setdefault(m.group(2), {})[life["log"]] = (float(m.group(3)), m.group(4) == "True",
                                                                        float(m.group(5)))
-    kept = kept_rounds(phase)
+    kept = kept_rounds(phase) if kept is None else kept
     rows = []
     for key, appliers in sorted(applied.items()):
         if key not in cell:
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
         if not Path(ph["work"]).exists():
             out.print(f"{ph['phase']}: {ph['work']} is gone; skipped")
             continue
-        rows = life_rows(ph, seq, args["P"])
+        kept = kept_rounds(ph)
+        rows = life_rows(ph, seq, args["P"], kept)
         if not any(r["rounds_applied"] for r in rows):
             out.print(f"{ph['phase']}: no 'own=' on any applied line (a run from before the field existed); skipped")
             continue
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         peer_seconds = sum(max(0.0, min(w1, lf["ended"] if lf["ended"] is not None else w1) - max(w0, lf["started"]))
                            for p in ph["peers"].values() for lf in p["lives"])
         start_summary = startup_summary(starts, peer_seconds)
-        accounts = round_accounts(ph)
+        accounts = round_accounts(ph, kept)
         result["phases"][ph["phase"]] = {"lives": rows, "summary": summary, "startups": starts,
                                          "startup_summary": start_summary, "rounds": accounts}
         if accounts:

@@ -119,7 +119,7 @@ class JoinRequest:
     # one form_group call's own nonce: the leader answers a member that asks again with the same ticket (its
     # first reply was lost) with its group; a new call for a closed round (another ticket) is refused
     ticket: str = ""
-    # what this peer proposes for the round's phase timeout (sync.RoundRunner.terms): its budget in seconds (None:
+    # what this peer proposes for the round's phase timeout (phase_timeout.PhaseTimeout.terms): its budget in seconds (None:
     # no record of its own yet) and its slowest link's measured rate in bytes/s (None: none measured); the leader
     # closes the group with the median of each, so that every member has the same deadlines
     budget: float | None = None
