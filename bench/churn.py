@@ -15,8 +15,8 @@ seconds the measured window of ``--minutes`` starts; in the fault phase a fault 
 
 * ``kill``: SIGKILL to a peer and its libp2p daemon (its process group: a crashed machine), restarted
   ``--restart-after`` seconds later on the same host with ``--resume`` (its checkpoints, one every
-  ``--checkpoint-every`` applied rounds: the steps since the last one are lost; the same peer id, its key kept in
-  the checkpoint folder);
+  ``--checkpoint-every`` applied rounds and every ``--checkpoint-seconds``: the steps since the last one are lost;
+  the same peer id, its key kept in the checkpoint folder);
 * ``stop``: SIGSTOP to a peer and its daemon, SIGCONT ``--stop-seconds`` (20) later (a frozen machine);
 * ``partition``: a region is cut off from the others for ``--partition-seconds`` (60) (a blackhole route in
   its gateway and in the core: :meth:`Testbed.partition`), then healed;
@@ -174,6 +174,7 @@ class Phase:
                 "--min-step-seconds", str(a.min_step_seconds if a.min_step_seconds is not None else a.step_seconds),
                 "--H", str(a.H), "--region", rec.region, "--metrics-port", "-1", "--log-level", "INFO",
                 "--checkpoint-dir", str(self.work / f"{rec.name}.ck"), "--checkpoint-every", str(a.checkpoint_every),
+                "--checkpoint-seconds", str(a.checkpoint_seconds),
                 "--maddrs-file", str(self.work / f"{rec.name}.maddrs")]
         if a.method in ("streaming", "cocodc"):
             argv += ["--P", str(a.P), "--tau", str(a.tau)]
@@ -945,6 +946,8 @@ def main() -> None:
     ap.add_argument("--restart-after", type=float, default=10.0)
     ap.add_argument("--checkpoint-every", type=int, default=1,
                     help="applied rounds between a peer's checkpoints: a kill loses the steps since its last one")
+    ap.add_argument("--checkpoint-seconds", type=float, default=6.0,
+                    help="seconds of training between a peer's checkpoints, whatever its rounds do")
     ap.add_argument("--stop-seconds", type=float, default=20.0)
     ap.add_argument("--partition-seconds", type=float, default=60.0)
     ap.add_argument("--settle", type=float, default=30.0, help="a peer is not faulted in its first seconds")

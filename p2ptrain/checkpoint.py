@@ -24,6 +24,7 @@ import os
 import re
 import tempfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,10 @@ __all__ = [
     "CheckpointDir",
     "CheckpointError",
     "NonFiniteState",
+    "Snapshot",
     "pack",
     "read_checkpoint",
+    "snapshot",
     "state_from_bytes",
     "state_to_bytes",
     "tensor_bytes",
@@ -114,10 +117,24 @@ def unpack(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return tree
 
 
-def state_to_bytes(state: dict[str, Any], finite: bool = False) -> bytes:
+@dataclass(frozen=True)
+class Snapshot:
+    """A state tree already packed (:func:`pack`: every tensor copied to CPU), so that it can be serialised and
+    written while the state it came from moves on (a peer's checkpoint written in the background)."""
+
+    tree: Any
+    tensors: dict[str, torch.Tensor]
+
+
+def snapshot(state: dict[str, Any]) -> Snapshot:
+    """Copy ``state`` now (its tensors to CPU), for a later :func:`write_checkpoint`."""
+    return Snapshot(*pack(state))
+
+
+def state_to_bytes(state: dict[str, Any] | Snapshot, finite: bool = False) -> bytes:
     """A state tree as one self-describing safetensors payload (what :func:`write_checkpoint` writes), with
     every tensor's CRC-32. ``finite``: raise :class:`NonFiniteState` instead if a tensor is not finite."""
-    tree, tensors = pack(state)
+    tree, tensors = (state.tree, state.tensors) if isinstance(state, Snapshot) else pack(state)
     if finite and (bad := non_finite(tensors)):
         raise NonFiniteState(f"not written: {len(bad)} tensor(s) hold NaN or inf ({_paths(tree, bad)})")
     return st_save(tensors, metadata={"format": FORMAT, "version": VERSION, "tree": json.dumps(tree),
@@ -171,7 +188,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(path: str | Path, state: dict[str, Any], faults: FaultPlan | None = None,
+def write_checkpoint(path: str | Path, state: dict[str, Any] | Snapshot, faults: FaultPlan | None = None,
                      finite: bool = True) -> Path:
     """Write ``state`` to ``path`` atomically (temp file, fsync, rename, fsync dir). ``faults``: a plan whose
     armed checkpoint kill fires half-way through this write (tests; none: no fault). On any error the
@@ -253,7 +270,7 @@ class CheckpointDir:
             p.unlink(missing_ok=True)
         return len(stale)
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
+    def save(self, step: int, state: dict[str, Any] | Snapshot) -> Path:
         """Write the checkpoint of ``step`` and drop the oldest beyond ``keep``. A state that is not finite is
         refused (:class:`NonFiniteState`) before anything is written or rotated out."""
         path = write_checkpoint(self.root / f"ckpt-{step:010d}.safetensors", state, self.faults)

@@ -338,7 +338,8 @@ def join_config(file: dict[str, Any], flags: JoinFlags | Mapping[str, Any]) -> J
         "clock": f.clock, "steps": total,
         "step_seconds": f.step_seconds,
         "join_window": f.join_window, "min_step_seconds": f.min_step_seconds, "eval_every": f.eval_every,
-        "checkpoint_dir": str(checkpoints) if checkpoints else None, "checkpoint_every": f.checkpoint_every}), "peer")
+        "checkpoint_dir": str(checkpoints) if checkpoints else None, "checkpoint_every": f.checkpoint_every,
+        "checkpoint_seconds": f.checkpoint_seconds}), "peer")
     swarm_cfg = SwarmConfig(
         run_id=run_id, initial_peers=initial_peers(f.initial_peers) if f.initial_peers else
         initial_peers(peer_file.get("initial_peers", []), "[peer] initial_peers"),

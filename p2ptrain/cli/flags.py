@@ -140,8 +140,9 @@ class JoinFlags:
     swarm_key_file: SwarmKeyOpt = None
     aggregation: Annotated[Aggregation, typer.Option("--aggregation", help="How this peer averages what it receives (the robust ones need 3 contributions).")] = "mean"
     norm_bound: Annotated[float | None, typer.Option("--norm-bound", help="Refuse updates with a norm over this many times the round's median (off by default).")] = None
-    checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write checkpoints here (every --checkpoint-every rounds and on leave).")] = None
+    checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="Write checkpoints here (every --checkpoint-every rounds, every --checkpoint-seconds and on leave).")] = None
     checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every", show_default="10", help="Applied rounds between checkpoints.")] = None
+    checkpoint_seconds: Annotated[float | None, typer.Option("--checkpoint-seconds", show_default="300", help="Also write one after this many seconds of training since the last (a kill loses at most about this much).")] = None
     resume: ResumeOpt = False
     json_out: JsonOpt = None
     log_to: LogToOpt = None

@@ -90,8 +90,8 @@ class PeerBase:
         self._bytes_seen = (0, 0)
         self._warm_until = 0.0
         self.sharing = SharingWatch()  # whether this peer shares rounds with any other, and saying so
-        self.checkpoints = (PeerCheckpoints(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints)
-                            if cfg.checkpoint_dir else None)
+        self.checkpoints = (PeerCheckpoints(cfg.checkpoint_dir, cfg.checkpoint_every, cfg.keep_checkpoints,
+                                            seconds=cfg.checkpoint_seconds) if cfg.checkpoint_dir else None)
         self.resume_state: dict[str, Any] | None = None  # set by PeerCheckpoints.restore before start()
         self.synced_from: str | None = None  # the peer whose state this one took at start, if any
         # Set by a driver that decides the pacing for several namespaces (p2ptrain.staged): publish
@@ -331,6 +331,8 @@ class PeerBase:
         """Leave the swarm and stop the network (idempotent)."""
         if self.state is PeerState.CLOSED:
             return
+        if self.checkpoints is not None:
+            self.checkpoints.close()  # the write in progress finishes (a crash mid-write keeps the older ones)
         self.link.close()
         self._closed()
         if self._own_net:

@@ -49,7 +49,9 @@ class PeerConfig:
         warmup: seconds after joining before taking part in rounds (None: three heartbeats), so that
             every peer's view of who is live includes us before a group can form without us.
         checkpoint_dir: where to write checkpoints (None: none); every ``checkpoint_every`` applied
-            rounds (data parallel: steps) and on leave, keeping the last ``keep_checkpoints``.
+            rounds (data parallel: steps), every ``checkpoint_seconds`` of training (None: by rounds only;
+            a peer killed while its rounds fail then loses at most that much) and on leave, keeping the last
+            ``keep_checkpoints``. Written by a thread of their own while training goes on.
         eval_every: evaluate θ on the validation set when the loop starts and every this many inner steps
             (0: never during the run), for loss-over-time curves (benchmarks' time to a target loss). The
             time it takes is counted apart (``eval_seconds``), not as compute.
@@ -82,6 +84,7 @@ class PeerConfig:
     warmup: float | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
+    checkpoint_seconds: float | None = 300.0
     keep_checkpoints: int = 3
     eval_every: int = 0
     clock: Literal["wall", "steps"] = "wall"
@@ -103,6 +106,8 @@ class PeerConfig:
             raise ValueError("step_seconds must be positive")
         if not self.region_near > 0:
             raise ValueError(f"region_near must be positive (seconds of round-trip time), got {self.region_near}")
+        if self.checkpoint_seconds is not None and not self.checkpoint_seconds > 0:
+            raise ValueError(f"checkpoint_seconds must be positive (or unset: by rounds only), got {self.checkpoint_seconds}")
         if self.quorum_memory < 0:
             raise ValueError(f"quorum_memory must be at least 0, got {self.quorum_memory}")
         for name in ("join_window", "join_timeout", "heartbeat", "ttl", "drain_timeout"):

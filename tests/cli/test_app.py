@@ -117,6 +117,7 @@ def test_defaults_shown_in_help_are_the_configs() -> None:
     peer = PeerConfig()
     assert shown["join", "run_id"] == peer.run_id and shown["join", "join_window"] == str(peer.join_window)
     assert shown["join", "checkpoint_every"] == str(peer.checkpoint_every)
+    assert shown["join", "checkpoint_seconds"] == f"{peer.checkpoint_seconds:g}"
     assert shown["join", "eval_every"] == str(peer.eval_every)
     assert shown["join", "host_maddrs"] == SwarmConfig().host_maddrs[0]
     sim = SimConfig()
