@@ -68,7 +68,7 @@ if __package__ in (None, ""):
 
 import itertools
 
-from bench.churn_rounds import kept_rounds
+from bench.churn_rounds import kept_rounds, trained_in_window_reaching_theta
 from bench.harness import DIRECT_PORT, P2PTRAIN, RESULTS, exit_on_sigterm, rss_tree_mb
 from bench.testbed import RegionSpec, Testbed, TestbedSpec, parse_rate, unavailable_reason
 from p2ptrain.procs import wait_lines
@@ -660,6 +660,9 @@ class Report:
             kept = {name: kept_tokens(ph, self.a.P) for name, ph in out["phases"].items()}
             if kept.get("faults") is not None and kept.get("baseline"):
                 out["goodput_kept"] = kept["faults"] / kept["baseline"]
+            reached = {name: reached_tokens(ph, self.a.P, self.a.step_seconds) for name, ph in out["phases"].items()}
+            if reached.get("faults") is not None and reached.get("baseline"):
+                out["goodput_reached"] = reached["faults"] / reached["baseline"]
         return out
 
     def write(self) -> None:
@@ -766,12 +769,21 @@ def kept_tokens(ph: dict[str, Any], fragments: int) -> float | None:
     return sum(r["tokens"] for k, r in ph["rounds"].items() if r["in_window"] and kept.get(k, False)) / fragments
 
 
+def reached_tokens(ph: dict[str, Any], fragments: int, step_seconds: float) -> float | None:
+    """The tokens trained inside the window that reached a kept θ by the run's end
+    (bench/churn_rounds.py ``trained_in_window_reaching_theta``). None when the phase's logs are gone."""
+    if not Path(ph["work"]).exists():
+        return None
+    return trained_in_window_reaching_theta(ph, fragments, step_seconds, kept_rounds(ph))
+
+
 def targets(payload: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
     """The issue's done-when targets for churn: (target, measured, holds)."""
     f = figs.get("faults")
     if not f:
         return []
-    g = payload.get("goodput_kept", payload.get("goodput"))  # (runs from before it: every applied round)
+    # (runs from before each: the rounds kept in the window; before that, every applied round in it)
+    g = payload.get("goodput_reached", payload.get("goodput_kept", payload.get("goodput")))
     m = f["rss_growth_mb_per_min_median"]
     return [
         ("0 diverged replicas after any applied round", f"{f['diverged_replicas']} in {f['rounds_with_diverged_replicas']}"
@@ -891,7 +903,13 @@ def _markdown(payload: dict[str, Any]) -> str:
                       f"tokens trained, faults / fault-free: {payload.get('tokens_trained_ratio', math.nan):.3f}."]
         if "goodput_kept" in payload:
             lines += ["", f"Goodput in the rounds whose θ the swarm kept (a round applied by a minority is repaired "
-                          f"away, bench/churn_rounds.py): **{payload['goodput_kept']:.3f}** (the target's figure)."]
+                          f"away, bench/churn_rounds.py): **{payload['goodput_kept']:.3f}**."]
+        if "goodput_reached" in payload:
+            lines += ["", f"Goodput of the tokens trained in the window that reached a kept θ by the run's end (a "
+                          f"round carries what its members trained since its fragment's last applied round; the share "
+                          f"of that interval inside the window counts, whenever the round was applied, so the leaves' "
+                          f"flush after the window counts for what the window trained): "
+                          f"**{payload['goodput_reached']:.3f}** (the target's figure)."]
         if "goodput_own" in payload:
             lines += ["", f"Goodput counted by the appliers' own tokens (each applier's `own=`: a contributor that "
                           f"died or left before applying is missed): {payload['goodput_own']:.3f}. The two differ where a round's "

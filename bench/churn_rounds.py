@@ -1,5 +1,7 @@
 """Which applied rounds of a churn run made it into the θ the swarm ended on (:func:`kept_rounds`), from the peers'
-logs: bench/churn.py's goodput counts the tokens of those, and bench/churn_tokens.py each life's share of them.
+logs: bench/churn.py's goodput counts the tokens of those, and bench/churn_tokens.py each life's share of them; and
+how many of the tokens trained inside the run's window reached θ by the run's end
+(:func:`trained_in_window_reaching_theta`).
 
 A round applied by some members and failed by others forks θ; the vote that follows repairs the minority onto the
 majority's θ, and what that round averaged is gone.
@@ -11,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["kept_rounds"]
+__all__ = ["kept_rounds", "trained_in_window_reaching_theta"]
 
 _KEPT = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) fragment=(\d+) .* divergent=(\w+) .* own=(\d+)")
 
@@ -62,3 +64,31 @@ def kept_rounds(phase: dict[str, Any]) -> dict[str, bool]:
         if key not in kept and built_on.get(key, set()) & kept:
             kept.add(key)
     return {k: k in kept for k in fragment}
+
+
+def trained_in_window_reaching_theta(phase: dict[str, Any], fragments: int, step_seconds: float,
+                                     kept: dict[str, bool] | None = None) -> float:
+    """The tokens trained inside the phase's window that reached θ by the run's end, from its rounds alone.
+
+    A goodput by the rounds applied in the window counts the progress trained before the window that its first
+    rounds carry, and not what its last minutes trained (the rounds sent after it: the leaves' flush). A round of
+    fragment f sent at slot L (the key's ``.L``: the send is at L × ``step_seconds``) carries what its members
+    trained since the last applied round of f (a failed round's progress rides on the next one); here each
+    applied round's total (over ``fragments``) is spread evenly over that interval and only its share inside the
+    window counted, whenever the round was applied. ``kept``: only the rounds kept (:func:`kept_rounds`; None:
+    every applied round). The first round of a fragment carries what was trained since the phase began."""
+    w0, w1 = phase["window_s"]
+    t0 = phase["started_unix"]
+    by_fragment: dict[int, list[tuple[float, float]]] = {}
+    for key, r in phase["rounds"].items():
+        if r["outcome"] != "applied" or not r["tokens"] or (kept is not None and not kept.get(key, False)):
+            continue
+        by_fragment.setdefault(int(r["fragment"]), []).append((_order(key) * step_seconds - t0, float(r["tokens"])))
+    total = 0.0
+    for sends in by_fragment.values():
+        prev = 0.0
+        for sent, tokens in sorted(sends):
+            if sent > prev:
+                total += tokens * max(0.0, min(sent, w1) - max(prev, w0)) / (sent - prev)
+            prev = max(prev, sent)
+    return total / fragments

@@ -35,7 +35,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.churn import _seq_len
-from bench.churn_rounds import kept_rounds
+from bench.churn_rounds import kept_rounds, trained_in_window_reaching_theta
 from p2ptrain.ui import out, table
 
 _OWN = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) fragment=(\d+) .* own=(\d+)")
@@ -261,9 +261,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="the JSON written (default: beside the run, *_tokens.json)")
     ap.add_argument("--baseline-tokens", type=float, default=None,
                     help="the fault-free run's tokens in θ (its tokens_in_theta), for a goodput of the kept rounds")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a bench/churn.py JSON with a fault-free phase (baseline): a goodput of the tokens trained in "
+                         "the window that reached θ by the run's end, each run counted alike")
     a = ap.parse_args(argv)
     payload = json.loads(a.run.read_text())
     args = payload["args"]
+    reached_base = None
+    if a.baseline is not None:
+        base_run = json.loads(a.baseline.read_text())
+        bph = base_run["phases"]["baseline"]
+        # (a fault-free phase whose logs are gone: every applied round counts as kept)
+        reached_base = trained_in_window_reaching_theta(bph, base_run["args"]["P"], base_run["args"]["step_seconds"],
+                                                        kept_rounds(bph) if Path(bph["work"]).exists() else None)
     seq = args["batch_size"] * _seq_len(args["preset"])
     result: dict[str, Any] = {"run": str(a.run), "phases": {}}
     phases = payload["phases"]
@@ -295,11 +305,12 @@ def main(argv: list[str] | None = None) -> None:
                             ["Σ totals (tokens=)", "Σ own", "own=0 appliers (counted twice)",
                              "members that did not apply", "either", "rest"],
                             [[f"{sums[k]:,.0f}" for k in fields] + [f"{rest:,.0f}"]]))
-            kept = [r for r in accounts if r["kept"]]
-            figures = {"rounds": len(accounts), "rounds_kept": len(kept),
+            kept_accounts = [r for r in accounts if r["kept"]]
+            figures = {"rounds": len(accounts), "rounds_kept": len(kept_accounts),
                        "tokens_in_theta": sums["tokens"] / args["P"],
-                       "tokens_in_kept_rounds": sum(r["tokens"] for r in kept) / args["P"],
-                       "tokens_in_kept_rounds_once": sum(r["tokens"] - r["counted_twice"] for r in kept) / args["P"]}
+                       "tokens_in_kept_rounds": sum(r["tokens"] for r in kept_accounts) / args["P"],
+                       "tokens_in_kept_rounds_once": sum(r["tokens"] - r["counted_twice"]
+                                                         for r in kept_accounts) / args["P"]}
             result["phases"][ph["phase"]]["kept"] = figures
             base = a.baseline_tokens
             out.print(table(f"{ph['phase']}: tokens in θ, by the rounds' totals over P: all applied rounds (as "
@@ -310,6 +321,16 @@ def main(argv: list[str] | None = None) -> None:
                             [[figures["rounds"], figures["rounds_kept"], f"{figures['tokens_in_theta']:,.0f}",
                               f"{figures['tokens_in_kept_rounds']:,.0f}", f"{figures['tokens_in_kept_rounds_once']:,.0f}",
                               *([f"{figures['tokens_in_kept_rounds_once'] / base:.3f}"] if base else [])]]))
+        reached = trained_in_window_reaching_theta(ph, args["P"], args["step_seconds"], kept)
+        trained = sum(r["trained"] for r in rows)
+        result["phases"][ph["phase"]]["reached"] = {"tokens": reached, "trained": trained, "baseline": reached_base}
+        out.print(table(f"{ph['phase']}: tokens trained in the window that reached a kept θ by the run's end (each "
+                        "round's total spread over the time since its fragment's last applied round; the window's "
+                        "share counts, whenever the round was applied)",
+                        ["trained in the window", "reached θ", "of the trained",
+                         *(["fault-free run's, reached θ", "goodput"] if reached_base else [])],
+                        [[f"{trained:,}", f"{reached:,.0f}", f"{reached / trained:.3f}" if trained else "—",
+                          *([f"{reached_base:,.0f}", f"{reached / reached_base:.3f}"] if reached_base else [])]]))
         if start_summary:
             out.print(table(f"{ph['phase']}: where the starts went (median seconds of each phase; event=started)",
                             ["starts", "count", *START_FIELDS, "seconds in all", "of the peer time"],
