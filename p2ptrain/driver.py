@@ -310,8 +310,18 @@ class OuterDriver:
                 rep = self.outer.finish_outvoted(rnd, step, self.params, *mine)
                 self._give_back(rnd.key)
             else:
-                rep = self.outer.finish(rnd, step, self.params)
-                self._marks.pop(rnd.key, None)
+                # Where the average left our Δ out (a part or a shard without it), our progress stays for the next
+                # round: merged, it was lost (a cell whose carrier failed a shard lost that shard's work).
+                o = self.outer
+                keep = (rnd.missing if not rnd.divergent and rnd.compressor.elementwise and not o.restarts_each_round
+                        and o.shared_theta else ())
+                if keep:
+                    log.info("event=kept_unaveraged key=%s values=%d", rnd.key, sum(hi - lo for lo, hi in keep))
+                rep = self.outer.finish(rnd, step, self.params, keep=keep)
+                if keep and not rnd.counted:
+                    self._give_back(rnd.key)  # no contributor of it: its tokens ride on the next round, as kept
+                else:
+                    self._marks.pop(rnd.key, None)
             self.in_flight.remove(rnd)
             self.hooks.after_apply(rnd, rep)
         self.applied += 1

@@ -291,6 +291,7 @@ class RoundRunner:
                     rnd.agreed = res.agreed
                 rnd.contributors = res.contributors
                 rnd.counted = self.transport.peer_id in res.contributors
+                rnd.missing = res.missing  # (a compressor of one phase: where our Δ is in no average)
                 payload = await asyncio.to_thread(rnd.receive, res.tensors, total_weight=res.total_weight,
                                                   members=len(res.contributors))
                 phase += 1

@@ -316,3 +316,66 @@ def test_a_will_holds_the_unsent_progress_and_what_was_inherited_and_not_sent() 
     assert w.tokens == 40 and driver.bequests == {}
     for got, o, di in zip(w.displacement, own, d, strict=True):
         assert torch.allclose(got.double(), (10 * o.double() + 30 * di.double()) / 40, atol=1e-6)
+
+
+class LeftOut(Scripted):
+    """Rounds arrive alone, counted or not, with ``missing`` the values whose average left our Δ out."""
+
+    def __init__(self, missing: tuple[tuple[int, int], ...], counted: bool = True) -> None:
+        super().__init__()
+        self.missing, self.counted = missing, counted
+
+    def launch(self, rnd: Round, request: Any) -> None:
+        super().launch(rnd, request)
+        rnd.missing, rnd.counted = self.missing, self.counted
+
+
+def _left_out_run(missing: tuple[tuple[int, int], ...], counted: bool = True
+                  ) -> tuple[FakePeer, OuterLoop, LeftOut, OuterDriver]:
+    """Streaming on one fragment, τ 0, α 0.5: one round (steps 1-2) whose average left ``missing`` out."""
+    from p2ptrain.algo.methods import StreamingConfig
+
+    peer = FakePeer(0)
+    outer = OuterLoop(StreamingConfig(H=2, P=1, tau=0, alpha=0.5, codec="fp32"), make_fragments(UNITS, 1))
+    outer.init(peer)
+    net = LeftOut(missing, counted)
+    driver = OuterDriver(outer, peer, net)  # type: ignore[arg-type]
+    _steps(peer, driver, 1, 2)
+    return peer, outer, net, driver
+
+
+def test_values_whose_average_left_our_delta_out_keep_their_progress() -> None:
+    """Where a round's average did not hold our Δ (a part left us out, a shard our cell's mean never reached), the
+    local fragment keeps all of its progress since θ before the round, rebased on the new θ, instead of the α-merge
+    that would lose it; everywhere else the round is applied as usual. Checked against the same round with
+    nothing left out, and by hand in float64."""
+    kept_peer, kept_outer, _, _ = _left_out_run(((20, 30),))
+    peer, outer, _, _ = _left_out_run(())
+    names = outer.fragments[0].names
+    flat = torch.cat([peer.x[n].reshape(-1) for n in names])
+    kept = torch.cat([kept_peer.x[n].reshape(-1) for n in names])
+    theta = torch.cat([t.reshape(-1) for t in outer.theta(0)])
+    assert torch.equal(theta, torch.cat([t.reshape(-1) for t in kept_outer.theta(0)]))  # θ: the same round
+    outside = torch.ones_like(flat, dtype=torch.bool)
+    outside[20:30] = False
+    assert torch.equal(kept[outside], flat[outside])
+    # By hand: θ before the round is 0 (the initial model), the local model after two steps of lr 0.1 towards c
+    # stands at 0.19·c; kept there, it stands at θ_new + 0.19·c.
+    c = torch.cat([peer.c[n].reshape(-1) for n in names]).double()
+    assert torch.allclose(kept[20:30].double(), theta[20:30].double() + 0.19 * c[20:30], atol=1e-6)
+    assert not torch.allclose(flat[20:30], kept[20:30])  # (the α-merge would have dropped half of it)
+
+
+def test_a_round_that_counted_none_of_our_delta_gives_its_tokens_to_the_next_round() -> None:
+    """Not a contributor (our share in no more than half of the values), not outvoted: every value we are missing
+    from keeps its progress, and the round's tokens go into the fragment's next round with it; left out of part
+    of the values only, the round still counted us and its tokens are not given back."""
+    whole = sum(t.numel() for t in FakePeer(0).x.values())
+    peer, _, net, driver = _left_out_run(((0, whole),), counted=False)
+    net.missing, net.counted = (), True
+    _steps(peer, driver, 3, 4)
+    assert net.weights == [20, 40]
+    peer, _, net, driver = _left_out_run(((0, 5),), counted=True)
+    net.missing = ()
+    _steps(peer, driver, 3, 4)
+    assert net.weights == [20, 20]

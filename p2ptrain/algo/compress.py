@@ -55,6 +55,9 @@ class Compressor(ABC):
     """
 
     stateless = False
+    #: One phase whose payload is the tensors' values, element by element (a part of the average is the average of
+    #: those elements): a member whose share is missing from part of the average knows which of its values.
+    elementwise = False
     #: ``begin`` is costly: a round defers it to :meth:`~p2ptrain.algo.rounds.Round.prepare`, run by whoever first
     #: needs the payload (a real peer's round runner, in a worker thread), not by the compute thread at the send
     deferred = False
@@ -100,6 +103,7 @@ class Identity(Compressor):
     """No compression: one phase whose payload is the tensors themselves (as float32 copies)."""
 
     stateless = True
+    elementwise = True
 
     def __init__(self) -> None:
         self._shapes: list[torch.Size] | None = None

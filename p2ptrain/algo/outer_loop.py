@@ -61,6 +61,26 @@ class _FragmentState:
     version: int = 0
 
 
+def _rebased(new: Sequence[torch.Tensor], keep: Sequence[tuple[int, int]], theta: Sequence[torch.Tensor],
+             local: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``new`` (the merged local fragment), except in the flat ranges ``keep`` of the concatenated tensors, where
+    it is θ + (local − before): the local progress since ``before``, on the new θ."""
+    out, offset = [], 0
+    for n, t, x, o in zip(new, theta, local, before, strict=True):
+        size = n.numel()
+        flat = None
+        for lo, hi in keep:
+            a, b = max(lo, offset) - offset, min(hi, offset + size) - offset
+            if a >= b:
+                continue
+            if flat is None:
+                flat = n.detach().clone().reshape(-1)
+            flat[a:b] = (t.reshape(-1)[a:b] + (x.reshape(-1)[a:b] - o.reshape(-1)[a:b])).to(flat.dtype)
+        out.append(n if flat is None else flat.view(n.shape))
+        offset += size
+    return out
+
+
 class OuterLoop:
     """One peer's outer loop for any method except ``ddp`` (see the module docstring).
 
@@ -297,11 +317,21 @@ class OuterLoop:
         return nesterov_step(st.theta, st.momentum, avg, c.outer_lr, c.outer_momentum)
 
     @torch.no_grad()
-    def finish(self, rnd: Round, step: int, params: LocalParams) -> ApplyReport:
-        """Outer step on θ^(p) with the arrived average, then merge into the local fragment."""
+    def finish(self, rnd: Round, step: int, params: LocalParams, keep: Sequence[tuple[int, int]] = ()) -> ApplyReport:
+        """Outer step on θ^(p) with the arrived average, then merge into the local fragment. ``keep``: [lo, hi)
+        ranges of the fragment (its tensors flattened and concatenated) whose average does not hold this peer's Δ
+        (a part or shard that left it out): there the local fragment keeps all of its progress since θ^(p) before
+        the step, rebased on the new θ^(p) (as :meth:`finish_outvoted` does for the whole fragment), and it goes
+        into the fragment's next round; merged, it would be lost. Ignored by the rules whose local model does not
+        hold what it sent (see :meth:`finish_outvoted`) and for a round whose Δ was not sent element by element
+        (a compressor that is not ``elementwise``)."""
         frag, st = self.fragments[rnd.fragment], self._state[rnd.fragment]
+        before = st.theta
         st.theta, st.momentum = self._stepped(rnd)
-        new, correction = self.rules.merge(st.theta, rnd.snapshot, params.snapshot(frag.names))
+        local = params.snapshot(frag.names)
+        new, correction = self.rules.merge(st.theta, rnd.snapshot, local)
+        if keep and rnd.compressor.elementwise and not (self.rules.restarts_each_round or self.rules.eager):
+            new = _rebased(new, keep, st.theta, local, before)
         keep = self.rules.keeps_unsent
         kept = rnd.compressor.hand_over(keep) if keep and isinstance(rnd.compressor, ErrorFeedback) else None
         if kept is not None:  # the buffer's e is in Δ's sign (θ − local): the local model stands at −e from θ

@@ -69,6 +69,8 @@ class Round:
     agreed: tuple[float, ...] | None = None  # the fingerprint of the majority's θ^(p) (what a repair must take)
     contributors: tuple[str, ...] = ()
     counted: bool = True  # this peer's own Δ is in the arrived average (False: outvoted, its θ diverged)
+    # [lo, hi) ranges of the flattened fragment whose average does not hold this peer's Δ (net ReduceResult.missing)
+    missing: tuple[tuple[int, int], ...] = ()
     theta: list[torch.Tensor] = field(default_factory=list)  # θ^(p) at send time (never written in place)
     based_on: int = 0  # θ^(p)'s version at send time (OuterLoop.version: the send step of the last round in it)
     # the compressor's begin, not yet run (see the module docstring); prepare() runs it once

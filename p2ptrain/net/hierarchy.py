@@ -56,7 +56,7 @@ from ..collective.butterfly import part_bounds
 from ..collective.codecs import Codec
 from .digest import hexdigest
 from .groups import fingerprints_match
-from .parts import print_problem
+from .parts import print_problem, union
 from .polling import answer, first_of, poll
 from .transport import Group, ReduceResult, RoundFailed, Transport
 from .wire import FrameError, decode_message, encode_message
@@ -220,6 +220,21 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
     return data, len(data), "o:" + other
 
 
+def _ranges(value: object) -> list[tuple[int, int]]:
+    """A note's ``missing`` ranges as (lo, hi) pairs; anything malformed is dropped (a note can only make its
+    reader keep more of its own progress, never change an average)."""
+    if not isinstance(value, list):
+        return []
+    return [(int(r[0]), int(r[1])) for r in value[:4096] if isinstance(r, list | tuple) and len(r) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in r) and 0 <= r[0] <= r[1]]
+
+
+def _within(bounds: tuple[int, int], ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` of a shard (from its start) as ranges of the fragment, clipped to the shard's ``bounds``."""
+    lo, hi = bounds
+    return [(min(hi, lo + a), min(hi, lo + b)) for a, b in ranges if lo + a < hi]
+
+
 def _shard_note(offer: bytes) -> str:
     """``contributors:total weight`` of a shard's offer, for the log (``?`` if it is truncated)."""
     if len(offer) < _HEADER.size:
@@ -310,7 +325,10 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         div = {"by": list(res.contributors) if lost(res) else [], "tied": tied(res),
                "print": None if res.agreed is None or not (lost(res) or tied(res)) else list(res.agreed),
                # for the members of other cells that fetch the shard from us: the θ that won its vote, and whose
-               "won": None if res.agreed is None else list(res.agreed), "winners": list(res.contributors)}
+               "won": None if res.agreed is None else list(res.agreed), "winners": list(res.contributors),
+               # where in the shard the cell's mean is not in the average (its part left out there): the cell's
+               # members keep their progress on those values (OuterLoop.finish ``keep``)
+               "missing": [list(r) for r in res.missing]}
         # (wanted as the shard is: a member that fetched the shard from us does not apply without the note)
         transport.offers.put(name + "#div", encode_message(div), ttl=OFFER_TTL, wanted=len(plan.local.members) - 1,
                              needed_until=deadline)
@@ -343,6 +361,12 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
                                                         if not isinstance(c, BaseException) and tied(c[1])]
 
     source = dict.fromkeys(offers, "c")  # where each shard came from (carried: c; see _shard_bytes)
+    # Where our share is in no average: where the cell's mean left it out, and where a shard's average left out
+    # the cell's mean (ReduceResult.missing)
+    missing: list[tuple[int, int]] = list(local.missing)
+    for s, c in zip(plan.carried, carried, strict=True):
+        if not isinstance(c, BaseException):
+            missing.extend(_within(bounds[s], c[1].missing))
 
     async def fetch(s: int) -> None:
         nonlocal fetched
@@ -378,6 +402,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
             if isinstance(said, RoundFailed):
                 raise said
             div = decode_message(said, max_size=64 * 1024)
+            missing.extend(_within(bounds[s], _ranges(div.get("missing"))))
         except (RoundFailed, FrameError) as e:
             # It served the shard, and the note with it: a member that cannot read the note cannot tell whether
             # its θ lost the vote, and applying a lost round would fork θ.
@@ -399,6 +424,8 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         # from other cells and applied them onto a θ two rounds behind theirs.
         try:
             div = decode_message(await poll(transport, other, name, deadline), max_size=64 * 1024)  # name: "…#div"
+            if plan.holder[s] not in (div.get("winners") or []):  # our cell's mean never reached the shard
+                missing.append(bounds[s])
             winner = div.get("won")
             won_print = tuple(float(v) for v in winner) if winner is not None and not print_problem(winner) else None
         except (RoundFailed, FrameError, TypeError, ValueError) as e:
@@ -488,7 +515,8 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
                         agreed=target if outvoted else local.agreed,
                         verify_bytes=local.verify_bytes + sum(r.verify_bytes for r in crossed),
                         liars=tuple(sorted(set(local.liars) | {m for r in crossed for m in r.liars})),
-                        timeline={**timeline, "assembled": time.monotonic() - t0})
+                        timeline={**timeline, "assembled": time.monotonic() - t0},
+                        missing=union(missing))
 
 
 async def allreduce(transport: Transport, group: Group, plan: Plan | None, phase: int, tensors: Sequence[torch.Tensor],

@@ -231,7 +231,8 @@ class MemoryTransport(Transport):
         device = tensors[0].device if tensors else torch.device("cpu")
         return ReduceResult([a.to(device) for a in avg], total, group.members, contributors,
                             partial=len(contributors) < len(group.members), bytes_sent=nbytes, bytes_received=nbytes,
-                            seconds=time.monotonic() - t0, divergent=self.peer_id not in agree, agreed=ph.agreed)
+                            seconds=time.monotonic() - t0, divergent=self.peer_id not in agree, agreed=ph.agreed,
+                            missing=() if self.peer_id in contributors or not n else ((0, n),))
 
     def _reduce(self, ph: _Phase, group: Group, codec: Codec) -> None:
         present = {p: c for p, c in ph.contribs.items() if p not in self.swarm.dead and p in group.members}

@@ -144,6 +144,29 @@ def print_problem(value: Any) -> bool:
             or not all(isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v) for v in value))
 
 
+def gaps(held: Sequence[tuple[int, int]], numel: int) -> tuple[tuple[int, int], ...]:
+    """The [lo, hi) ranges of ``[0, numel)`` that no range of ``held`` covers, in order (merged)."""
+    out, end = [], 0
+    for lo, hi in sorted(held):
+        if lo > end:
+            out.append((end, lo))
+        end = max(end, hi)
+    if numel > end:
+        out.append((end, numel))
+    return tuple(out)
+
+
+def union(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``ranges`` sorted, empty ones dropped, and those that overlap or touch merged."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
 class Assembly:
     """One member's average, assembled part by part from the owners' results.
 
@@ -163,6 +186,7 @@ class Assembly:
             raise ValueError(f"an output of {out.numel()} {out.dtype} values for {numel} float32 values")
         self.out = torch.empty(numel, dtype=torch.float32) if out is None else out
         self.filled: list[tuple[int, int]] = []
+        self.mine: list[tuple[int, int]] = []  # the parts used whose average holds our share
         self.coverage: dict[str, int] = {}  # member -> values (of the parts used) that hold its share
         self.covered = 0  # values of the parts used
         self.partial, self.divergent = False, False
@@ -198,6 +222,8 @@ class Assembly:
             self.coverage[p] = self.coverage.get(p, 0) + size
         self.partial |= len(who) < len(self.members)
         me = self.members[self.me]
+        if me in who:
+            self.mine.append((lo, hi))
         if self.check_agree and me not in {str(p) for p in res["agree"]} and (
                 me in heard or self.fp is None or not isinstance(res.get("print"), list | tuple)
                 or print_problem(res["print"]) or not fingerprints_match(self.fp, res["print"])):
@@ -237,4 +263,5 @@ class Assembly:
         return ReduceResult(unflatten(self.out, like), self.total_weight, group.members,
                             tuple(sorted(contributors)), partial=self.partial, bytes_sent=sent,
                             bytes_received=self.received, seconds=seconds, divergent=self.divergent,
-                            agreed=min(self.prints, key=lambda p: (-self.prints[p], p)) if self.prints else None)
+                            agreed=min(self.prints, key=lambda p: (-self.prints[p], p)) if self.prints else None,
+                            missing=gaps(self.mine, self.out.numel()))

@@ -243,6 +243,11 @@ class ReduceResult:
     # seconds from the phase's start to each step's end (butterfly: "sent", "gathered", "aggregated",
     # "results", "relays", "verified", "results_out"), to see where a round's time goes
     timeline: dict[str, float] = field(default_factory=dict)
+    # [lo, hi) ranges of the phase's values (its tensors flattened and concatenated) whose average does not hold
+    # this member's share (a part that left it out or was left out itself, a shard its cell's mean never reached),
+    # though it may be a contributor elsewhere: what it sent there is in no average, and its method keeps that
+    # progress for the next round (OuterLoop.finish ``keep``) instead of merging it away
+    missing: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

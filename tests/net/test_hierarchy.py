@@ -294,6 +294,9 @@ def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_
             assert not any(isinstance(r, BaseException) for r in out), out
             assert all(torch.equal(r.tensors[0], out[0].tensors[0]) for r in out)  # type: ignore[union-attr]
             assert all(r.partial for r in out)  # type: ignore[union-attr]
+            # Region c's mean never reached the frozen carrier's shard (values 6-11): its other member knows that
+            # its Δ there is in no average (its method keeps that progress); a's and b's means are in every shard.
+            assert [r.missing for r in out] == [(), (), (), (), ((6, 12),)]  # type: ignore[union-attr]
 
     run(go())
 

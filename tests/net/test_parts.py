@@ -96,6 +96,24 @@ def test_one_part_that_names_only_its_owner_does_not_empty_the_round() -> None:
     assert res.tensors[0].tolist() == [1, 1, 2, 2, 0, 0]  # the part of one member of three is left out
 
 
+def test_the_result_names_the_values_whose_average_left_this_member_out() -> None:
+    """``missing``: the ranges of parts used without our share and of parts left out (zeros: nobody's share),
+    merged, whether or not we count as a contributor of the round (our Δ there is in no average: the method keeps
+    that progress for the next round)."""
+    group = Group("k", MEMBERS, "a", 0)
+    asm = Assembly(8, MEMBERS, 1, check_agree=False)  # we are "b"
+    asm.add(0, 0, 2, torch.full((2,), 1.0), {"contributors": ["a", "b", "c"], "agree": [], "total": 3.0})
+    asm.add(1, 2, 4, torch.full((2,), 2.0), {"contributors": ["a", "c"], "agree": [], "total": 2.0})
+    asm.skip()  # part 2 (values 4-5) never came
+    asm.add(3, 6, 8, torch.full((2,), 3.0), {"contributors": ["a", "b", "c"], "agree": [], "total": 3.0})
+    res = asm.result(group, 0, [torch.zeros(8)], sent=0, seconds=0.0)
+    assert "b" in res.contributors and res.missing == ((2, 6),)
+    whole = Assembly(4, MEMBERS, 1, check_agree=False)
+    whole.add(0, 0, 2, torch.full((2,), 1.0), {"contributors": ["a", "b", "c"], "agree": [], "total": 3.0})
+    whole.add(1, 2, 4, torch.full((2,), 1.0), {"contributors": ["a", "b", "c"], "agree": [], "total": 3.0})
+    assert whole.result(group, 0, [torch.zeros(4)], sent=0, seconds=0.0).missing == ()
+
+
 def test_a_group_cut_in_two_mid_round_applies_nothing_on_either_side() -> None:
     """Four members cut 2 + 2 after the group formed: each side's parts hold only its own side's shares. A part
     of half the group or less is left out, so neither side has anything to apply (no fork of θ); cut 3 + 1,
