@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import re
 import statistics
 import sys
@@ -237,6 +238,29 @@ def startup_summary(rows: list[dict[str, Any]], peer_seconds: float) -> list[dic
     return out_
 
 
+_RESUMED = re.compile(r"event=resumed step=(\d+)")
+
+
+def kill_losses(phase: dict[str, Any]) -> list[dict[str, Any]]:
+    """What each kill lost: the last step its life's status lines reached against the step its next life resumed
+    from (``event=resumed``: its newest checkpoint's). The steps between are trained again (a status line comes
+    every few steps, so a few more may be lost than these say)."""
+    work, rows = Path(phase["work"]), []
+    for name, p in phase["peers"].items():
+        lives = p["lives"]
+        for life, after in itertools.pairwise(lives):
+            if life["how"] != "killed":
+                continue
+            end = life["ended"] if life["ended"] is not None else math.inf
+            steps = [s for t, s, _ in p["loss"] if life["started"] <= t <= end]
+            log = work / after["log"]
+            m = _RESUMED.search(log.read_text(errors="replace")) if log.exists() else None
+            if steps and m is not None:
+                rows.append({"peer": name, "log": life["log"], "last_step": max(steps), "resumed": int(m.group(1)),
+                             "lost": max(0, max(steps) - int(m.group(1)))})
+    return rows
+
+
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows summed by how the life ended, then all of them."""
     out_: list[dict[str, Any]] = []
@@ -331,6 +355,15 @@ def main(argv: list[str] | None = None) -> None:
                          *(["fault-free run's, reached θ", "goodput"] if reached_base else [])],
                         [[f"{trained:,}", f"{reached:,.0f}", f"{reached / trained:.3f}" if trained else "—",
                           *([f"{reached_base:,.0f}", f"{reached / reached_base:.3f}"] if reached_base else [])]]))
+        kills = kill_losses(ph)
+        result["phases"][ph["phase"]]["kills"] = kills
+        if kills:
+            lost = [k["lost"] for k in kills]
+            out.print(table(f"{ph['phase']}: steps each kill lost (its life's last status step against the step its "
+                            "next life resumed from, its newest checkpoint's)",
+                            ["kills", "median", "mean", "max", "steps in all", "tokens in all"],
+                            [[len(lost), f"{statistics.median(lost):g}", f"{statistics.mean(lost):.1f}", max(lost),
+                              sum(lost), f"{sum(lost) * seq:,}"]]))
         if start_summary:
             out.print(table(f"{ph['phase']}: where the starts went (median seconds of each phase; event=started)",
                             ["starts", "count", *START_FIELDS, "seconds in all", "of the peer time"],

@@ -192,3 +192,16 @@ def test_the_tokens_a_window_trained_count_whenever_their_round_is_applied(tmp_p
     goodput = [t for t in targets({"goodput": 0.99, "goodput_kept": 0.8, "goodput_reached": 0.985}, figs)
                if t[0].startswith("goodput")]
     assert goodput == [("goodput ≥ 0.98 of the fault-free run", "0.985", True)]
+
+
+def test_each_kill_loses_the_steps_since_the_checkpoint_its_next_life_resumed_from(tmp_path: Path) -> None:
+    from bench.churn_tokens import kill_losses
+
+    (tmp_path / "a.1.log").write_text("ts=x level=INFO logger=p2ptrain.peer.base event=resumed step=17 state=ab\n")
+    (tmp_path / "a.2.log").write_text("no resume line: a life whose start never came that far\n")
+    phase = {"work": str(tmp_path), "peers": {"a": {
+        "lives": [{"started": 0.0, "ended": 50.0, "how": "killed", "log": "a.0.log"},
+                  {"started": 50.0, "ended": 90.0, "how": "killed", "log": "a.1.log"},
+                  {"started": 90.0, "ended": None, "how": "left at the end", "log": "a.2.log"}],
+        "loss": [[10.0, 4, 2.0], [30.0, 12, 2.0], [49.0, 21, 2.0], [70.0, 25, 2.0], [95.0, 27, 2.0]]}}}
+    assert kill_losses(phase) == [{"peer": "a", "log": "a.0.log", "last_step": 21, "resumed": 17, "lost": 4}]
