@@ -509,7 +509,8 @@ class Phase:
         report.write()
 
     def finish(self, tb: Testbed) -> None:
-        """Undo what is still faulted, ask every peer to leave (SIGTERM), read what they left behind."""
+        """Undo what is still faulted, go on without faults for ``--drain`` seconds (killed peers restart), ask every
+        peer to leave (SIGTERM), read what they left behind."""
         self.reap()
         self.read_logs()
         self.judge()
@@ -521,7 +522,21 @@ class Phase:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(arg.life.proc.pid, signal.SIGCONT)
                 arg.state = "live"
-        self.timers = [t for t in self.timers if t[1] == "restart"]  # killed peers stay down: the window is over
+        self.timers = [t for t in self.timers if t[1] == "restart"]
+        if self.a.drain > 0:
+            # The swarm goes on without faults for a while (killed peers restart) before everyone leaves: what the
+            # window trained and a fault held back (a round that failed for a cut in its last minutes) may still
+            # reach θ, as it would in a swarm that did not stop here. Tokens trained meanwhile are outside the
+            # window: the goodput of tokens reaching θ counts a round for its interval's share inside the window.
+            print(f"[{self.name}] window over: {self.a.drain:g} s without faults before the leaves", flush=True)
+            end = time.time() + self.a.drain
+            while time.time() < end:
+                self.due_timers(tb)
+                self.reap()
+                self.read_logs()
+                self.sample(False)
+                time.sleep(1.0)
+        self.timers = []  # killed peers not back by now stay down
         for rec in self.peers.values():
             if rec.life.proc.poll() is None and rec.state in ("live", "stopped"):
                 rec.life.proc.send_signal(signal.SIGTERM)
@@ -966,6 +981,8 @@ def main() -> None:
                     help="applied rounds between a peer's checkpoints: a kill loses the steps since its last one")
     ap.add_argument("--checkpoint-seconds", type=float, default=6.0,
                     help="seconds of training between a peer's checkpoints, whatever its rounds do")
+    ap.add_argument("--drain", type=float, default=150.0,
+                    help="seconds the swarm goes on without faults after the window before everyone leaves")
     ap.add_argument("--stop-seconds", type=float, default=20.0)
     ap.add_argument("--partition-seconds", type=float, default=60.0)
     ap.add_argument("--settle", type=float, default=30.0, help="a peer is not faulted in its first seconds")
