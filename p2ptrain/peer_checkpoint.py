@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .checkpoint import CheckpointDir, NonFiniteState, Snapshot, pack, snapshot, tensor_bytes
+from .checkpoint import CheckpointDir, NonFiniteState, Snapshot, pack, tensor_bytes
 from .faults import FaultPlan
 
 __all__ = ["Checkpointable", "PeerCheckpoints", "resumable_digest", "state_digest"]
@@ -101,15 +101,15 @@ class PeerCheckpoints:
             return cls._state(peer)
 
     @staticmethod
-    def _state(peer: Checkpointable) -> dict[str, Any]:
-        """:meth:`state`, the lock held by the caller."""
+    def _state(peer: Checkpointable, trainer: bool = True) -> dict[str, Any]:
+        """:meth:`state`, the lock held by the caller (``trainer`` False: without the trainer's part)."""
         stats = peer.runner.stats if peer.runner is not None else None
         own = peer.checkpoint_state()
         return {
             "kind": KIND,
             "run_id": peer.cfg.run_id,
             "method": peer.method.name,
-            "trainer": peer.trainer.state_dict(),
+            **({"trainer": peer.trainer.state_dict()} if trainer else {}),
             "outer": own["outer"],
             "peer": {"applied": own["applied"], "repairs": peer.repairs, "tokens_at_send": own["tokens_at_send"],
                      "bequests": own.get("bequests", []),
@@ -119,10 +119,15 @@ class PeerCheckpoints:
         }
 
     def copy(self, peer: Checkpointable) -> Snapshot:
-        """The peer's state, copied now (the lock held through the copy: the outer state is the asyncio
-        thread's to change)."""
+        """The peer's state, copied now, by the training thread between two steps. The outer state (θ, momentum:
+        the asyncio thread applies rounds into it) and the counters are copied under the peer's lock; the
+        trainer's (model and AdamW, most of the bytes: ~12 GB for 1B parameters), which only this thread changes,
+        after it, so that the event loop, which takes the lock to apply a round, is not held for that copy."""
+        tensors: dict[str, torch.Tensor] = {}
         with peer.lock:
-            return snapshot(self._state(peer))
+            tree, _ = pack(self._state(peer, trainer=False), tensors)
+        trainer, _ = pack(peer.trainer.state_dict(), tensors)
+        return Snapshot({"__dict__": [*tree["__dict__"], ["trainer", trainer]]}, tensors)
 
     def save(self, peer: Checkpointable, why: str, background: bool = False) -> Path | None:
         """Write a checkpoint of the state as it is now; None (an error logged, the older checkpoints kept) if

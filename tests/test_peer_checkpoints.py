@@ -22,12 +22,15 @@ class _Trainer:
     def __init__(self) -> None:
         self.w = torch.zeros(4)
         self.step_count = 0
+        self.lock: threading.Lock | None = None  # the peer's: not held while the trainer's state is read
+        self.read_under_lock = False
 
     def step(self) -> None:
         self.step_count += 1
         self.w += 1.0  # in place, as an optimizer step changes parameters
 
     def state_dict(self) -> dict[str, Any]:
+        self.read_under_lock |= self.lock is not None and self.lock.locked()
         return {"step": self.step_count, "w": self.w}
 
 
@@ -39,6 +42,7 @@ class _Peer:
         self.method = SimpleNamespace(name="streaming")
         self.trainer = _Trainer()
         self.lock = threading.Lock()
+        self.trainer.lock = self.lock
         self.metrics = None
         self.runner = None
         self.has_outer_loop = True
@@ -123,6 +127,8 @@ def test_the_state_written_is_the_one_of_the_step_it_was_due_at(tmp_path: Path) 
         _, state = ck.latest()  # type: ignore[misc]
         assert state["trainer"]["step"] == 2 and torch.equal(state["trainer"]["w"], torch.full((4,), 2.0))
         assert torch.equal(state["outer"]["theta"], torch.full((2,), 5.0))
+        # the trainer's state (most of the bytes) is copied without the lock the event loop takes to apply a round
+        assert not peer.trainer.read_under_lock
     finally:
         release.set()
         ck.close()
