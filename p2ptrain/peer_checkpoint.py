@@ -119,10 +119,10 @@ class PeerCheckpoints:
         }
 
     def copy(self, peer: Checkpointable) -> Snapshot:
-        """The peer's state, copied now, by the training thread between two steps. The outer state (θ, momentum:
-        the asyncio thread applies rounds into it) and the counters are copied under the peer's lock; the
-        trainer's (model and AdamW, most of the bytes: ~12 GB for 1B parameters), which only this thread changes,
-        after it, so that the event loop, which takes the lock to apply a round, is not held for that copy."""
+        """The peer's state, copied now, by the training thread between two steps. The outer state (θ, momentum,
+        the bequests held: the event loop's state service and a leaver's bequest take the peer's lock) and the
+        counters are copied under that lock; the trainer's (model and AdamW, most of the bytes: ~12 GB for 1B
+        parameters), which only this thread changes, after it, so that the event loop is not held for that copy."""
         tensors: dict[str, torch.Tensor] = {}
         with peer.lock:
             tree, _ = pack(self._state(peer, trainer=False), tensors)
