@@ -31,9 +31,10 @@ Failures: a member whose cell step fails fails the round (as in a flat round); a
 never offers it is fetched from another cell's carrier (cross-cell bytes, but the same values); a shard no carrier
 delivers fails the round. A shard averaged without some cell (its carrier dropped) makes the round partial: every
 member still ends with the same bytes for it, and that cell's members are told where their Δ is in no average
-(``ReduceResult.missing``), so that their method keeps that progress for the next round instead of merging it away. A cell whose θ loses a shard's vote across cells repairs onto the
-winners' θ when a strict majority of the cells beat it; when the vote is closer (a tie among the cells heard, one
-cut off), its members fail the round rather than apply it onto a θ the winners do not hold.
+(``ReduceResult.missing``), so that their method keeps that progress for the next round instead of merging it
+away. A cell whose θ loses a shard's vote across cells repairs onto the winners' θ when a strict majority of the
+cells beat it; when the vote is closer (a tie among the cells heard, one cut off), its members fail the round
+rather than apply it onto a θ the winners do not hold.
 
 Why it is long: the three steps share one round's state (the cell's mean, the shards' offers, who was outvoted on
 which shard), and the rules that keep every member on one θ under faults are read together here; fetching a shard
