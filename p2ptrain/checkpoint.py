@@ -42,7 +42,6 @@ __all__ = [
     "Snapshot",
     "pack",
     "read_checkpoint",
-    "snapshot",
     "state_from_bytes",
     "state_to_bytes",
     "tensor_bytes",
@@ -124,11 +123,6 @@ class Snapshot:
 
     tree: Any
     tensors: dict[str, torch.Tensor]
-
-
-def snapshot(state: dict[str, Any]) -> Snapshot:
-    """Copy ``state`` now (its tensors to CPU), for a later :func:`write_checkpoint`."""
-    return Snapshot(*pack(state))
 
 
 def state_to_bytes(state: dict[str, Any] | Snapshot, finite: bool = False) -> bytes:

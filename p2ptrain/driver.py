@@ -312,9 +312,7 @@ class OuterDriver:
             else:
                 # Where the average left our Δ out (a part or a shard without it), our progress stays for the next
                 # round: merged, it was lost (a cell whose carrier failed a shard lost that shard's work).
-                o = self.outer
-                keep = (rnd.missing if not rnd.divergent and rnd.compressor.elementwise and not o.restarts_each_round
-                        and o.shared_theta else ())
+                keep = rnd.missing if rnd.missing and self.outer.can_keep(rnd) else ()
                 if keep:
                     log.info("event=kept_unaveraged key=%s values=%d", rnd.key, sum(hi - lo for lo, hi in keep))
                 rep = self.outer.finish(rnd, step, self.params, keep=keep)

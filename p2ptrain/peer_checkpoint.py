@@ -73,8 +73,8 @@ class PeerCheckpoints:
     ``keep`` kept. ``faults`` (default: what the environment asks for, see :mod:`p2ptrain.faults`) can kill
     a write half-way.
 
-    The state is copied at a step boundary (under the peer's lock: a round applied meanwhile cannot tear it)
-    and written by a thread of this object's own (``background``): serialising, checksumming and writing a
+    The state is copied at a step boundary (its outer part under the peer's lock, see :meth:`copy`) and
+    written by a thread of this object's own (``background``): serialising, checksumming and writing a
     1B-parameter peer's ~16 GB takes tens of seconds that its training goes on through; the copy is a
     memcpy. One write at a time: a checkpoint due while the last is still being written waits for the next
     step. :meth:`close` waits for the write in progress."""

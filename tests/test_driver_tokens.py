@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 import torch
 
 from p2ptrain.algo.fragments import make_fragments
@@ -379,3 +380,24 @@ def test_a_round_that_counted_none_of_our_delta_gives_its_tokens_to_the_next_rou
     net.missing = ()
     _steps(peer, driver, 3, 4)
     assert net.weights == [20, 20]
+
+
+def test_rules_that_restart_from_theta_keep_nothing_and_finish_refuses_to() -> None:
+    """Eager's local model restarts from θ each round: where its average left our Δ out there is no progress left
+    to keep, so the round applies as if nothing were missing, and asking finish() to keep raises."""
+    from p2ptrain.algo.methods import EagerConfig
+
+    def run(missing: tuple[tuple[int, int], ...]) -> tuple[FakePeer, OuterLoop, Round]:
+        peer = FakePeer(0)
+        outer = OuterLoop(EagerConfig(H=2, codec="fp32"), make_fragments(UNITS, 1))
+        outer.init(peer)
+        net = LeftOut(missing)
+        driver = OuterDriver(outer, peer, net)  # type: ignore[arg-type]
+        _steps(peer, driver, 1, 2, 3, 4)
+        return peer, outer, Round(0, 0, 0, 1, [], [], 1.0, outer._state[0].compressor)
+
+    (left_out, outer, rnd), (whole, _, _) = run(((0, 5),)), run(())
+    assert all(torch.equal(left_out.x[n], whole.x[n]) for n in whole.x)
+    assert not outer.can_keep(rnd)
+    with pytest.raises(ValueError, match="cannot be kept"):
+        outer.finish(rnd, 4, left_out, keep=((0, 5),))

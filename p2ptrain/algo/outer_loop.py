@@ -322,15 +322,16 @@ class OuterLoop:
         ranges of the fragment (its tensors flattened and concatenated) whose average does not hold this peer's Δ
         (a part or shard that left it out): there the local fragment keeps all of its progress since θ^(p) before
         the step, rebased on the new θ^(p) (as :meth:`finish_outvoted` does for the whole fragment), and it goes
-        into the fragment's next round; merged, it would be lost. Ignored by the rules whose local model does not
-        hold what it sent (see :meth:`finish_outvoted`) and for a round whose Δ was not sent element by element
-        (a compressor that is not ``elementwise``)."""
+        into the fragment's next round; merged, it would be lost. Only where :meth:`can_keep` says so
+        (ValueError otherwise)."""
+        if keep and not self.can_keep(rnd):
+            raise ValueError(f"{self.cfg.name}: round {rnd.key}'s Δ cannot be kept in part")
         frag, st = self.fragments[rnd.fragment], self._state[rnd.fragment]
         before = st.theta
         st.theta, st.momentum = self._stepped(rnd)
         local = params.snapshot(frag.names)
         new, correction = self.rules.merge(st.theta, rnd.snapshot, local)
-        if keep and rnd.compressor.elementwise and not (self.rules.restarts_each_round or self.rules.eager):
+        if keep:
             new = _rebased(new, keep, st.theta, local, before)
         keep = self.rules.keeps_unsent
         kept = rnd.compressor.hand_over(keep) if keep and isinstance(rnd.compressor, ErrorFeedback) else None
@@ -344,6 +345,14 @@ class OuterLoop:
         rnd.state = RoundState.APPLIED
         st.version = rnd.send_step
         return ApplyReport(rnd.fragment, rnd.seq, step - rnd.send_step, correction, rnd.members)
+
+    def can_keep(self, rnd: Round) -> bool:
+        """Whether :meth:`finish` can keep this peer's progress where ``rnd``'s average left its Δ out: its Δ was
+        sent element by element (an ``elementwise`` compressor), its θ was the round's (not divergent: a repaired
+        θ is no base for progress), and its local model still holds what it sent (not the rules that restart
+        from θ each round or hold a θ of their own, as for :meth:`finish_outvoted`)."""
+        return (rnd.compressor.elementwise and not rnd.divergent and not self.rules.restarts_each_round
+                and not self.rules.eager)
 
     @torch.no_grad()
     def finish_outvoted(self, rnd: Round, step: int, params: LocalParams, theta_before: Sequence[torch.Tensor],

@@ -251,11 +251,8 @@ class Assembly:
         if half_or_less(self.used, len(self.members)):
             raise RoundFailed(f"round {group.key} phase {phase}: only {self.used} of {len(self.members)} parts "
                               f"(half or less: the other side of a cut may hold the others)")
-        end = 0
-        for lo, hi in [*sorted(self.filled), (self.out.numel(), self.out.numel())]:  # a part left out is zero
-            if lo > end:
-                self.out[end:lo] = 0.0
-            end = max(end, hi)
+        for lo, hi in gaps(self.filled, self.out.numel()):  # a part left out is zero
+            self.out[lo:hi] = 0.0
         contributors = {p for p, n in self.coverage.items() if 2 * n > self.covered}
         if not contributors:
             why = f" ({self.minority} averaged from half the group or less)" if self.minority else ""
