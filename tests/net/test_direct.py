@@ -20,6 +20,7 @@ import torch
 from p2ptrain.collective.codecs import get_codec
 from p2ptrain.net.auth import SwarmKey
 from p2ptrain.net.direct import Direct, Sealed, derive_keys, hello_mac, host_of
+from p2ptrain.net.streams import DIRECT_KINDS
 from p2ptrain.net.transport import JoinRequest, RoundFailed
 from p2ptrain.net.wire import FrameError, read_frame, write_frame
 
@@ -206,9 +207,20 @@ async def _allreduce(ts: list[Any], n: int, key: str) -> tuple[list[torch.Tensor
     return xs, [r.tensors[0] for r in res]
 
 
+#: a reply {"ok": True} with its swarm-key tag and its frame's length (32 bytes), with room to spare
+_ONE_REPLY = 64
+
+
 async def _traffic_balances(ts: list[Any], n: int) -> None:
-    """Each member counted at least its two parts' fp32 bytes as sent, and every kind's bytes sent by all the
-    members add up to what all of them received (both ends count the same frames), once the exchanges settle."""
+    """Each member counted at least its two parts' fp32 bytes as sent, and every kind of the direct path's bytes
+    sent by all the members add up to what all of them received (both ends count the same frames), once the
+    exchanges settle. The kinds that go over libp2p (claims, verdicts, joins) may have lost one reply on the way:
+    the CI saw a claim's 32-byte reply counted as written by its handler and never read by its caller (a settled
+    delivery: the round stays exact), which no counter of ours can make up; they received no more than was sent."""
+
+    def balanced(kind: str, sent: int, received: int) -> bool:
+        return sent == received if kind in DIRECT_KINDS else 0 <= sent - received <= _ONE_REPLY
+
     for _ in range(50):
         traffic = [t.traffic() for t in ts]
         kinds = {k for tr in traffic for k in tr}
@@ -217,7 +229,8 @@ async def _traffic_balances(ts: list[Any], n: int) -> None:
         if all(a == b for a, b in sums.values()):
             break
         await asyncio.sleep(0.1)
-    assert all(a == b for a, b in sums.values()), sums
+    assert all(balanced(k, a, b) for k, (a, b) in sums.items()), sums
+    assert any(k in DIRECT_KINDS for k in sums), sums
     assert all(tr["part"]["sent"] >= 4 * (n - n // 3 - 1) and tr["result"]["sent"] > 0 for tr in traffic), traffic
 
 
