@@ -68,7 +68,7 @@ if __package__ in (None, ""):
 
 import itertools
 
-from bench.churn_rounds import kept_rounds, trained_in_window_reaching_theta
+from bench.churn_rounds import failure_kind, failure_kinds, kept_rounds, trained_in_window_reaching_theta
 from bench.harness import DIRECT_PORT, P2PTRAIN, RESULTS, exit_on_sigterm, rss_tree_mb
 from bench.testbed import RegionSpec, Testbed, TestbedSpec, parse_rate, unavailable_reason
 from p2ptrain.procs import wait_lines
@@ -78,7 +78,7 @@ REGION_NAMES = ("us", "eu", "ap")
 
 _APPLIED = re.compile(r"event=applied key=(\S+) fragment=(\d+) members=(\d+) tokens=(\d+) divergent=(\w+) "
                       r"digest=(\w+)(?: own=(\d+))?")
-_FAILED = re.compile(r"event=round_failed key=(\S+)")
+_FAILED = re.compile(r"event=round_failed key=(\S+)(?: reason=(.*))?")
 _STUCK = re.compile(r"event=round_timeout key=(\S+)( when=leaving)?")
 _ABANDONED = re.compile(r"event=round_abandoned key=(\S+)")
 _STATUS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.naif]+)")
@@ -247,7 +247,7 @@ class Phase:
 
     def round(self, key: str) -> dict[str, Any]:
         return self.rounds.setdefault(key, {"fragment": None, "first": math.inf, "digests": {}, "tokens": {},
-                                            "members": [], "failed": [], "stuck": [], "abandoned": [],
+                                            "members": [], "failed": [], "why": {}, "stuck": [], "abandoned": [],
                                             "flagged": 0, "own": 0})
 
     def parse(self, rec: PeerRec, line: str, now: float) -> None:
@@ -269,7 +269,10 @@ class Phase:
             r["own"] += int(own or 0)
             rec.applied.append((t, key, digest))
         elif (m := _FAILED.search(line)) is not None:
-            self.round(m.group(1))["failed"].append(rec.name)
+            r = self.round(m.group(1))
+            r["failed"].append(rec.name)
+            kind = failure_kind(m.group(2) or "")
+            r["why"][kind] = r["why"].get(kind, 0) + 1
         elif (m := _STUCK.search(line)) is not None:
             self.round(m.group(1))["stuck"].append(rec.name + (" (leaving)" if m.group(2) else ""))
         elif (m := _ABANDONED.search(line)) is not None:
@@ -577,7 +580,7 @@ class Phase:
                         "diverged_peers": sorted(p for d, ps in r["digests"].items() if d != top[0] for p in ps),
                         "members_min": min(r["members"], default=0), "members_max": max(r["members"], default=0),
                         "tokens": r["tokens"].get(top[0], 0) if top[0] else 0, "failed_on": r["failed"],
-                        "stuck_on": r["stuck"], "abandoned_on": r["abandoned"], "flagged_divergent": r["flagged"],
+                        "failed_why": dict(r["why"]), "stuck_on": r["stuck"], "abandoned_on": r["abandoned"], "flagged_divergent": r["flagged"],
                         "own": r["own"],
                         "in_window": bool(n) and self.in_window(r["first"])}
         return out
@@ -613,6 +616,8 @@ class Phase:
             "diverged_replicas": sum(r["diverged"] for r in rows.values()),
             "rounds_failed_everywhere": sum(r["outcome"] == "failed" for r in rows.values()),
             "round_failures": sum(len(r["failed_on"]) for r in rows.values()),
+            "failure_kinds": failure_kinds(list(rows.values())),
+            "failure_kinds_everywhere": failure_kinds(list(rows.values()), everywhere=True),
             "stuck_rounds": len([s for s in stuck if "leaving" not in s]),
             "stuck_rounds_when_leaving": len([s for s in stuck if "leaving" in s]),
             "rounds_abandoned_when_leaving": sum(len(r["abandoned_on"]) for r in rows.values()),
@@ -754,6 +759,8 @@ def phase_figures(ph: dict[str, Any], fragments: int) -> dict[str, Any]:
         "diverged_replicas": sum(r["diverged"] for r in rows),
         "rounds_failed_everywhere": sum(r["outcome"] == "failed" for r in rows),
         "round_failures": sum(len(r["failed_on"]) for r in rows),
+        "failure_kinds": failure_kinds(rows),
+        "failure_kinds_everywhere": failure_kinds(rows, everywhere=True),
         "stuck_rounds": len([s for s in stuck if "leaving" not in s]),
         "stuck_rounds_when_leaving": len([s for s in stuck if "leaving" in s]),
         "rounds_abandoned_when_leaving": sum(len(r.get("abandoned_on", [])) for r in rows),
@@ -911,6 +918,13 @@ def _markdown(payload: dict[str, Any]) -> str:
                      f"(+{f['stuck_rounds_when_leaving']} when leaving) | {f['tokens_in_theta'] / 1e6:.2f} | "
                      f"{f['tokens_trained'] / 1e6:.2f} | {f['rss_mb_median'] or 0:.0f} | "
                      f"{'-' if g1 is None else f'{g1:+.2f}'} / {'-' if g2 is None else f'{g2:+.2f}'} |")
+    for name, f in figs.items():
+        for everywhere in (False, True):
+            kinds = f.get("failure_kinds_everywhere" if everywhere else "failure_kinds") or {}
+            if kinds:
+                top = "; ".join(f"{k} ({n})" for k, n in list(kinds.items())[:6])
+                lines += ["", f"Why rounds failed on a peer{' (rounds failed everywhere)' if everywhere else ''}, "
+                              f"{name}, most common first: {top}."]
     if payload.get("baseline_from"):
         lines += ["", f"The fault-free phase is {payload['baseline_from']}."]
     if "goodput" in payload:

@@ -13,9 +13,33 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["kept_rounds", "trained_in_window_reaching_theta"]
+__all__ = ["failure_kind", "failure_kinds", "kept_rounds", "trained_in_window_reaching_theta"]
 
 _KEPT = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) fragment=(\d+) .* divergent=(\w+) .* own=(\d+)")
+
+
+def failure_kind(reason: str) -> str:
+    """A round failure's ``reason=`` text without what names one round, shard or peer, and without its details in
+    parentheses: the same cause on every round reads the same (``RoundFailed: hier/f0.L598…/0/s3: no carrier
+    delivered it (…)`` -> ``no carrier delivered it``)."""
+    r = re.sub(r"^[A-Z]\w*(?:Error|Failed|Mismatch|Declined|Unreachable)?: ", "", reason.strip())
+    r = re.sub(r"\s\(.*", "", r)  # details: which peers said what
+    r = re.sub(r"^(?:hier/\S+|round \S+|\S+ to \S+):\s*", "", r)  # the round, shard or call it is about
+    r = re.sub(r"(?=[1-9A-HJ-NP-Za-km-z]*\d)\b[1-9A-HJ-NP-Za-km-z]{8}\b", "<peer>", r)  # a peer id's tail
+    r = re.sub(r"\[[\d, ]*\]|\d+", "N", r)
+    return re.sub(r"\s+", " ", r).strip(" :") or "?"
+
+
+def failure_kinds(rows: list[dict[str, Any]], everywhere: bool = False) -> dict[str, int]:
+    """How many failures on a peer each kind of reason caused (``everywhere``: in rounds no member applied), most
+    common first; rows from records without reasons count nothing."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        if everywhere and r["outcome"] != "failed":
+            continue
+        for kind, n in r.get("failed_why", {}).items():
+            counts[kind] = counts.get(kind, 0) + n
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _order(key: str) -> int:

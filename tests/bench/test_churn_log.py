@@ -57,3 +57,39 @@ def test_the_appliers_own_tokens_are_summed_beside_the_rounds_total(tmp_path: Pa
     for r in rows.values():  # a record written before the own tokens were kept
         del r["own"]
     assert phase_figures(record, fragments=2)["tokens_in_theta_own"] == 0
+
+
+def test_round_failures_are_tallied_by_kind_of_reason(tmp_path: Path) -> None:
+    """Each ``event=round_failed`` line's reason is filed under its kind (the round, shard, peer and counts it names
+    left out), per round and for the phase, apart for the rounds no member applied; records without reasons
+    count nothing."""
+    ph = _phase(tmp_path)
+    ts = "ts=2026-11-27 07:00:30,000 "
+    lines = [
+        ("s00g0", "event=round_failed key=f0.L9 reason=RoundFailed: hier/f0.L9/0/s3: no carrier delivered it "
+                  "(hier/f0.L9/0/s3: 3k7Qz9aB did not offer it in time (not yet))"),
+        ("s01g0", "event=round_failed key=f0.L9 reason=RoundFailed: hier/f0.L9/0/s1: no carrier delivered it "
+                  "(nobody to ask)"),
+        ("s02g0", "event=round_failed key=f1.L9 reason=RoundFailed: round f1.L9: our cell's θ lost the vote on "
+                  "shard(s) [1, 2] without a majority of the 3 cells against it (applying would fork θ)"),
+        ("s00g0", "event=round_failed key=f1.L9 reason=RoundFailed: hier/f1.L9/0/s0#div: our cell's carrier "
+                  "Ab12cdEF did not say how the shard's vote went (FrameError: short)"),
+        ("s01g0", "event=applied key=f1.L9 fragment=1 members=3 tokens=50 divergent=False digest=bb own=10"),
+        ("s01g0", "event=round_failed key=f2.L9"),
+    ]
+    for name, line in lines:
+        ph.parse(PeerRec(name=name, slot=0, host="us0", region="us", fresh=True), ts + line, 0.0)
+    rows = ph.round_rows()
+    assert rows["f0.L9"]["failed_why"] == {"no carrier delivered it": 2}
+    assert rows["f1.L9"]["failed_why"] == {
+        "our cell's θ lost the vote on shard(s) N without a majority of the N cells against it": 1,
+        "our cell's carrier <peer> did not say how the shard's vote went": 1}
+    assert rows["f2.L9"]["failed_why"] == {"?": 1}
+    record = {"rounds": rows, "faults": [], "window_s": [0.0, 60.0], "live": [], "peers": {}}
+    f = phase_figures(record, fragments=3)
+    assert next(iter(f["failure_kinds"].items())) == ("no carrier delivered it", 2)
+    assert sum(f["failure_kinds"].values()) == 5
+    assert f["failure_kinds_everywhere"] == {"no carrier delivered it": 2, "?": 1}  # f1.L9 was applied by one
+    for r in rows.values():  # a record written before the reasons were kept
+        del r["failed_why"]
+    assert phase_figures(record, fragments=3)["failure_kinds"] == {}
