@@ -21,11 +21,14 @@ _KEPT = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) fragment=(\d+) .* d
 def failure_kind(reason: str) -> str:
     """A round failure's ``reason=`` text without what names one round, shard or peer, and without its details in
     parentheses: the same cause on every round reads the same (``RoundFailed: hier/f0.L598…/0/s3: no carrier
-    delivered it (…)`` -> ``no carrier delivered it``)."""
+    delivered it (…)`` -> ``no carrier delivered it``; ``… leader says round f2.L5…: no quorum: 6 of 14 live peers
+    joined (…)`` -> ``no quorum: N of N live peers joined``)."""
     r = re.sub(r"^[A-Z]\w*(?:Error|Failed|Mismatch|Declined|Unreachable)?: ", "", reason.strip())
     r = re.sub(r"\s\(.*", "", r)  # details: which peers said what
-    r = re.sub(r"^(?:hier/\S+|round \S+|\S+ to \S+):\s*", "", r)  # the round, shard or call it is about
-    r = re.sub(r"(?=[1-9A-HJ-NP-Za-km-z]*\d)\b[1-9A-HJ-NP-Za-km-z]{8}\b", "<peer>", r)  # a peer id's tail
+    while (m := re.match(r"(?:leader says |round \S+?(?: phase \d+)?: |hier/\S+: |\S+ to \S+: )", r)) is not None:
+        r = r[m.end():]  # the round, shard or call it is about, and who said it
+    r = re.sub(r"\b[1-9A-HJ-NP-Za-km-z]{8}\b", lambda m: "<peer>" if any(
+        ch.isupper() or ch.isdigit() for ch in m.group(0)[1:]) else m.group(0), r)  # a peer id's tail
     r = re.sub(r"\[[\d, ]*\]|\d+", "N", r)
     return re.sub(r"\s+", " ", r).strip(" :") or "?"
 

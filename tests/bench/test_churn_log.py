@@ -76,6 +76,8 @@ def test_round_failures_are_tallied_by_kind_of_reason(tmp_path: Path) -> None:
                   "Ab12cdEF did not say how the shard's vote went (FrameError: short)"),
         ("s01g0", "event=applied key=f1.L9 fragment=1 members=3 tokens=50 divergent=False digest=bb own=10"),
         ("s01g0", "event=round_failed key=f2.L9"),
+        ("s02g0", "event=round_failed key=f3.L9 reason=RoundFailed: round f3.L9: leader says round f3.L9: the group "
+                  "closed before FCpXZVLQ joined"),
     ]
     for name, line in lines:
         ph.parse(PeerRec(name=name, slot=0, host="us0", region="us", fresh=True), ts + line, 0.0)
@@ -85,11 +87,13 @@ def test_round_failures_are_tallied_by_kind_of_reason(tmp_path: Path) -> None:
         "our cell's θ lost the vote on shard(s) N without a majority of the N cells against it": 1,
         "our cell's carrier <peer> did not say how the shard's vote went": 1}
     assert rows["f2.L9"]["failed_why"] == {"?": 1}
+    assert rows["f3.L9"]["failed_why"] == {"the group closed before <peer> joined": 1}
     record = {"rounds": rows, "faults": [], "window_s": [0.0, 60.0], "live": [], "peers": {}}
-    f = phase_figures(record, fragments=3)
+    f = phase_figures(record, fragments=4)
     assert next(iter(f["failure_kinds"].items())) == ("no carrier delivered it", 2)
-    assert sum(f["failure_kinds"].values()) == 5
-    assert f["failure_kinds_everywhere"] == {"no carrier delivered it": 2, "?": 1}  # f1.L9 was applied by one
+    assert sum(f["failure_kinds"].values()) == 6
+    assert f["failure_kinds_everywhere"] == {"no carrier delivered it": 2, "?": 1,  # f1.L9 was applied by one
+                                             "the group closed before <peer> joined": 1}
     for r in rows.values():  # a record written before the reasons were kept
         del r["failed_why"]
-    assert phase_figures(record, fragments=3)["failure_kinds"] == {}
+    assert phase_figures(record, fragments=4)["failure_kinds"] == {}
