@@ -41,6 +41,7 @@ def failure_kinds(rows: list[dict[str, Any]], everywhere: bool = False) -> dict[
         if everywhere and r["outcome"] != "failed":
             continue
         for kind, n in r.get("failed_why", {}).items():
+            kind = failure_kind(kind)  # (a kind is its own kind: records filed by an older reading merge)
             counts[kind] = counts.get(kind, 0) + n
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
