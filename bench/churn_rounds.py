@@ -25,7 +25,7 @@ def failure_kind(reason: str) -> str:
     joined (…)`` -> ``no quorum: N of N live peers joined``)."""
     r = re.sub(r"^[A-Z]\w*(?:Error|Failed|Mismatch|Declined|Unreachable)?: ", "", reason.strip())
     r = re.sub(r"\s\(.*", "", r)  # details: which peers said what
-    while (m := re.match(r"(?:leader says |round \S+?(?: phase \d+)?: |hier/\S+: |\S+ to \S+: )", r)) is not None:
+    while (m := re.match(r"(?:leader says |round \S+?(?: phase \w+)?: |hier/\S+: |\S+ to \S+: )", r)) is not None:
         r = r[m.end():]  # the round, shard or call it is about, and who said it
     r = re.sub(r"\b[1-9A-HJ-NP-Za-km-z]{8}\b", lambda m: "<peer>" if any(
         ch.isupper() or ch.isdigit() for ch in m.group(0)[1:]) else m.group(0), r)  # a peer id's tail
