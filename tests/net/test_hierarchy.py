@@ -301,6 +301,101 @@ def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_
     run(go())
 
 
+def _carrier_of(ts: list[Transport], group: Group, region: str, shard: int) -> int:
+    """The index in ``ts`` of ``region``'s carrier of ``shard``."""
+    plan = plan_for(group, ts[0].peer_id)
+    assert plan is not None
+    regions = group.region_of()
+    (carrier,) = [m for m in plan.carriers[shard] if regions[m] == region]
+    return [t.peer_id for t in ts].index(carrier)
+
+
+@pytest.mark.parametrize("make", SWARMS)
+@pytest.mark.parametrize("frozen_region", ["b", "a"])
+def test_of_two_carriers_the_one_whose_cell_holds_most_of_the_group_finishes_the_shard(frozen_region: str,
+                                                                                       make: Make) -> None:
+    """Regions a × 3 and b × 2: each shard crosses between two carriers, each standing for its cell's members
+    (Group.seats). One carrier stops answering once its cell's step is done (a SIGSTOP). Its partner used to end
+    the shard's step with 1 of 2 parts, "half or less": the shard was lost, and every member of the round failed it
+    (churn_failures f0.L598636880, 11 members). Now the carrier of a's cell (3 of 5 seats) finishes the shard
+    without b's: the four others end with the same bytes, a's mean on the shard (the butterfly's: on the live
+    carrier's part, the frozen carrier's part zero, no Δ there) and b's other member told its Δ is in no average
+    there. b's carrier (2 of 5) never finishes alone: with a's carrier frozen, nobody applies the round, as before
+    (it could be one side of a cut)."""
+    async def go() -> None:
+        async with make(5) as ts:
+            regions = ["a", "a", "a", "b", "b"]
+            groups = await _form(ts, regions, "hs")
+            b_carriers = {_carrier_of(ts, groups[0], "b", s) for s in range(3)}
+            lone = next(s for s in range(3) if [_carrier_of(ts, groups[0], "b", t) for t in range(3)].count(
+                _carrier_of(ts, groups[0], "b", s)) == 1)  # the shard whose b carrier carries only it
+            i = _carrier_of(ts, groups[0], frozen_region, lone)
+            frozen = ts[i]
+            step = frozen.allreduce
+
+            async def freeze_across(group: Group, *args: Any, **kw: Any) -> ReduceResult:
+                if "#s" in group.key:  # a shard's cross step: never answers
+                    await asyncio.sleep(3600)
+                return await step(group, *args, **kw)
+
+            frozen.allreduce = freeze_across  # type: ignore[method-assign]
+            xs = [[torch.full((12,), float(j))] for j in range(5)]
+            calls = [_hier(t, g, x, 1.0, timeout=6.0) for t, g, x in zip(ts, groups, xs, strict=True)]
+            calls[i] = asyncio.wait_for(calls[i], 9.0)  # (its own round never ends: it is frozen)
+            got = await asyncio.gather(*calls, return_exceptions=True)
+            out = [r for j, r in enumerate(got) if j != i]
+            if frozen_region == "a":
+                assert all(isinstance(r, RoundFailed) for r in out), out
+                return
+            assert not any(isinstance(r, BaseException) for r in out), out
+            assert all(torch.equal(r.tensors[0], out[0].tensors[0]) for r in out)  # type: ignore[union-attr]
+            plan = plan_for(groups[0], ts[0].peer_id)
+            assert plan is not None
+            lo, hi = (lo := 4 * lone, lo + 4)  # 12 values in 3 shards of 4
+            shard = out[0].tensors[0][lo:hi]  # type: ignore[union-attr]
+            # averaged over a's cell alone (0, 1, 2: mean 1); the butterfly's two parts of it: the live carrier's,
+            # and the frozen carrier's, zero (the memory transport averages the shard whole)
+            want = torch.full((4,), 1.0)
+            if make is not memory_swarm:
+                want[slice(2, 4) if plan.carriers[lone][0] != frozen.peer_id else slice(0, 2)] = 0.0
+            assert torch.equal(shard, want), shard
+            other = next(j for j in b_carriers | {3, 4} if j != i and regions[j] == "b")
+            assert dict(zip([j for j in range(5) if j != i], [r.missing for r in out], strict=True))[other] == (
+                (lo, hi),)  # type: ignore[union-attr]
+
+    run(go())
+
+
+def test_a_cut_between_two_cells_mid_round_lets_only_the_larger_side_apply() -> None:
+    """Regions a × 3 and b × 2, cut from each other once their cells' steps are done. Each side's carriers hold
+    only their own cell's mean: a's side (3 of 5 seats) finishes every shard and applies one average; b's side
+    (2 of 5) finishes none and applies nothing. Never two averages of one round, one on each side."""
+    async def go() -> None:
+        swarm = MemorySwarm(join_window=WINDOW, ttl=30)
+        async with memory_swarm(5, swarm) as ts:
+            regions = ["a", "a", "a", "b", "b"]
+            groups = await _form(ts, regions, "hc")
+            for t in ts:
+                step = t.allreduce
+
+                async def cut_first(group: Group, *args: Any, _step: Any = step, **kw: Any) -> ReduceResult:
+                    if "#s" in group.key and not swarm.side:
+                        swarm.partition([x.peer_id for x in ts[:3]], [x.peer_id for x in ts[3:]])
+                    return await _step(group, *args, **kw)
+
+                t.allreduce = cut_first  # type: ignore[method-assign]
+            xs = [[torch.full((12,), float(j))] for j in range(5)]
+            out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=6.0) for t, g, x in zip(ts, groups, xs,
+                                                                                               strict=True)),
+                                       return_exceptions=True)
+            assert all(isinstance(r, RoundFailed) for r in out[3:]), out
+            a_side = out[:3]
+            assert not any(isinstance(r, BaseException) for r in a_side), out
+            assert all(torch.equal(r.tensors[0], torch.full((12,), 1.0)) for r in a_side)  # type: ignore[union-attr]
+
+    run(go())
+
+
 def _off_by_one(odd: Transport) -> None:
     """``odd`` ends every shard's cross step with its values + 1 (a carrier whose cross step went otherwise)."""
     step = odd.allreduce
