@@ -707,7 +707,7 @@ class ButterflyRun:
     # 6. assembly
     async def _assemble(self, sent: int) -> ReduceResult:
         out = Assembly(self.flat.numel(), self.members, self.me, check_agree=self.fp is not None, fingerprint=self.fp,
-                       out=await self.out_buffer, seats=self.group.seats)
+                       out=await self.out_buffer)
         for j, (a, b) in enumerate(self.bounds):
             res = self.box.results.get(j)
             if res is not None and self.audit is not None and j != self.me and j not in self.audit.judged:

@@ -29,13 +29,10 @@ contribution there); a trimmed mean of cells is not the trimmed mean of peers.
 
 Failures: a member whose cell step fails fails the round (as in a flat round); a shard whose carrier in this cell
 never offers it is fetched from another cell's carrier (cross-cell bytes, but the same values); a shard no carrier
-delivers fails the round. A shard's carriers stand for their cells in its cross step (``Group.seats``: a cell's size):
-of two carriers whose partner froze or was cut off, the one whose cell holds most of the round's group finishes the
-shard alone (with one seat each, "1 of 2 parts" failed the shard, and the whole round, for every member), while a
-side of a cut that holds half of the seats or fewer finishes nothing. A shard averaged without some cell (its carrier
-dropped) makes the round partial: every member still ends with the same bytes for it, and that cell's members are
-told where their Δ is in no average (``ReduceResult.missing``), so that their method keeps that progress for the
-next round instead of merging it away. A cell whose θ loses a shard's vote across cells repairs onto the winners' θ when a strict majority of the
+delivers fails the round. A shard averaged without some cell (its carrier dropped) makes the round partial: every
+member still ends with the same bytes for it, and that cell's members are told where their Δ is in no average
+(``ReduceResult.missing``), so that their method keeps that progress for the next round instead of merging it
+away. A cell whose θ loses a shard's vote across cells repairs onto the winners' θ when a strict majority of the
 cells beat it; when the vote is closer (a tie among the cells heard, one cut off), its members fail the round
 rather than apply it onto a θ the winners do not hold.
 
@@ -52,7 +49,7 @@ import struct
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -99,14 +96,10 @@ class Plan:
     holder: dict[int, str]  # shard -> its carrier in this member's cell
     carried: tuple[int, ...]  # the shards this member carries across
     smallest: int = 1  # the smallest cell's size (the same for every member: what the round's timeout is sized by)
-    cell_size: dict[str, int] = field(default_factory=dict)  # member -> the size of its cell
 
     def shard_group(self, group: Group, s: int) -> Group:
-        """Shard ``s``'s cross step: its carriers, each with its cell's size as its seats (a side of a cut finishes
-        the shard only if its cells hold most of the round's group: net/parts.py)."""
         members = self.carriers[s]
-        return Group(f"{group.key}#s{s}", members, min(members), group.fragment, group.signature, group.schedule,
-                     seats=tuple(self.cell_size.get(m, 1) for m in members))
+        return Group(f"{group.key}#s{s}", members, min(members), group.fragment, group.signature, group.schedule)
 
 
 def cells_of(group: Group, max_group: int | None = None) -> list[tuple[str, tuple[str, ...]]]:
@@ -144,7 +137,7 @@ def plan_for(group: Group, me: str, max_group: int | None = None) -> Plan | None
     local_group = Group(f"{group.key}@c{tag:08x}", local, min(local), group.fragment, group.signature,
                         group.schedule)
     return Plan(region, local_group, shards, carriers, holder, tuple(s for s in range(shards) if holder[s] == me),
-                min(len(ms) for _, ms in cells), {m: len(ms) for _, ms in cells for m in ms})
+                min(len(ms) for _, ms in cells))
 
 
 def _offer_name(group: Group, phase: int, s: int) -> str:

@@ -220,7 +220,7 @@ class MemoryTransport(Transport):
         if not contributors:
             raise RoundFailed(f"round {group.key} phase {phase}: nothing averaged")
         heard = {p for p in ph.contribs if p in group.members and p not in sw.dead}
-        if half_or_less(group.seats_of(heard), group.seats_of()):
+        if half_or_less(len(heard), len(group.members)):
             # As a butterfly's member does (net/parts.py): a phase heard from half of its group or less may be one
             # side of a cut, whose other side may apply an average of its own. (A hierarchical round's cross step
             # between two regions, cut mid-round, ended on each side with that side's shard: a fork.)

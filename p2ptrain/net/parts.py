@@ -12,10 +12,6 @@ otherwise apply two different averages, one on each side (each side's parts hold
 contributions), and fork θ. A side with no part of more than half the group applies nothing.
 For the same reason a member that holds no more than half of the parts applies nothing (RoundFailed): cut
 after the owners averaged, each side holds its own owners' parts. (A member that died leaves k − 1 of k.)
-"Half" counts the members' seats (``Group.seats``, one each unless said): a hierarchical shard's carriers stand
-for their cells, so of two carriers the one whose cell holds most of the round's group finishes the shard without
-a frozen or cut-off partner (the partner's part zero, its cell told its share is missing there); two sides of
-a cut never both hold more than half of the same seats.
 """
 
 from __future__ import annotations
@@ -179,14 +175,8 @@ class Assembly:
     """
 
     def __init__(self, numel: int, members: Sequence[str], me: int, *, check_agree: bool,
-                 fingerprint: Sequence[float] | None = None, out: torch.Tensor | None = None,
-                 seats: Sequence[int] = ()) -> None:
+                 fingerprint: Sequence[float] | None = None, out: torch.Tensor | None = None) -> None:
         self.members, self.me, self.check_agree = tuple(members), me, check_agree
-        # how many of the round's members each member stands for in a majority (Group.seats; one each by default)
-        self.seats = tuple(seats) or (1,) * len(self.members)
-        if len(self.seats) != len(self.members):
-            raise ValueError(f"{len(self.seats)} seats for {len(self.members)} members")
-        self.all_seats = sum(self.seats)
         self.fp = None if fingerprint is None else tuple(float(v) for v in fingerprint)
         # ``out``: where to assemble (``numel`` float32 values), e.g. a buffer whose pages were touched while the
         # parts were on the wire: copying 2 × 32 MB into fresh pages took 20–150 ms of a loaded CPU, 3× the
@@ -203,7 +193,6 @@ class Assembly:
         self.total_weight, self.received = 0.0, 0
         self.minority = 0  # parts left out: averaged from no more than half of the group
         self.used = 0  # parts used
-        self.used_seats = 0  # the seats of the parts used's owners (a part is its owner's: part j, member j)
         self.prints: Counter[tuple[float, ...]] = Counter()  # the majority's fingerprint, as each part's owner saw it
 
     def skip(self) -> None:
@@ -220,14 +209,13 @@ class Assembly:
         # of a cut; a tie between two versions of θ is then settled by the vote, not by failing every round.
         said = res.get("heard")
         heard = who | ({str(p) for p in said} & set(self.members) if isinstance(said, list) else set())
-        if half_or_less(sum(n for m, n in zip(self.members, self.seats, strict=True) if m in heard), self.all_seats):
+        if half_or_less(len(heard), len(self.members)):
             self.minority += 1
             self.skip()
             return
         self.out[lo:hi] = values
         self.filled.append((lo, hi))
         self.used += 1
-        self.used_seats += self.seats[part] if 0 <= part < len(self.seats) else 0
         size = max(1, hi - lo)  # an empty part (more members than values) still counts once
         self.covered += size
         for p in who:
@@ -260,9 +248,8 @@ class Assembly:
         Its contributors are the members whose share is in more than half of the values averaged: parts may
         differ in who they hold (an owner that gave up on a late member, or a hostile owner that claims only
         itself), and one part must not empty the round's record of who took part."""
-        if half_or_less(self.used_seats, self.all_seats):
-            held = "" if self.all_seats == len(self.members) else f", {self.used_seats} of {self.all_seats} seats"
-            raise RoundFailed(f"round {group.key} phase {phase}: only {self.used} of {len(self.members)} parts{held} "
+        if half_or_less(self.used, len(self.members)):
+            raise RoundFailed(f"round {group.key} phase {phase}: only {self.used} of {len(self.members)} parts "
                               f"(half or less: the other side of a cut may hold the others)")
         for lo, hi in gaps(self.filled, self.out.numel()):  # a part left out is zero
             self.out[lo:hi] = 0.0

@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import enum
 import math
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,8 +124,6 @@ class JoinRequest:
     # closes the group with the median of each, so that every member has the same deadlines
     budget: float | None = None
     rate: float | None = None
-    # how many members each stands for in a majority (empty: one each): a shard group's carrier, its cell (never sent)
-    seats: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "peer": self.peer_id, "weight": self.weight, "fragment": self.fragment,
@@ -192,8 +190,6 @@ class Group:
     regions: tuple[str, ...] = ()
     budget: float | None = None
     rate: float | None = None
-    # how many members each stands for in a majority (empty: one each): a shard group's carrier, its cell (never sent)
-    seats: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         return {"key": self.key, "members": list(self.members), "leader": self.leader, "fragment": self.fragment,
@@ -217,13 +213,6 @@ class Group:
             raise ValueError("group members must be sorted and unique")
         if self.regions and len(self.regions) != len(self.members):
             raise ValueError(f"a group of {len(self.members)} members came with {len(self.regions)} regions")
-        if self.seats and (len(self.seats) != len(self.members) or min(self.seats) < 1):
-            raise ValueError(f"a group of {len(self.members)} members came with seats {self.seats}")
-
-    def seats_of(self, members: Iterable[str] | None = None) -> int:
-        """How many seats ``members`` (None: all) hold; those not in the group hold none (net/parts.py)."""
-        mine = set(self.members if members is None else members)
-        return sum(n for m, n in zip(self.members, self.seats or (1,) * len(self.members), strict=True) if m in mine)
 
     def region_of(self) -> dict[str, str]:
         """Each member's region ('' for all when the group carries none)."""
