@@ -4,6 +4,7 @@ regions per region, and a carrier that dies or lies cannot stall or poison its r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -297,6 +298,73 @@ def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_
             # Region c's mean never reached the frozen carrier's shard (values 6-11): its other member knows that
             # its Δ there is in no average (its method keeps that progress); a's and b's means are in every shard.
             assert [r.missing for r in out] == [(), (), (), (), ((6, 12),)]  # type: ignore[union-attr]
+
+    run(go())
+
+
+def _carrier_of(ts: list[Transport], group: Group, region: str, shard: int) -> int:
+    """The index in ``ts`` of ``region``'s carrier of ``shard``."""
+    plan = plan_for(group, ts[0].peer_id)
+    assert plan is not None
+    regions = group.region_of()
+    (carrier,) = [m for m in plan.carriers[shard] if regions[m] == region]
+    return [t.peer_id for t in ts].index(carrier)
+
+
+@pytest.mark.net
+@pytest.mark.timeout(150)
+def test_a_cut_between_two_carriers_result_sends_never_applies_two_averages() -> None:
+    """Regions a × 3 and b × 2 on libp2p: a shard crosses between two carriers. The regions are cut from each
+    other once a's carrier's result of that shard reached b's (and the other shards are offered), before b's
+    came back: b's carrier holds both parts of the shard, a's only its own, and neither side reaches the other's
+    digest. Whoever applies, applies one average: a side that finished the shard with the other's part zero while
+    the other side finished it whole would be a fork (a rule that counted a's carrier for its cell's 3 of 5
+    members did just that)."""
+    async def go() -> None:
+        async with libp2p_swarm(5, run="hcut") as ts:
+            regions = ["a", "a", "a", "b", "b"]
+            groups = await _form(ts, regions, "hcut")
+            counts = [_carrier_of(ts, groups[0], "b", s) for s in range(3)]
+            lone = next(s for s in range(3) if counts.count(counts[s]) == 1)  # b's carrier of this shard only
+            ia, ib = _carrier_of(ts, groups[0], "a", lone), _carrier_of(ts, groups[0], "b", lone)
+            a, b = ts[ia], ts[ib]
+            cut = asyncio.Event()
+            a_call, b_call = a._call, b._call  # type: ignore[attr-defined]
+
+            others = [(ts[_carrier_of(ts, groups[0], r, k)], f"hier/hcut/0/s{k}") for k in range(3) if k != lone
+                      for r in "ab"]
+
+            async def cut_once_offered() -> None:  # the other shards crossed: only this one is cut mid-step
+                for _ in range(100):
+                    if all(t.offers.get(name) is not None for t, name in others):
+                        break
+                    await asyncio.sleep(0.05)
+                for i, t in enumerate(ts):
+                    t.blocked |= {x.peer_id for j, x in enumerate(ts) if regions[j] != regions[i]}  # type: ignore[attr-defined]
+                cut.set()
+
+            async def a_sends(peer: str, kind: str, msg: dict[str, Any], **kw: Any) -> Any:
+                reply = await a_call(peer, kind, msg, **kw)
+                if kind == "result" and peer == b.peer_id and not cut.is_set():  # b holds a's part now
+                    await cut_once_offered()
+                return reply
+
+            async def b_sends(peer: str, kind: str, msg: dict[str, Any], **kw: Any) -> Any:
+                if kind == "result" and peer == a.peer_id:  # b's part goes once the cut is on: it never arrives
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(cut.wait(), 10.0)
+                return await b_call(peer, kind, msg, **kw)
+
+            a._call, b._call = a_sends, b_sends  # type: ignore[attr-defined]
+            xs = [[torch.full((12,), float(j))] for j in range(5)]
+            out = await asyncio.gather(*(_hier(t, g, x, 1.0, timeout=12.0) for t, g, x in zip(ts, groups, xs,
+                                                                                                strict=True)),
+                                       return_exceptions=True)
+            assert cut.is_set()
+            applied = [r.tensors[0] for r in out if isinstance(r, ReduceResult)]
+            assert all(not isinstance(r, BaseException) or isinstance(r, RoundFailed) for r in out), out
+            assert all(torch.equal(t, applied[0]) for t in applied), [r if isinstance(r, BaseException) else
+                                                                      r.tensors[0] for r in out]
 
     run(go())
 
