@@ -38,6 +38,9 @@ class SwarmRun:
     peers: list[Any]
     errors: list[BaseException] = field(default_factory=list)
     step_rates: list[float] = field(default_factory=list)
+    #: seconds each peer's loop spent outside its inner steps (the step's compute and its ``delay`` are inside),
+    #: per inner step: the time the outer loop took from training (waits, merges, applies)
+    waits: list[float] = field(default_factory=list)
 
 
 def memory_transports(swarm: MemorySwarm | None = None) -> Callable[[int, list[str]], Callable[[], Any]]:
@@ -73,19 +76,22 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
     shared = NetLoop() if shared_loop else None
     n = len(specs)
     out = SwarmRun([None] * n, [])
+    busy = [0.0] * n
     initial: list[str] = []
     for i, spec in enumerate(specs):
         tr = make_trainer(MODEL, TrainerConfig(batch_size=2, warmup_steps=2, total_steps=spec.steps), DataConfig(),
                           rank=i, world=n, corpus=corpus)
-        if spec.delay:
-            inner = tr.step
+        inner = tr.step
 
-            def slowed(inner: Any = inner, extra: float = spec.delay) -> Any:
-                st = inner()
+        def timed(inner: Any = inner, extra: float = spec.delay, i: int = i) -> Any:
+            t = time.perf_counter()
+            st = inner()
+            if extra:
                 time.sleep(extra)
-                return st
+            busy[i] += time.perf_counter() - t
+            return st
 
-            tr.step = slowed  # type: ignore[method-assign]
+        tr.step = timed  # type: ignore[method-assign]
         cfg = PeerConfig(**{"run_id": "t", "steps": spec.steps, "step_seconds": step_seconds,
                             "join_window": join_window, "join_timeout": 10, "heartbeat": 0.3, "ttl": 4.0,
                             "drain_timeout": 15, "region": spec.region, **overrides})
@@ -135,6 +141,7 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
     if shared is not None:
         shared.close()
     out.step_rates = rates
+    out.waits = [(p.loop_seconds - b) / max(p.trainer.step_count, 1) for p, b in zip(out.peers, busy, strict=True)]
     return out
 
 

@@ -102,15 +102,17 @@ def test_a_slower_peer_does_not_slow_the_others(corpus: Corpus, factor: int) -> 
                                                                         delay=factor * step + 0.01)],
                       corpus, libp2p_transports(f"slow{factor}"), step_seconds=0.05)
     assert not base.errors and not mixed.errors, (base.errors, mixed.errors)
-    fast_base = sum(base.step_rates[:2]) / 2
     fast_mixed = sum(mixed.step_rates[:2]) / 2
     # the slow peer really is slow: its sleep adds (factor − 1)·step to each step beyond a fast peer's (compared
     # as seconds per step: on a loaded machine every peer's compute grows, and a ratio of rates shrinks with it)
     assert 1 / mixed.step_rates[2] - 1 / fast_mixed > 0.5 * (factor - 1) * step, (mixed.step_rates, fast_mixed)
-    # and the fast peers keep their pace: had they waited for the straggler, they would step at about its rate
-    # (1/2.5 of their own at factor 3, 1/8 at 10). The two swarms run one after the other, so a change of the
-    # machine's load between them moves this ratio (at >= 0.9 it failed once in a suite with tests beside it); run
-    # at the same time in one process, both swarms stepped 3x slower (five peers' threads on one interpreter).
-    assert fast_mixed >= 0.75 * fast_base, (fast_base, fast_mixed)
+    # and the fast peers keep their pace: had they waited for the straggler, the time their loop spends outside
+    # their own inner steps would grow by about the straggler's extra (factor − 1)·step per step. Compared as that
+    # time (waits, merges, applies) and not as a rate of steps: the two swarms run one after the other, and a change
+    # of the machine's load between them moved the fast peers' rate by a third (9.5 → 6.0 steps/s in one CI run),
+    # and a rate cannot tell a slower compute (inside the steps) from waiting (outside them).
+    fast_wait_base = sum(base.waits[:2]) / 2
+    fast_wait_mixed = sum(mixed.waits[:2]) / 2
+    assert fast_wait_mixed - fast_wait_base < 0.5 * (factor - 1) * step, (base.waits, mixed.waits, mixed.step_rates)
     assert all(r is not None and r.rounds_complete + r.rounds_partial > 0 for r in mixed.results), [
         None if r is None else (r.rounds_complete, r.rounds_partial, r.rounds_failed) for r in mixed.results]
