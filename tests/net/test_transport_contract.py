@@ -18,8 +18,8 @@ WINDOW = 1.0
 
 
 @asynccontextmanager
-async def memory_swarm(n: int) -> AsyncIterator[list[Transport]]:
-    swarm = MemorySwarm(join_window=WINDOW, ttl=30)
+async def memory_swarm(n: int, join_window: float = WINDOW) -> AsyncIterator[list[Transport]]:
+    swarm = MemorySwarm(join_window=join_window, ttl=30)
     ts: list[Transport] = [swarm.transport(f"peer{i}") for i in range(n)]
     for t in ts:
         await t.announce(PeerInfo(peer_id=t.peer_id))
@@ -53,7 +53,7 @@ async def libp2p_swarm(n: int, run: str = "contract", join_window: float = WINDO
 
 SWARMS = [pytest.param(memory_swarm, id="memory"),
           pytest.param(libp2p_swarm, id="libp2p", marks=[pytest.mark.net, pytest.mark.timeout(120)])]
-Make = Callable[[int], Any]
+Make = Callable[..., Any]  # (n, join_window=…) -> an async context of n transports
 
 
 def run(coro: Awaitable[Any]) -> Any:
@@ -103,7 +103,10 @@ def test_quantized_results_are_identical_on_every_member(make: Make, codec: str)
 @pytest.mark.parametrize("make", SWARMS)
 def test_member_that_dies_after_joining_is_dropped(make: Make) -> None:
     async def go() -> None:
-        async with make(3) as ts:
+        # A window of 3 s, not 1: the three joins must all reach the leader within it, and a suite with a benchmark
+        # beside it once had the leader close at 1 s with itself alone ("no quorum: 1 of 3 live peers joined").
+        # The group closes as soon as all three joined, so the longer window costs nothing when they are on time.
+        async with make(3, join_window=3.0) as ts:
             async def dead(t: Transport) -> Group:  # joins, then never sends its share
                 return await t.form_group(JoinRequest(key="d", peer_id=t.peer_id, weight=1.0, fragment=0), None,
                                           timeout=10)
@@ -113,7 +116,7 @@ def test_member_that_dies_after_joining_is_dropped(make: Make) -> None:
             t0 = loop.time()
             out = await asyncio.gather(_round(ts[0], "d", vals[0], 1.0, timeout=4.0),
                                        _round(ts[1], "d", vals[1], 1.0, timeout=4.0), dead(ts[2]))
-            assert loop.time() - t0 < 4.0 + WINDOW + 3
+            assert loop.time() - t0 < 4.0 + 3.0 + 3
             for _, r in out[:2]:
                 assert r.partial and ts[2].peer_id not in r.contributors
                 # Parts owned by the dead peer fell back to zero; the rest averages the two live peers.
