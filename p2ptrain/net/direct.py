@@ -273,7 +273,9 @@ class Direct:
         self.opened += 1
         self._failures.pop(peer, None)
         to_them, to_me = derive_keys(ticket.secret, nonce)
-        return Sealed(reader, writer, to_them, to_me)
+        conn = Sealed(reader, writer, to_them, to_me)
+        conn.old_session = not fresh
+        return conn
 
     def release(self, peer: str, conn: Sealed) -> None:
         """An exchange with ``peer`` on ``conn`` was closed: keep the connection for the next one if the exchange

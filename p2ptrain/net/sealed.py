@@ -68,6 +68,7 @@ class Sealed:
         self.exchanges = 0  # exchanges ended on this connection
         self.born = time.monotonic()
         self.reused = False  # the exchange in progress is not the connection's first
+        self.old_session = False  # opened with a session held from an earlier exchange (the peer may have restarted)
         self.may_keep = True  # the side that serves it may offer to keep it (False: it closes after this exchange)
         self.received_before = 0  # ``received`` when the exchange in progress began
 

@@ -264,6 +264,16 @@ class Streams:
             c = used[0]
             return reuse[0] and not isinstance(e, TimeoutError) and c is not None and c.reused and not c.replied()
 
+        def session_lost(e: BaseException) -> bool:
+            """The attempt went on a new connection with a session from an earlier exchange, and the peer closed it
+            before it replied at all: it restarted on the same port (``--direct-port``) and refused the hello of a
+            session it no longer knows. Once more with a new session (churn benchmark: a hierarchical carrier's
+            part to a peer restarted 15 s before failed so, "stream closed mid-frame", and the shard with it)."""
+            c = used[0]
+            return renew[0] and not isinstance(e, TimeoutError) and c is not None and not c.reused \
+                and c.old_session and not c.replied()
+
+        renew = [True]
         redialed = False
         while True:
             try:
@@ -273,6 +283,10 @@ class Streams:
             except Exception as e:  # the daemon reports failed dials with its own error types
                 if closed_kept(e):
                     reuse[0] = False
+                    continue
+                if session_lost(e):
+                    renew[0] = reuse[0] = False
+                    self._forget(peer, True)
                     continue
                 self._forget(peer, direct[0])
                 if isinstance(e, (TimeoutError, FrameError, asyncio.IncompleteReadError)):

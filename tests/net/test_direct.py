@@ -431,6 +431,67 @@ def test_an_exchange_on_a_kept_connection_the_peer_closed_goes_again_on_a_new_on
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["message", "streamed"])
+def test_a_peer_restarted_on_the_same_port_is_asked_for_a_new_session_and_the_exchange_goes_through(
+        streamed: bool) -> None:
+    """The peer restarted under the same identity and on the same direct port (as `p2ptrain join --direct-port` does
+    after a kill): the connection to it opens, but the new process knows none of its old sessions and closes it
+    after the hello, before any reply. That exchange did not begin there: it goes again at once on a new session
+    instead of failing (churn benchmark: a carrier's part to a peer restarted 15 s before failed this way, "stream
+    closed mid-frame", and with two carriers of the shard every member of the round failed it)."""
+    import types
+
+    from p2ptrain.net.daemon import SwarmConfig
+    from p2ptrain.net.guard import Guard
+    from p2ptrain.net.streams import Streams
+
+    async def go() -> None:
+        a, _, directs = _two_stream_layers()
+
+        async def echo(sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+            got = [bytes(c) async for c in msg["_frames"]] if "_frames" in msg else []
+            return {"n": msg["n"], "chunks": len(got)}
+
+        async def addresses(peer: str) -> list[str]:
+            return ["/ip4/127.0.0.1/tcp/1"]
+
+        async def ask(peer: str) -> dict[str, Any]:
+            return directs[peer].issue("B")
+
+        async def start_b(port: int = 0) -> None:
+            directs["B"] = Direct("B", host="127.0.0.1", port=port, ask=ask, addresses=addresses)
+            p2p = types.SimpleNamespace(peer_id="B", add_binary_stream_handler=_no_daemon)
+            b = Streams(SwarmConfig(run_id="keep"), p2p, Guard(), lambda peer: False, addresses, directs["B"])
+            await b.serve("part", echo)
+            await directs["B"].start()
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(3):
+                yield os.urandom(256 * 1024)
+
+        def call(n: int) -> Any:
+            if not streamed:
+                return a.call("B", "part", {"n": n}, timeout=5)
+            return a.call("B", "part", {"n": n, "chunks": 3}, timeout=5, chunks=chunks)
+
+        await directs["A"].start()
+        await start_b()
+        try:
+            assert (await call(0))[0]["n"] == 0
+            port = directs["B"].port
+            await directs["B"].aclose()  # killed: its sessions are gone with it
+            await start_b(port)  # back under the same name, on the same port
+            reply, _ = await call(1)
+            assert reply["n"] == 1 and reply["chunks"] == (3 if streamed else 0), reply
+            assert directs["A"].opened == 2 + 1, directs["A"].opened  # the first, the refused hello, the new session
+            assert (await call(2))[0]["n"] == 2  # and the session holds from then on
+        finally:
+            for d in directs.values():
+                await d.aclose()
+
+    asyncio.run(go())
+
+
 class _End:
     """A stand-in for one end of a TCP connection (reader and writer at once): open until closed."""
 
