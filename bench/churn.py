@@ -68,7 +68,14 @@ if __package__ in (None, ""):
 
 import itertools
 
-from bench.churn_rounds import failure_kind, failure_kinds, kept_rounds, trained_in_window_reaching_theta
+from bench.churn_rounds import (
+    CUT_STATES,
+    failure_kind,
+    failure_kinds,
+    kept_rounds,
+    rounds_by_cut,
+    trained_in_window_reaching_theta,
+)
 from bench.harness import DIRECT_PORT, P2PTRAIN, RESULTS, exit_on_sigterm, rss_tree_mb
 from bench.testbed import RegionSpec, Testbed, TestbedSpec, parse_rate, unavailable_reason
 from p2ptrain.procs import wait_lines
@@ -925,6 +932,16 @@ def _markdown(payload: dict[str, Any]) -> str:
                 top = "; ".join(f"{k} ({n})" for k, n in list(kinds.items())[:6])
                 lines += ["", f"Why rounds failed on a peer{' (rounds failed everywhere)' if everywhere else ''}, "
                               f"{name}, most common first: {top}."]
+    for name, ph in payload["phases"].items():
+        if not any(f["kind"] == "partition" for f in ph.get("faults", [])) or "started_unix" not in ph:
+            continue
+        by_cut = rounds_by_cut(ph, a["step_seconds"], a.get("partition_seconds", 60.0))
+        lines += ["", f"Rounds of {name} by where they stood against the region cuts (a round began at its logical "
+                      "step; mid-round: a cut began within 45 s after it; after a heal: within 45 s after one "
+                      "ended):", "", "| rounds | in the window | failed everywhere | failures on a peer |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {by_cut[k]['rounds']} | {by_cut[k]['failed_everywhere']} | {by_cut[k]['failures']} |"
+                  for k in CUT_STATES]
     if payload.get("baseline_from"):
         lines += ["", f"The fault-free phase is {payload['baseline_from']}."]
     if "goodput" in payload:

@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["failure_kind", "failure_kinds", "kept_rounds", "trained_in_window_reaching_theta"]
+__all__ = ["CUT_STATES", "cut_state", "failure_kind", "failure_kinds", "kept_rounds", "rounds_by_cut",
+           "trained_in_window_reaching_theta"]
 
 _KEPT = re.compile(r"^ts=(\S+ \S+) .*event=applied key=(\S+) fragment=(\d+) .* divergent=(\w+) .* own=(\d+)")
 
@@ -44,6 +45,44 @@ def failure_kinds(rows: list[dict[str, Any]], everywhere: bool = False) -> dict[
             kind = failure_kind(kind)  # (a kind is its own kind: records filed by an older reading merge)
             counts[kind] = counts.get(kind, 0) + n
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+#: Where a round stood against the region cuts of its run (:func:`cut_state`), in the report's order.
+CUT_STATES = ("no cut", "began in a cut", "cut began mid-round", "after a heal")
+
+
+def cut_state(t: float, cuts: list[tuple[float, float]], span: float) -> str:
+    """Where a round that began at ``t`` stood against the region cuts ``cuts`` ((start, end) times): ``began in a
+    cut``; ``cut began mid-round`` (a cut began within ``span`` seconds after it began: its members were split while
+    it ran); ``after a heal`` (it began within ``span`` seconds after a cut ended); else ``no cut``."""
+    if any(a <= t <= b for a, b in cuts):
+        return "began in a cut"
+    if any(t < a <= t + span for a, _ in cuts):
+        return "cut began mid-round"
+    if any(b < t <= b + span for _, b in cuts):
+        return "after a heal"
+    return "no cut"
+
+
+def rounds_by_cut(phase: dict[str, Any], step_seconds: float, cut_seconds: float, span: float = 45.0
+                  ) -> dict[str, dict[str, int]]:
+    """The window's rounds by where they stood against the phase's region cuts (``partition`` faults of
+    ``cut_seconds``; :func:`cut_state`): how many, how many no member applied, and their failures on a peer. A round
+    began at its key's logical step × ``step_seconds`` (unix time). Churn runs: the rounds no member applied all
+    had a cut in them or began in one (churn_failures, churn_failures2)."""
+    t0 = float(phase["started_unix"])
+    w0, w1 = phase["window_s"]
+    cuts = [(float(f["t"]), float(f["t"]) + cut_seconds) for f in phase["faults"] if f["kind"] == "partition"]
+    out = {k: {"rounds": 0, "failed_everywhere": 0, "failures": 0} for k in CUT_STATES}
+    for key, r in phase["rounds"].items():
+        t = _order(key) * step_seconds - t0
+        if not w0 <= t <= w1:
+            continue
+        c = out[cut_state(t, cuts, span)]
+        c["rounds"] += 1
+        c["failed_everywhere"] += r["outcome"] == "failed"
+        c["failures"] += len(r["failed_on"])
+    return out
 
 
 def _order(key: str) -> int:

@@ -97,3 +97,29 @@ def test_round_failures_are_tallied_by_kind_of_reason(tmp_path: Path) -> None:
     for r in rows.values():  # a record written before the reasons were kept
         del r["failed_why"]
     assert phase_figures(record, fragments=4)["failure_kinds"] == {}
+
+
+def test_rounds_are_counted_by_where_they_stood_against_the_region_cuts() -> None:
+    """A round began at its key's logical step × the step's seconds (unix time); the window and the cuts are in
+    seconds since the phase started. Counted by hand: one round of each state in the window, one outside it."""
+    from bench.churn_rounds import CUT_STATES, rounds_by_cut
+
+    start = 3000.0  # the phase's start (unix); steps of 3 s: L = (start + t) / 3
+
+    def row(outcome: str, failed: int) -> dict[str, object]:
+        return {"outcome": outcome, "failed_on": [f"p{i}" for i in range(failed)]}
+
+    phase = {"started_unix": start, "window_s": [60.0, 600.0],
+             "faults": [{"t": 200.0, "kind": "partition"}, {"t": 400.0, "kind": "stop"}],
+             "rounds": {f"f0.L{int((start + 90) / 3)}": row("applied", 0),  # no cut (a stop is no cut)
+                        f"f1.L{int((start + 180) / 3)}": row("failed", 9),  # the cut began 20 s after it began
+                        f"f2.L{int((start + 230) / 3)}": row("failed", 5),  # in the cut (200–260)
+                        f"f3.L{int((start + 240) / 3)}": row("applied", 2),  # in the cut
+                        f"f0.L{int((start + 290) / 3)}": row("applied", 1),  # 30 s after the heal
+                        f"f1.L{int((start + 30) / 3)}": row("failed", 16)}}  # before the window: not counted
+    got = rounds_by_cut(phase, step_seconds=3.0, cut_seconds=60.0)
+    assert list(got) == list(CUT_STATES)
+    assert got == {"no cut": {"rounds": 1, "failed_everywhere": 0, "failures": 0},
+                   "began in a cut": {"rounds": 2, "failed_everywhere": 1, "failures": 7},
+                   "cut began mid-round": {"rounds": 1, "failed_everywhere": 1, "failures": 9},
+                   "after a heal": {"rounds": 1, "failed_everywhere": 0, "failures": 1}}
