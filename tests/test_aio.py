@@ -55,12 +55,22 @@ def test_an_abandoned_event_wait_is_filed_at_debug_and_other_lost_tasks_still_at
         with NetLoop() as net:
             net.call(coro, 10)
 
-    with caplog.at_level(logging.DEBUG):
-        for loop_run in (aio.run, on_net_loop):
-            caplog.clear()
-            loop_run(lose_tasks())
-            gc.collect()
-            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-            assert len(errors) == 1 and "lost-other" in errors[0] and "destroyed" in errors[0], errors
-            assert any("event=abandoned_wait task=abandoned-wait" in r.getMessage() for r in caplog.records
-                       if r.name == "p2ptrain.aio" and r.levelno == logging.DEBUG)
+    # caplog's handler on p2ptrain.aio itself: a command run in this process earlier (setup_logging) leaves the
+    # "p2ptrain" logger at WARNING and not propagating, and its DEBUG lines never reached the root's handler
+    ours = logging.getLogger("p2ptrain.aio")
+    level = ours.level
+    ours.addHandler(caplog.handler)
+    ours.setLevel(logging.DEBUG)
+    try:
+        with caplog.at_level(logging.DEBUG):
+            for loop_run in (aio.run, on_net_loop):
+                caplog.clear()
+                loop_run(lose_tasks())
+                gc.collect()
+                errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+                assert len(errors) == 1 and "lost-other" in errors[0] and "destroyed" in errors[0], errors
+                assert any("event=abandoned_wait task=abandoned-wait" in r.getMessage() for r in caplog.records
+                           if r.name == "p2ptrain.aio" and r.levelno == logging.DEBUG), loop_run
+    finally:
+        ours.removeHandler(caplog.handler)
+        ours.setLevel(level)
