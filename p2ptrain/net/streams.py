@@ -256,24 +256,19 @@ class Streams:
                 if sealed is not None and self.direct is not None:
                     self.direct.release(peer, sealed)
 
-        def closed_kept(e: BaseException) -> bool:
-            """The attempt went on a kept connection that the peer had closed before it replied at all (it restarted,
-            or kept it for less long than we did): the exchange did not begin there; once more on a new one. (A peer
-            that answered without reading the whole request, a refusal, and reset the connection before its answer
-            arrived is asked again too: it refuses again.)"""
-            c = used[0]
-            return reuse[0] and not isinstance(e, TimeoutError) and c is not None and c.reused and not c.replied()
+        def not_begun(e: BaseException, c: Sealed) -> bool:
+            """The exchange did not begin at the peer: it closed the connection before it replied at all, and the
+            attempt went on a connection kept from an earlier exchange (the peer restarted, or kept it for less long
+            than we did), or on a new one with a session from an earlier exchange (the peer restarted on the same
+            ``--direct-port`` and refused the hello of a session it no longer knows: churn benchmark, a hierarchical
+            carrier's part to a peer restarted 15 s before failed so, "stream closed mid-frame", and the shard with
+            it). Once more on a new connection, with a new session in the second case. (A peer that answered
+            without reading the whole request, a refusal, and reset the connection before its answer arrived is
+            asked again too: it refuses again.) Each case can happen once per call: a retry reuses nothing."""
+            return not isinstance(e, TimeoutError) and not c.replied() and (
+                c.reused or (c.old_session and not renewed[0]))
 
-        def session_lost(e: BaseException) -> bool:
-            """The attempt went on a new connection with a session from an earlier exchange, and the peer closed it
-            before it replied at all: it restarted on the same port (``--direct-port``) and refused the hello of a
-            session it no longer knows. Once more with a new session (churn benchmark: a hierarchical carrier's
-            part to a peer restarted 15 s before failed so, "stream closed mid-frame", and the shard with it)."""
-            c = used[0]
-            return renew[0] and not isinstance(e, TimeoutError) and c is not None and not c.reused \
-                and c.old_session and not c.replied()
-
-        renew = [True]
+        renewed = [False]
         redialed = False
         while True:
             try:
@@ -281,12 +276,11 @@ class Streams:
                     reply = await _go()
                 return reply, time.monotonic() - t0
             except Exception as e:  # the daemon reports failed dials with its own error types
-                if closed_kept(e):
+                if (c := used[0]) is not None and not_begun(e, c):
+                    if not c.reused:  # the session is the peer's previous life's: ask for a new one
+                        renewed[0] = True
+                        self._forget(peer, True)
                     reuse[0] = False
-                    continue
-                if session_lost(e):
-                    renew[0] = reuse[0] = False
-                    self._forget(peer, True)
                     continue
                 self._forget(peer, direct[0])
                 if isinstance(e, (TimeoutError, FrameError, asyncio.IncompleteReadError)):
