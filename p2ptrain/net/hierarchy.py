@@ -29,7 +29,9 @@ contribution there); a trimmed mean of cells is not the trimmed mean of peers.
 
 Failures: a member whose cell step fails fails the round (as in a flat round); a shard whose carrier in this cell
 never offers it is fetched from another cell's carrier (cross-cell bytes, but the same values); a shard no carrier
-delivers fails the round. A shard averaged without some cell (its carrier dropped) makes the round partial: every
+delivers fails the round. In a round of two cells, a shard's carrier that falls silent is stood in for by the next
+member of its cell, which holds the same cell mean (net/standin.py): one frozen or dead member no longer fails the
+round for everyone. A shard averaged without some cell (its carrier dropped) makes the round partial: every
 member still ends with the same bytes for it, and that cell's members are told where their Δ is in no average
 (``ReduceResult.missing``), so that their method keeps that progress for the next round instead of merging it
 away. A cell whose θ loses a shard's vote across cells repairs onto the winners' θ when a strict majority of the
@@ -49,7 +51,7 @@ import struct
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +62,7 @@ from .digest import hexdigest
 from .groups import fingerprints_match
 from .parts import print_problem, union
 from .polling import answer, first_of, poll
+from .standin import carry_shard, cells_by_member, partner_standin, stand_in, standin_group, standin_of
 from .transport import Group, ReduceResult, RoundFailed, Transport
 from .wire import FrameError, decode_message, encode_message
 
@@ -96,6 +99,8 @@ class Plan:
     holder: dict[int, str]  # shard -> its carrier in this member's cell
     carried: tuple[int, ...]  # the shards this member carries across
     smallest: int = 1  # the smallest cell's size (the same for every member: what the round's timeout is sized by)
+    # member -> its cell's members (a silent carrier's stand-in is one of them: net/standin.py)
+    cell_of: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def shard_group(self, group: Group, s: int) -> Group:
         members = self.carriers[s]
@@ -137,11 +142,25 @@ def plan_for(group: Group, me: str, max_group: int | None = None) -> Plan | None
     local_group = Group(f"{group.key}@c{tag:08x}", local, min(local), group.fragment, group.signature,
                         group.schedule)
     return Plan(region, local_group, shards, carriers, holder, tuple(s for s in range(shards) if holder[s] == me),
-                min(len(ms) for _, ms in cells))
+                min(len(ms) for _, ms in cells), cells_by_member([ms for _, ms in cells]))
 
 
 def _offer_name(group: Group, phase: int, s: int) -> str:
     return f"hier/{group.key}/{phase}/s{s}"
+
+
+def _mark_name(group: Group, phase: int, s: int) -> str:
+    """The marker a silent carrier's stand-in offers for shard ``s`` (net/standin.py); not under the shard's own
+    names, which a carrier whose carry failed declines by prefix."""
+    return f"hier/{group.key}/{phase}/in/s{s}"
+
+
+def _witnesses(plan: Plan, s: int, holder: str) -> list[str]:
+    """Who may offer shard ``s``'s digest besides ``holder``: its other carriers, and, for a shard of two carriers,
+    the other one's stand-in (which offers it only when it stood in: net/standin.py)."""
+    others = [c for c in plan.carriers[s] if c != holder]
+    sub = standin_of(plan.carriers[s], plan.cell_of, others[0]) if len(others) == 1 else None
+    return others + ([sub] if sub is not None and sub != holder else [])
 
 
 def decline_round(transport: Transport, key: str, phase: int | None = None) -> None:
@@ -153,24 +172,26 @@ def decline_round(transport: Transport, key: str, phase: int | None = None) -> N
 
 
 async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: int, s: int, me: str,
-                       deadline: float, crossed_by: float = 0.0) -> tuple[bytes, int, str]:
+                       deadline: float, crossed_by: float = 0.0, heard: list[float] | None = None
+                       ) -> tuple[bytes, int, str]:
     """Shard ``s``'s offer as this member's region's carrier serves it, checked against a carrier of another
     region (the digest of its offer); from another region's carrier when ours declines it, stays silent for
     :data:`SILENT` s once a witness answered, or does not deliver by 3/4 of the time left (or halfway from
     ``crossed_by``, when the cross step ends at the latest, to the deadline if that is later).
     Returns (offer, bytes fetched, where from: ``h`` our cell's carrier, checked; ``u`` our cell's carrier, with no
     other cell's digest to check it against; ``o:<id>`` another cell's carrier). RoundFailed if carriers disagree or
-    none delivers."""
+    none delivers. ``heard[0]`` (if given) is kept at when our cell's carrier last showed it is alive."""
     name = _offer_name(group, phase, s)
     holder = plan.holder[s]
     others = [c for c in plan.carriers[s] if c != holder]
     if holder != me:  # (when we are the carrier, our own carry failed: only other regions have it)
         start = zlib.crc32(me.encode()) % len(others)  # spread the digest requests over the carriers
-        witnesses = others[start:] + others[:start]
+        witnesses = others[start:] + others[:start] + _witnesses(plan, s, holder)[len(others):]
         t0 = time.monotonic()
         ours = max(t0 + 0.75 * (deadline - t0), crossed_by + 0.5 * (deadline - crossed_by))
 
-        heard = [t0]  # when our carrier last showed it is alive (an answer, "not yet" too, or a chunk)
+        if heard is None:
+            heard = [t0]  # when our carrier last showed it is alive (an answer, "not yet" too, or a chunk)
 
         def alive() -> None:
             heard[0] = time.monotonic()
@@ -306,11 +327,17 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
     # f0.L598576720: 5 replicas on each side).
     cell_print = local.agreed if local.agreed is not None else (None if local.divergent else fingerprint)
 
+    cross_end = t0 + CROSS_SHARE * timeout
+
     async def carry(s: int) -> tuple[int, ReduceResult, bytes, str]:
         lo, hi = bounds[s]
-        res = await transport.allreduce(plan.shard_group(group, s), phase, [mean[lo:hi]], local.total_weight, codec,
-                                        timeout=max(0.1, t0 + CROSS_SHARE * timeout - time.monotonic()),
-                                        fingerprint=cell_print)
+        # (in a round of two cells, with the other carrier's stand-in too if that one falls silent: net/standin.py)
+        partner = partner_standin(plan.carriers[s], plan.cell_of, me)
+        res, stood_in = await carry_shard(
+            transport, plan.shard_group(group, s),
+            None if partner is None else standin_group(plan.carriers[s], plan.cell_of, group, s, partner[0]),
+            None if partner is None else partner[1], _mark_name(group, phase, s), phase, mean[lo:hi],
+            local.total_weight, codec, start=time.monotonic(), silent=SILENT, end=cross_end, fingerprint=cell_print)
         payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
         offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
         name = _offer_name(group, phase, s)
@@ -327,7 +354,9 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         div = {"by": list(res.contributors) if lost(res) else [], "tied": tied(res),
                "print": None if res.agreed is None or not (lost(res) or tied(res)) else list(res.agreed),
                # for the members of other cells that fetch the shard from us: the θ that won its vote, and whose
-               "won": None if res.agreed is None else list(res.agreed), "winners": list(res.contributors),
+               "won": None if res.agreed is None else list(res.agreed),
+               # (the carrier a stand-in replaced is named too: its cell's mean is in the shard, by its stand-in)
+               "winners": list(res.contributors) + ([partner[0]] if stood_in and partner is not None else []),
                # where in the shard the cell's mean is not in the average (its part left out there): the cell's
                # members keep their progress on those values (OuterLoop.finish ``keep``)
                "missing": [list(r) for r in res.missing]}
@@ -378,13 +407,30 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         # How our cell's carrier of s came out of the shard's vote: asked for beside the shard (it is offered with
         # it), so that a slow link costs one wait, not two.
         said: bytes | RoundFailed | None = None
+        heard = [time.monotonic()]  # when our cell's carrier of s last answered
+        # We stand in for it if it falls silent, in a round of two cells (net/standin.py).
+        alt = standin_group(plan.carriers[s], plan.cell_of, group, s, holder) \
+            if standin_of(plan.carriers[s], plan.cell_of, holder) == me else None
         async with asyncio.TaskGroup() as tg:  # (no child raises: the group owns and awaits the note's task)
             note = tg.create_task(answer(transport, holder, name, deadline)) if holder != me else None
+            helper = None if alt is None else tg.create_task(stand_in(
+                transport, alt, _mark_name(group, phase, s), phase, mean[bounds[s][0]:bounds[s][1]],
+                local.total_weight, codec, silent_since=lambda: heard[0], silent=SILENT, end=cross_end,
+                fingerprint=cell_print, offer=lambda res: offer_digest(s, res)))
             try:
                 got: tuple[bytes, int, str] | RoundFailed = await _shard_bytes(
-                    transport, plan, group, phase, s, me, deadline, t0 + CROSS_SHARE * timeout)
+                    transport, plan, group, phase, s, me, deadline, cross_end, heard)
             except RoundFailed as e:
                 got = e
+            if helper is not None:
+                # The shard came from our cell's carrier after all, or not at all, or from the other cell's carrier
+                # before we stepped in: no step of ours in its place is needed. If we stepped in, the other carrier
+                # served us the result of our step together (it ended there): ours is given a moment to end too and
+                # offer its digest, which that carrier's cell checks its shard against.
+                if (not isinstance(got, RoundFailed) and got[2].startswith("o:")
+                        and transport.offers.get(_mark_name(group, phase, s)) is not None):
+                    await asyncio.wait({helper}, timeout=2.0)
+                helper.cancel()
             if note is not None:
                 if isinstance(got, RoundFailed) or got[2].startswith("o:"):
                     note.cancel()  # our cell's carrier failed its shard: our cell cast no vote on it
@@ -419,6 +465,13 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         if by and winner is not None:
             won.append(winner)
 
+    async def offer_digest(s: int, res: ReduceResult) -> None:
+        # We stood in for our cell's carrier of s: the digest of the shard's offer as a carrier makes it, for the
+        # other cell's members to check what their carrier serves against (net/standin.py)
+        payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
+        offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
+        transport.offers.put(_offer_name(group, phase, s) + "#sha", hexdigest(offer).encode(), ttl=OFFER_TTL)
+
     async def from_other_cell(s: int, other: str, name: str) -> None:
         # Our cell cast no vote on shard s (its carrier failed it): whether our θ is the one that won the shard's
         # vote, only the note of the carrier that served it can say. Applying another θ's round onto ours forks θ:
@@ -452,7 +505,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         name = _offer_name(group, phase, s) + "#sha"
         now = time.monotonic()  # (waited for as our members wait for a witness: a late one is not a gone one)
         try:
-            other, digest = await first_of(transport, [c for c in plan.carriers[s] if c != me], name,
+            other, digest = await first_of(transport, _witnesses(plan, s, me), name,
                                            now + 0.75 * max(0.0, deadline - now), stagger=1.0)
         except RoundFailed:
             log.warning("event=shard_unchecked name=%s holder=%s", name[:-4], me[-8:])

@@ -19,6 +19,7 @@ from p2ptrain.collective.codecs import get_codec
 from p2ptrain.data import Corpus
 from p2ptrain.net.hierarchy import _HEADER, cells_of, hierarchical_allreduce, plan_for
 from p2ptrain.net.memory import MemorySwarm
+from p2ptrain.net.standin import standin_of
 from p2ptrain.net.transport import Group, JoinRequest, PeerInfo, ReduceResult, RoundFailed, Transport
 
 from .peers import Spec, applied_agree, memory_transports, run_peers
@@ -298,6 +299,137 @@ def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_
             # Region c's mean never reached the frozen carrier's shard (values 6-11): its other member knows that
             # its Δ there is in no average (its method keeps that progress); a's and b's means are in every shard.
             assert [r.missing for r in out] == [(), (), (), (), ((6, 12),)]  # type: ignore[union-attr]
+
+    run(go())
+
+
+def test_a_carrier_that_dies_in_a_round_of_two_cells_is_stood_in_for_by_its_cell(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 regions × 3 (a round of two cells: every shard crosses between two carriers); region b's carrier of shard 1
+    dies once its cell's step is done. Its stand-in (the next member of b) holds the same cell mean, steps in once
+    the carrier has been silent for SILENT s, and a's carrier of the shard, told by its marker, averages the shard
+    with it: every live member ends with the same bytes, the whole weighted mean of all six (b's dead carrier's
+    values are in its cell's mean), not partial, nothing missing. (Without the stand-in the shard heard one of its
+    two carriers, and every member failed the round: "only 1 of 2 parts", then "no carrier delivered it".)"""
+    import p2ptrain.net.hierarchy as hier
+
+    monkeypatch.setattr(hier, "SILENT", 1.0)
+
+    async def go() -> None:
+        swarm = MemorySwarm(join_window=WINDOW, ttl=30)
+        async with memory_swarm(6, swarm) as ts:
+            regions = ["a", "b", "a", "b", "a", "b"]
+            groups = await _form(ts, regions, "hd")
+            dead = _carrier_of(ts, groups[0], "b", 1)
+            plan = plan_for(groups[0], ts[dead].peer_id)
+            assert plan is not None and standin_of(plan.carriers[1], plan.cell_of, ts[dead].peer_id) is not None
+            step = ts[dead].allreduce
+
+            async def die_across(group: Group, *args: Any, **kw: Any) -> ReduceResult:
+                if "#s" in group.key:  # its cell's step is done: it dies as its cross step begins
+                    swarm.kill(ts[dead].peer_id)
+                return await step(group, *args, **kw)
+
+            ts[dead].allreduce = die_across  # type: ignore[method-assign]
+            gen = torch.Generator().manual_seed(5)
+            xs = [[torch.randn(30, generator=gen)] for _ in ts]
+            ws = [1.0, 2.0, 1.5, 0.5, 1.0, 3.0]
+            calls = [asyncio.create_task(_hier(t, g, x, w, timeout=20.0))
+                     for t, g, x, w in zip(ts, groups, xs, ws, strict=True)]
+            live = await asyncio.gather(*(c for i, c in enumerate(calls) if i != dead), return_exceptions=True)
+            calls[dead].cancel()  # (its own round never ends: it is dead)
+            await asyncio.gather(calls[dead], return_exceptions=True)
+            assert not any(isinstance(r, BaseException) for r in live), live
+            exp = sum(w * x[0].double() for x, w in zip(xs, ws, strict=True)) / sum(ws)
+            for r in live:
+                assert isinstance(r, ReduceResult)
+                assert torch.equal(r.tensors[0], live[0].tensors[0])  # type: ignore[union-attr]
+                assert (r.tensors[0].double() - exp).abs().max() < 1e-6
+                assert not r.partial and r.missing == () and r.total_weight == pytest.approx(sum(ws))
+
+    run(go())
+
+
+@pytest.mark.net
+@pytest.mark.timeout(150)
+def test_a_carrier_frozen_in_a_round_of_two_cells_is_stood_in_for_on_libp2p(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on real libp2p peers with verified aggregation: region b's carrier of shard 1 freezes (nobody reaches
+    it, it reaches nobody) as its cross step begins; its stand-in and a's carrier average the shard, audited as any
+    cross step, and the five others end with the same bytes, the whole weighted mean."""
+    import p2ptrain.net.hierarchy as hier
+
+    monkeypatch.setattr(hier, "SILENT", 2.0)
+
+    async def go() -> None:
+        async with libp2p_swarm(6, run="hstand") as ts:
+            regions = ["a", "b", "a", "b", "a", "b"]
+            groups = await _form(ts, regions, "hstand")
+            frozen = _carrier_of(ts, groups[0], "b", 1)
+            step = ts[frozen].allreduce
+
+            async def freeze_across(group: Group, *args: Any, **kw: Any) -> ReduceResult:
+                if "#s" in group.key:  # its cell's step is done: from now on it is cut off from everyone
+                    for i, t in enumerate(ts):
+                        t.blocked |= {x.peer_id for j, x in enumerate(ts) if frozen in (i, j) and i != j}  # type: ignore[attr-defined]
+                return await step(group, *args, **kw)
+
+            ts[frozen].allreduce = freeze_across  # type: ignore[method-assign]
+            gen = torch.Generator().manual_seed(7)
+            xs = [[torch.randn(3000, generator=gen)] for _ in ts]
+            ws = [1.0, 2.0, 1.5, 0.5, 1.0, 3.0]
+            calls = [asyncio.create_task(_hier(t, g, x, w, timeout=40.0))
+                     for t, g, x, w in zip(ts, groups, xs, ws, strict=True)]
+            live = await asyncio.gather(*(c for i, c in enumerate(calls) if i != frozen), return_exceptions=True)
+            calls[frozen].cancel()
+            await asyncio.gather(calls[frozen], return_exceptions=True)
+            assert not any(isinstance(r, BaseException) for r in live), live
+            exp = sum(w * x[0].double() for x, w in zip(xs, ws, strict=True)) / sum(ws)
+            for r in live:
+                assert isinstance(r, ReduceResult)
+                assert torch.equal(r.tensors[0], live[0].tensors[0])  # type: ignore[union-attr]
+                assert (r.tensors[0].double() - exp).abs().max() < 1e-6
+                assert not r.partial and r.missing == ()
+
+    run(go())
+
+
+def test_a_stand_in_keeps_its_carriers_side_of_the_other_carrier() -> None:
+    """The stand-in is the next member of the carrier's cell that sorts on the same side of the other carrier (so
+    each part of the shard keeps its owner's side); none when no member of the cell does, or the shard has three
+    carriers."""
+    cell_of = {m: ("b1", "b3", "b4", "b9") for m in ("b1", "b3", "b4", "b9")} | {"c5": ("c5",)}
+    assert standin_of(("b3", "c5"), cell_of, "b3") == "b4"  # b3 < c5: b4 next, and below c5 too
+    assert standin_of(("b9", "b0"), cell_of | {"b0": ("b0",)}, "b9") == "b1"  # cyclic: after b9 comes b1 (> b0)
+    assert standin_of(("b4", "b2"), cell_of | {"b2": ("b2",)}, "b4") == "b9"  # above b2: b9 (b1 is below)
+    assert standin_of(("b1", "b2"), cell_of | {"b2": ("b2",)}, "b1") is None  # nobody else of b is below b2
+    assert standin_of(("b1", "b2", "c5"), cell_of, "b1") is None  # three carriers: a silent one makes it partial
+
+
+@pytest.mark.net
+@pytest.mark.timeout(120)
+def test_a_stand_in_on_the_carriers_side_gives_its_bytes_with_a_lossy_codec() -> None:
+    """Two steps of one shard across two carriers on real libp2p, 4-bit (e3m0) codec: carrier A with cell-mate values
+    of B, and A with B's stand-in S (the same values: a cell's mean is the same bytes at every member). With S on
+    B's side of A, both steps end with the same bytes; with a member on the other side of A, the parts' owners swap
+    and the bytes differ (why the stand-in must keep the side)."""
+    async def go() -> None:
+        async with libp2p_swarm(5, run="hside") as ts:
+            by_id = sorted(ts, key=lambda t: t.peer_id)
+            a, (b, same), other = by_id[2], by_id[3:], by_id[0]  # a in the middle: two above it, two below
+            gen = torch.Generator().manual_seed(11)
+            mine, cell = torch.randn(4000, generator=gen), torch.randn(4000, generator=gen)
+            codec = get_codec("e3m0")
+
+            async def pair(key: str, x: Transport) -> list[torch.Tensor]:
+                g = Group(key, tuple(sorted([a.peer_id, x.peer_id])), min(a.peer_id, x.peer_id), 0, "", None)
+                out = await asyncio.gather(a.allreduce(g, 0, [mine], 2.0, codec, timeout=30.0),
+                                           x.allreduce(g, 0, [cell], 3.0, codec, timeout=30.0))
+                assert torch.equal(out[0].tensors[0], out[1].tensors[0])
+                return [r.tensors[0] for r in out]
+
+            carried, stood, swapped = await pair("side#b", b), await pair("side#s", same), await pair("side#o", other)
+            assert torch.equal(carried[0], stood[0])
+            assert not torch.equal(carried[0], swapped[0])
 
     run(go())
 

@@ -1,0 +1,175 @@
+"""A stand-in for a hierarchical shard's carrier that went silent, in a round of two cells.
+
+With two cells (two regions, or one region cut off from a third), every shard crosses between two carriers, one a
+cell, and the butterfly of two cannot tell a partner that froze or died from one on the other side of a cut: a
+part heard from one of two is left out (net/parts.py), so one silent carrier fails its shard, and the shard fails
+the round for every member (churn benchmark: every round that failed everywhere had a region cut in it, and
+during a cut the quorum group holds two cells; a freeze or a kill of any of its members then failed the round).
+
+But after step 1 every member of a cell holds the same bytes of its cell's mean: another member of the silent
+carrier's cell can carry its shard. So, only for shards of two carriers:
+
+* the silent carrier's *stand-in* (the next member of its cell, :func:`standin_of`) notices the silence while it
+  fetches the shard from it (no answer at all for :data:`~p2ptrain.net.hierarchy.SILENT` seconds, as its other
+  members do), offers a marker (``hier/<key>/<phase>/in/s<s>``) and runs the shard's cross step in the carrier's place (the group
+  ``<key>#s<s>~<carrier>``, with the cell's mean, weight and θ print, as the carrier would have);
+* the other carrier, while its own cross step runs, watches the stand-in's marker from :data:`SILENT` seconds into
+  its carry (once a second; a round whose cross step ends sooner never asks) and, once it is offered, runs the
+  stand-in's group as well. It keeps whichever of the two steps ends with a result first; if its own failed, it
+  waits for the marker until its cross step's budget ends.
+
+Why it cannot fork θ: either step averages the same two cell means with the same weights, in the same butterfly,
+each part owned on the same side (an owner averages a raw share of its own and a decoded one of the other's, and
+every member uses the owner's decoded result), so the silent carrier, had it finished after all, holds the same
+bytes as the stand-in's step gives (on the same float arithmetic; the cross-checks of the shard's digest between
+the cells catch the rest). A stand-in is only called in when its cell mate is silent to it; the other carrier only runs the stand-in's
+group once its marker is offered, so a carrier that is alive and answers is never replaced by its cell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+from ..collective.codecs import Codec
+from .transport import Declined, Group, ReduceResult, RoundFailed, Transport
+
+__all__ = ["carry_shard", "cells_by_member", "partner_standin", "stand_in", "standin_group", "standin_of"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+WATCH_EVERY = 1.0  # seconds between a carrier's asks for its partner's stand-in's marker
+
+
+def cells_by_member(cells: Sequence[Sequence[str]]) -> dict[str, tuple[str, ...]]:
+    """Each member: its cell's members, sorted."""
+    return {m: ms for ms in (tuple(sorted(c)) for c in cells) for m in ms}
+
+
+def standin_of(carriers: Sequence[str], cell_of: dict[str, tuple[str, ...]], replaced: str) -> str | None:
+    """Who stands in for ``replaced``, one of a shard's two ``carriers``: the next member of its cell (sorted,
+    cyclic) that sorts on the same side of the other carrier as ``replaced`` does, so that each of the shard's two
+    parts keeps its owner's side (an owner averages its own share raw and the other's decoded: with the owners
+    swapped, a lossy codec's result would differ from the replaced carrier's). None: the shard has more carriers,
+    or no member of the cell fits."""
+    if len(carriers) != 2 or replaced not in carriers:
+        return None
+    (other,) = [c for c in carriers if c != replaced]
+    ms = cell_of.get(replaced, ())
+    if replaced not in ms:
+        return None
+    i = ms.index(replaced)
+    return next((m for m in ms[i + 1:] + ms[:i] if (m < other) == (replaced < other)), None)
+
+
+def standin_group(carriers: Sequence[str], cell_of: dict[str, tuple[str, ...]], group: Group, s: int,
+                  replaced: str) -> Group | None:
+    """Shard ``s``'s cross-step group with ``replaced`` carried by its stand-in (:func:`standin_of`); None when it
+    has none."""
+    sub = standin_of(carriers, cell_of, replaced)
+    if sub is None:
+        return None
+    members = tuple(sorted([c for c in carriers if c != replaced] + [sub]))
+    return Group(f"{group.key}#s{s}~{replaced[-12:]}", members, min(members), group.fragment, group.signature,
+                 group.schedule)
+
+
+def partner_standin(carriers: Sequence[str], cell_of: dict[str, tuple[str, ...]],
+                    me: str) -> tuple[str, str] | None:
+    """(the other carrier, its stand-in) of a shard of two carriers that ``me`` carries; None otherwise."""
+    if len(carriers) != 2 or me not in carriers:
+        return None
+    (partner,) = [c for c in carriers if c != me]
+    sub = standin_of(carriers, cell_of, partner)
+    return None if sub is None else (partner, sub)
+
+
+async def _settled(aw: Awaitable[T]) -> T | Exception:
+    try:
+        return await aw
+    except Exception as e:  # (RoundFailed and what a transport raises: the caller decides)
+        return e
+
+
+async def _marked(transport: Transport, peer: str, name: str, start: float, end: float) -> bool:
+    """Whether ``peer`` offers ``name`` by ``end`` (monotonic): asked once a :data:`WATCH_EVERY` from ``start``,
+    until it declines (its round ended without stepping in)."""
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    while (left := end - time.monotonic()) > 0:
+        try:
+            await transport.fetch_state(peer, name, timeout=min(left, 5.0))
+            return True
+        except Declined:
+            return False
+        except (RoundFailed, TimeoutError, ConnectionError, OSError):
+            pass  # not yet, or not reached: asked again
+        await asyncio.sleep(max(0.0, min(WATCH_EVERY, end - time.monotonic())))
+    return False
+
+
+async def carry_shard(transport: Transport, own: Group, alt: Group | None, sub: str | None, mark: str, phase: int,
+                      values: torch.Tensor, weight: float, codec: Codec, *, start: float, silent: float, end: float,
+                      fingerprint: Sequence[float] | None) -> tuple[ReduceResult, bool]:
+    """A carrier's cross step of one shard: with its shard group ``own``; and, when ``alt`` (the stand-in's group)
+    is given, with it too once ``sub`` (the stand-in) offers ``mark``, watched from ``start + silent``. Returns the
+    first result and whether it came from the stand-in's group; raises the carrier's own failure when neither
+    gives one by ``end``."""
+    def step(group: Group) -> Awaitable[ReduceResult]:
+        return transport.allreduce(group, phase, [values], weight, codec, timeout=max(0.1, end - time.monotonic()),
+                                   fingerprint=fingerprint)
+
+    if alt is None or sub is None:
+        return await step(own), False
+    async with asyncio.TaskGroup() as tg:  # (every child returns its error: the group only owns and awaits them)
+        mine = tg.create_task(_settled(step(own)))
+        watch = tg.create_task(_marked(transport, sub, mark, start + silent - WATCH_EVERY, end))
+        theirs: asyncio.Task[ReduceResult | Exception] | None = None
+        try:
+            while True:
+                waiting = {t for t in (mine, watch, theirs) if t is not None and not t.done()}
+                for t, from_sub in ((mine, False), (theirs, True)):
+                    if t is not None and t.done() and isinstance(t.result(), ReduceResult):
+                        if from_sub:
+                            log.info("event=standin_carried key=%s with=%s", alt.key, sub[-8:])
+                        return t.result(), from_sub  # type: ignore[return-value]
+                if watch.done() and theirs is None and watch.result():
+                    log.info("event=standin_joined key=%s with=%s", alt.key, sub[-8:])
+                    theirs = tg.create_task(_settled(step(alt)))
+                    continue
+                if not waiting:
+                    break
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (mine, watch, theirs):
+                if t is not None:
+                    t.cancel()
+    failed = mine.result()
+    assert isinstance(failed, Exception)
+    raise failed
+
+
+async def stand_in(transport: Transport, group: Group, mark: str, phase: int, values: torch.Tensor, weight: float,
+                   codec: Codec, *, silent_since: Callable[[], float], silent: float, end: float,
+                   fingerprint: Sequence[float] | None, offer: Callable[[ReduceResult], Awaitable[None]]) -> None:
+    """A stand-in's side: once its cell mate, the carrier, has been silent for ``silent`` seconds
+    (``silent_since()``: when it last answered), offer ``mark`` and run the carrier's cross step in ``group``
+    with the cell's ``values``; ``offer`` is given its result (to serve its digest). Never raises."""
+    while time.monotonic() - silent_since() < silent:
+        if time.monotonic() >= end - 1.0:
+            return  # too late to step in
+        await asyncio.sleep(0.25)
+    transport.offers.put(mark, b"1", ttl=300.0)
+    log.info("event=standin key=%s", group.key)
+    try:
+        res = await transport.allreduce(group, phase, [values], weight, codec,
+                                        timeout=max(0.1, end - time.monotonic()), fingerprint=fingerprint)
+        await offer(res)
+    except Exception as e:  # (RoundFailed, a transport's errors: the other carrier fails as it would without us)
+        log.info("event=standin_failed key=%s reason=%s: %s", group.key, type(e).__name__, e)
