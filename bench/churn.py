@@ -88,6 +88,8 @@ _APPLIED = re.compile(r"event=applied key=(\S+) fragment=(\d+) members=(\d+) tok
 _FAILED = re.compile(r"event=round_failed key=(\S+)(?: reason=(.*))?")
 _STUCK = re.compile(r"event=round_timeout key=(\S+)( when=leaving)?")
 _ABANDONED = re.compile(r"event=round_abandoned key=(\S+)")
+# a carrier that averaged a shard with its partner's stand-in (p2ptrain/net/standin.py): key=<round>#s<shard>~<id>
+_STOOD_IN = re.compile(r"event=standin_carried key=([^#\s]+)#s(\d+)~")
 _STATUS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.naif]+)")
 _TS = re.compile(r"^ts=(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
@@ -255,7 +257,7 @@ class Phase:
     def round(self, key: str) -> dict[str, Any]:
         return self.rounds.setdefault(key, {"fragment": None, "first": math.inf, "digests": {}, "tokens": {},
                                             "members": [], "failed": [], "why": {}, "stuck": [], "abandoned": [],
-                                            "flagged": 0, "own": 0})
+                                            "flagged": 0, "own": 0, "stood_in": []})
 
     def parse(self, rec: PeerRec, line: str, now: float) -> None:
         if (m := _STATUS.match(line)) is not None:
@@ -284,6 +286,8 @@ class Phase:
             self.round(m.group(1))["stuck"].append(rec.name + (" (leaving)" if m.group(2) else ""))
         elif (m := _ABANDONED.search(line)) is not None:
             self.round(m.group(1))["abandoned"].append(rec.name)
+        elif (m := _STOOD_IN.search(line)) is not None:
+            self.round(m.group(1))["stood_in"].append(int(m.group(2)))
 
     # ------------------------------------------------------------------ faults
     def busy(self, rec: PeerRec) -> bool:
@@ -588,7 +592,7 @@ class Phase:
                         "members_min": min(r["members"], default=0), "members_max": max(r["members"], default=0),
                         "tokens": r["tokens"].get(top[0], 0) if top[0] else 0, "failed_on": r["failed"],
                         "failed_why": dict(r["why"]), "stuck_on": r["stuck"], "abandoned_on": r["abandoned"], "flagged_divergent": r["flagged"],
-                        "own": r["own"],
+                        "own": r["own"], "shards_stood_in": len(r["stood_in"]),
                         "in_window": bool(n) and self.in_window(r["first"])}
         return out
 
@@ -623,6 +627,7 @@ class Phase:
             "diverged_replicas": sum(r["diverged"] for r in rows.values()),
             "rounds_failed_everywhere": sum(r["outcome"] == "failed" for r in rows.values()),
             "round_failures": sum(len(r["failed_on"]) for r in rows.values()),
+            **_stood_in(list(rows.values())),
             "failure_kinds": failure_kinds(list(rows.values())),
             "failure_kinds_everywhere": failure_kinds(list(rows.values()), everywhere=True),
             "stuck_rounds": len([s for s in stuck if "leaving" not in s]),
@@ -743,6 +748,14 @@ def memory_growth(ph: dict[str, Any], after_start: float = WARMUP_S, min_span: f
     return out
 
 
+def _stood_in(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Shards carried with a stand-in (counted once per carrier that logged it), the rounds that had any, and those
+    of them applied (records from before stand-ins count 0)."""
+    had = [r for r in rows if r.get("shards_stood_in")]
+    return {"shards_stood_in": sum(r["shards_stood_in"] for r in had), "rounds_with_stand_in": len(had),
+            "rounds_with_stand_in_applied": sum(r["outcome"] == "applied" for r in had)}
+
+
 def phase_figures(ph: dict[str, Any], fragments: int) -> dict[str, Any]:
     """The figures of one phase, from its JSON record alone (so a report can be remade from churn.json)."""
     rows = list(ph["rounds"].values())
@@ -766,6 +779,7 @@ def phase_figures(ph: dict[str, Any], fragments: int) -> dict[str, Any]:
         "diverged_replicas": sum(r["diverged"] for r in rows),
         "rounds_failed_everywhere": sum(r["outcome"] == "failed" for r in rows),
         "round_failures": sum(len(r["failed_on"]) for r in rows),
+        **_stood_in(rows),
         "failure_kinds": failure_kinds(rows),
         "failure_kinds_everywhere": failure_kinds(rows, everywhere=True),
         "stuck_rounds": len([s for s in stuck if "leaving" not in s]),
@@ -932,6 +946,11 @@ def _markdown(payload: dict[str, Any]) -> str:
                 top = "; ".join(f"{k} ({n})" for k, n in list(kinds.items())[:6])
                 lines += ["", f"Why rounds failed on a peer{' (rounds failed everywhere)' if everywhere else ''}, "
                               f"{name}, most common first: {top}."]
+    for name, f in figs.items():
+        if f.get("shards_stood_in"):
+            lines += ["", f"Shards a stand-in carried for a silent carrier in a round of two cells, {name}: "
+                          f"{f['shards_stood_in']}, in {f['rounds_with_stand_in']} rounds "
+                          f"({f['rounds_with_stand_in_applied']} of them applied)."]
     for name, ph in payload["phases"].items():
         if not any(f["kind"] == "partition" for f in ph.get("faults", [])) or "started_unix" not in ph:
             continue

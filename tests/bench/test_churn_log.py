@@ -59,6 +59,25 @@ def test_the_appliers_own_tokens_are_summed_beside_the_rounds_total(tmp_path: Pa
     assert phase_figures(record, fragments=2)["tokens_in_theta_own"] == 0
 
 
+def test_shards_carried_with_a_stand_in_are_counted_per_round(tmp_path: Path) -> None:
+    """A carrier's ``event=standin_carried key=<round>#s<shard>~<id>`` line counts for its round (the shard key's
+    round, not the cell or shard key), in the rows and the phase's figures, applied or not."""
+    ph = _phase(tmp_path)
+    ts = "ts=2026-11-27 07:00:30,000 "
+    lines = [("s00g0", "event=standin_carried key=f0.L9#s1~12D3KooWabcd with=Xyz12345"),
+             ("s01g0", "event=standin_carried key=f0.L9#s3~12D3KooWefgh with=Abc12345"),
+             ("s02g0", "event=applied key=f0.L9 fragment=0 members=6 tokens=300 divergent=False digest=aa own=100"),
+             ("s00g0", "event=standin_carried key=f1.L9#s0~12D3KooWabcd with=Xyz12345"),
+             ("s00g0", "event=round_failed key=f1.L9 reason=RoundFailed: no carrier delivered it")]
+    for name, line in lines:
+        ph.parse(PeerRec(name=name, slot=0, host="us0", region="us", fresh=True), ts + line, 0.0)
+    rows = ph.round_rows()
+    assert (rows["f0.L9"]["shards_stood_in"], rows["f1.L9"]["shards_stood_in"]) == (2, 1)
+    record = {"rounds": rows, "faults": [], "window_s": [0.0, 60.0], "live": [], "peers": {}}
+    f = phase_figures(record, fragments=2)
+    assert (f["shards_stood_in"], f["rounds_with_stand_in"], f["rounds_with_stand_in_applied"]) == (3, 2, 1)
+
+
 def test_round_failures_are_tallied_by_kind_of_reason(tmp_path: Path) -> None:
     """Each ``event=round_failed`` line's reason is filed under its kind (the round, shard, peer and counts it names
     left out), per round and for the phase, apart for the rounds no member applied; records without reasons
