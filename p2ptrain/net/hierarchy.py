@@ -83,6 +83,17 @@ CROSS_SHARE = 0.85
 #: has offered the shard, after which the member fetches it from another cell's carrier (net/polling.py: a live
 #: carrier answers every poll within 250 ms, and one sending the shard reports every chunk of 4 MiB).
 SILENT = 10.0
+#: ... in a round whose timeout is short, SILENT_SHARE of it, but at least MIN_SILENT s (a live carrier on a loaded
+#: machine answers within ~1 s): with phase timeouts of 10–17 s (5 × the recent phases), members waited 10 s for a
+#: frozen carrier out of the 85 % of the round the cross step may take, and a stand-in (net/standin.py) that waits
+#: as long would step in too late. Taking a live but slow carrier for silent costs cross-cell bytes, never θ.
+SILENT_SHARE = 0.15
+MIN_SILENT = 2.0
+
+
+def silence(timeout: float) -> float:
+    """Seconds without an answer after which a round of ``timeout`` s takes a carrier for silent."""
+    return min(SILENT, max(MIN_SILENT, SILENT_SHARE * timeout))
 
 
 @dataclass(frozen=True)
@@ -172,17 +183,18 @@ def decline_round(transport: Transport, key: str, phase: int | None = None) -> N
 
 
 async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: int, s: int, me: str,
-                       deadline: float, crossed_by: float = 0.0, heard: list[float] | None = None
-                       ) -> tuple[bytes, int, str]:
+                       deadline: float, crossed_by: float = 0.0, heard: list[float] | None = None,
+                       silent: float | None = None) -> tuple[bytes, int, str]:
     """Shard ``s``'s offer as this member's region's carrier serves it, checked against a carrier of another
     region (the digest of its offer); from another region's carrier when ours declines it, stays silent for
-    :data:`SILENT` s once a witness answered, or does not deliver by 3/4 of the time left (or halfway from
-    ``crossed_by``, when the cross step ends at the latest, to the deadline if that is later).
+    ``silent`` s (:data:`SILENT` by default) once a witness answered, or does not deliver by 3/4 of the time left
+    (or halfway from ``crossed_by``, when the cross step ends at the latest, to the deadline if that is later).
     Returns (offer, bytes fetched, where from: ``h`` our cell's carrier, checked; ``u`` our cell's carrier, with no
     other cell's digest to check it against; ``o:<id>`` another cell's carrier). RoundFailed if carriers disagree or
     none delivers. ``heard[0]`` (if given) is kept at when our cell's carrier last showed it is alive."""
     name = _offer_name(group, phase, s)
     holder = plan.holder[s]
+    silent = SILENT if silent is None else silent
     others = [c for c in plan.carriers[s] if c != holder]
     if holder != me:  # (when we are the carrier, our own carry failed: only other regions have it)
         start = zlib.crc32(me.encode()) % len(others)  # spread the digest requests over the carriers
@@ -203,13 +215,13 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
             # one has answered, the other is given three times as long again (at least 5 s: the shard's transfer
             # from a busy carrier), not the whole round's time: a carrier or witness that died is replaced without
             # waiting for the deadline. Replacing a live but slow carrier costs the shard's bytes across cells.
-            # Our carrier silent for SILENT s by then (no answer at all, not even "not yet": frozen or cut off) is
+            # Our carrier silent for ``silent`` s by then (no answer at all, not even "not yet": frozen or cut off) is
             # not waited for: churn, members waited ~3/4 of the round for a frozen carrier and then had too little
             # time left to fetch the shard from another cell's carrier, which held it all along.
             await asyncio.wait({hold, check}, return_when=asyncio.FIRST_COMPLETED)
             if not (hold.done() and isinstance(hold.result(), RoundFailed)):  # (ours declined: no digest needed)
                 end = time.monotonic() + max(5.0, 3.0 * (time.monotonic() - t0))
-                while not hold.done() and (now := time.monotonic()) < end and now - heard[0] < SILENT:
+                while not hold.done() and (now := time.monotonic()) < end and now - heard[0] < silent:
                     await asyncio.wait({hold}, timeout=min(0.25, end - now))
                 if hold.done() and not check.done():
                     await asyncio.wait({check}, timeout=max(0.0, end - time.monotonic()))
@@ -328,6 +340,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
     cell_print = local.agreed if local.agreed is not None else (None if local.divergent else fingerprint)
 
     cross_end = t0 + CROSS_SHARE * timeout
+    silent = silence(timeout)
 
     async def carry(s: int) -> tuple[int, ReduceResult, bytes, str]:
         lo, hi = bounds[s]
@@ -337,7 +350,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
             transport, plan.shard_group(group, s),
             None if partner is None else standin_group(plan.carriers[s], plan.cell_of, group, s, partner[0]),
             None if partner is None else partner[1], _mark_name(group, phase, s), phase, mean[lo:hi],
-            local.total_weight, codec, start=time.monotonic(), silent=SILENT, end=cross_end, fingerprint=cell_print)
+            local.total_weight, codec, start=time.monotonic(), silent=silent, end=cross_end, fingerprint=cell_print)
         payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
         offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
         name = _offer_name(group, phase, s)
@@ -415,11 +428,11 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
             note = tg.create_task(answer(transport, holder, name, deadline)) if holder != me else None
             helper = None if alt is None else tg.create_task(stand_in(
                 transport, alt, _mark_name(group, phase, s), phase, mean[bounds[s][0]:bounds[s][1]],
-                local.total_weight, codec, silent_since=lambda: heard[0], silent=SILENT, end=cross_end,
+                local.total_weight, codec, silent_since=lambda: heard[0], silent=silent, end=cross_end,
                 fingerprint=cell_print, offer=lambda res: offer_digest(s, res)))
             try:
                 got: tuple[bytes, int, str] | RoundFailed = await _shard_bytes(
-                    transport, plan, group, phase, s, me, deadline, cross_end, heard)
+                    transport, plan, group, phase, s, me, deadline, cross_end, heard, silent)
             except RoundFailed as e:
                 got = e
             if helper is not None:

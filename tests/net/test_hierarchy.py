@@ -393,6 +393,14 @@ def test_a_carrier_frozen_in_a_round_of_two_cells_is_stood_in_for_on_libp2p(monk
     run(go())
 
 
+def test_a_carrier_is_taken_for_silent_sooner_in_a_short_round() -> None:
+    """15 % of the round's timeout, between 2 s (a live carrier on a loaded machine answers within ~1 s) and SILENT:
+    a round of 15 s takes a carrier silent after 2.25 s, not 10 of the 12.75 s its cross step may take."""
+    from p2ptrain.net.hierarchy import SILENT, silence
+
+    assert [silence(t) for t in (5.0, 15.0, 60.0, 600.0)] == pytest.approx([2.0, 2.25, 9.0, SILENT])
+
+
 def test_a_stand_in_keeps_its_carriers_side_of_the_other_carrier() -> None:
     """The stand-in is the next member of the carrier's cell that sorts on the same side of the other carrier (so
     each part of the shard keeps its owner's side); none when no member of the cell does, or the shard has three
