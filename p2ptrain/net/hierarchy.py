@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import struct
 import time
 import zlib
@@ -210,6 +211,9 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
 
         async with asyncio.TaskGroup() as tg:  # (answer() never raises: the group only owns and awaits them)
             hold = tg.create_task(answer(transport, holder, name, ours, alive))
+            # (delivered: our carrier is not silent however long the digest takes; a stand-in must not step in)
+            hold.add_done_callback(lambda t: heard.__setitem__(0, math.inf) if not t.cancelled()
+                                   and isinstance(t.result(), bytes) else None)
             check = tg.create_task(answer(transport, witnesses[0], name + "#sha", ours))
             # Our carrier and the witness offer at about the same time (their shard's step ended for both): once
             # one has answered, the other is given three times as long again (at least 5 s: the shard's transfer
@@ -223,7 +227,9 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
                 end = time.monotonic() + max(5.0, 3.0 * (time.monotonic() - t0))
                 while not hold.done() and (now := time.monotonic()) < end and now - heard[0] < silent:
                     await asyncio.wait({hold}, timeout=min(0.25, end - now))
-                if hold.done() and not check.done():
+                if hold.done() and not check.done() and len(witnesses) == len(others):
+                    # (with the other carrier's stand-in among the witnesses, a silent carrier's digest is not
+                    # waited for alone: first_of below asks the stand-in too)
                     await asyncio.wait({check}, timeout=max(0.0, end - time.monotonic()))
             late = RoundFailed(f"{name}: no answer in time")
             data = hold.result() if hold.done() else late
@@ -369,7 +375,8 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
                # for the members of other cells that fetch the shard from us: the θ that won its vote, and whose
                "won": None if res.agreed is None else list(res.agreed),
                # (the carrier a stand-in replaced is named too: its cell's mean is in the shard, by its stand-in)
-               "winners": list(res.contributors) + ([partner[0]] if stood_in and partner is not None else []),
+               "winners": list(res.contributors) + ([partner[0]] if stood_in and partner is not None
+                                                    and partner[1] in res.contributors else []),
                # where in the shard the cell's mean is not in the average (its part left out there): the cell's
                # members keep their progress on those values (OuterLoop.finish ``keep``)
                "missing": [list(r) for r in res.missing]}
@@ -422,8 +429,12 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         said: bytes | RoundFailed | None = None
         heard = [time.monotonic()]  # when our cell's carrier of s last answered
         # We stand in for it if it falls silent, in a round of two cells (net/standin.py).
+        # Not when our cell's mean lacks any of the shard (a part of step 1 nobody averaged, zero: the carrier that
+        # owned it died before step 1, and with cells as large as the shards are many, its part is the shard): its
+        # zeros would go in at the cell's whole weight.
         alt = standin_group(plan.carriers[s], plan.cell_of, group, s, holder) \
-            if standin_of(plan.carriers[s], plan.cell_of, holder) == me else None
+            if standin_of(plan.carriers[s], plan.cell_of, holder) == me \
+            and not any(lo < bounds[s][1] and bounds[s][0] < hi for lo, hi in local.missing) else None
         async with asyncio.TaskGroup() as tg:  # (no child raises: the group owns and awaits the note's task)
             note = tg.create_task(answer(transport, holder, name, deadline)) if holder != me else None
             helper = None if alt is None else tg.create_task(stand_in(

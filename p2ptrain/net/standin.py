@@ -120,7 +120,7 @@ async def carry_shard(transport: Transport, own: Group, alt: Group | None, sub: 
     """A carrier's cross step of one shard: with its shard group ``own``; and, when ``alt`` (the stand-in's group)
     is given, with it too once ``sub`` (the stand-in) offers ``mark``, watched from ``start + silent``. Returns the
     first result and whether it came from the stand-in's group; raises the carrier's own failure when neither
-    gives one by ``end``."""
+    gives one by ``end`` (or, once its own step failed, when no marker came within about two ``silent`` of that)."""
     def step(group: Group) -> Awaitable[ReduceResult]:
         return transport.allreduce(group, phase, [values], weight, codec, timeout=max(0.1, end - time.monotonic()),
                                    fingerprint=fingerprint)
@@ -131,21 +131,31 @@ async def carry_shard(transport: Transport, own: Group, alt: Group | None, sub: 
         mine = tg.create_task(_settled(step(own)))
         watch = tg.create_task(_marked(transport, sub, mark, start + silent - WATCH_EVERY, end))
         theirs: asyncio.Task[ReduceResult | Exception] | None = None
+        # Our own step failed: the marker is waited for only as long as a stand-in takes to notice the silence
+        # (our cell's members wait on our "not yet" meanwhile, where they used to be told at once that we have none)
+        give_up: float | None = None
         try:
             while True:
-                waiting = {t for t in (mine, watch, theirs) if t is not None and not t.done()}
                 for t, from_sub in ((mine, False), (theirs, True)):
                     if t is not None and t.done() and isinstance(t.result(), ReduceResult):
                         if from_sub:
                             log.info("event=standin_carried key=%s with=%s", alt.key, sub[-8:])
                         return t.result(), from_sub  # type: ignore[return-value]
-                if watch.done() and theirs is None and watch.result():
+                if theirs is None and watch.done() and watch.result():
                     log.info("event=standin_joined key=%s with=%s", alt.key, sub[-8:])
                     theirs = tg.create_task(_settled(step(alt)))
                     continue
+                if theirs is None and mine.done():
+                    if give_up is None:
+                        give_up = max(time.monotonic(), start + silent) + silent + 2 * WATCH_EVERY
+                    if watch.done() or time.monotonic() >= give_up:
+                        break
+                waiting = {t for t in (mine, watch, theirs) if t is not None and not t.done()}
                 if not waiting:
                     break
-                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED,
+                                   timeout=None if give_up is None or theirs is not None
+                                   else max(0.0, give_up - time.monotonic()))
         finally:
             for t in (mine, watch, theirs):
                 if t is not None:

@@ -393,6 +393,35 @@ def test_a_carrier_frozen_in_a_round_of_two_cells_is_stood_in_for_on_libp2p(monk
     run(go())
 
 
+@pytest.mark.net
+@pytest.mark.timeout(150)
+def test_no_stand_in_carries_a_shard_its_cells_mean_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Region b's carrier of shard 1 is cut off from everyone before step 1: in b's step it owned the part that is
+    shard 1 (cells as large as the shards are many), which nobody averaged, so b's mean is zero there. Its stand-in
+    must not carry those zeros at b's whole weight (the shard's average would be a's mean times W_a / (W_a + W_b),
+    applied as if b's were in it): no live member applies the round."""
+    import p2ptrain.net.hierarchy as hier
+
+    monkeypatch.setattr(hier, "SILENT", 2.0)
+
+    async def go() -> None:
+        async with libp2p_swarm(6, run="hlack") as ts:
+            regions = ["a", "b", "a", "b", "a", "b"]
+            groups = await _form(ts, regions, "hlack")
+            gone = _carrier_of(ts, groups[0], "b", 1)
+            for i, t in enumerate(ts):
+                t.blocked |= {x.peer_id for j, x in enumerate(ts) if gone in (i, j) and i != j}  # type: ignore[attr-defined]
+            xs = [[torch.full((3000,), float(i + 1))] for i in range(6)]
+            calls = [asyncio.create_task(_hier(t, g, x, 1.0, timeout=20.0))
+                     for t, g, x in zip(ts, groups, xs, strict=True)]
+            live = await asyncio.gather(*(c for i, c in enumerate(calls) if i != gone), return_exceptions=True)
+            calls[gone].cancel()
+            await asyncio.gather(calls[gone], return_exceptions=True)
+            assert all(isinstance(r, RoundFailed) for r in live), live
+
+    run(go())
+
+
 def test_a_carrier_is_taken_for_silent_sooner_in_a_short_round() -> None:
     """15 % of the round's timeout, between 2 s (a live carrier on a loaded machine answers within ~1 s) and SILENT:
     a round of 15 s takes a carrier silent after 2.25 s, not 10 of the 12.75 s its cross step may take."""
