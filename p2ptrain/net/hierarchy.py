@@ -352,7 +352,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         lo, hi = bounds[s]
         # (in a round of two cells, with the other carrier's stand-in too if that one falls silent: net/standin.py)
         partner = partner_standin(plan.carriers[s], plan.cell_of, me)
-        res, stood_in = await carry_shard(
+        res, how = await carry_shard(
             transport, plan.shard_group(group, s),
             None if partner is None else standin_group(plan.carriers[s], plan.cell_of, group, s, partner[0]),
             None if partner is None else partner[1], _mark_name(group, phase, s), phase, mean[lo:hi],
@@ -375,7 +375,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
                # for the members of other cells that fetch the shard from us: the θ that won its vote, and whose
                "won": None if res.agreed is None else list(res.agreed),
                # (the carrier a stand-in replaced is named too: its cell's mean is in the shard, by its stand-in)
-               "winners": list(res.contributors) + ([partner[0]] if stood_in and partner is not None
+               "winners": list(res.contributors) + ([partner[0]] if how == "standin" and partner is not None
                                                     and partner[1] in res.contributors else []),
                # where in the shard the cell's mean is not in the average (its part left out there): the cell's
                # members keep their progress on those values (OuterLoop.finish ``keep``)
@@ -429,18 +429,19 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         said: bytes | RoundFailed | None = None
         heard = [time.monotonic()]  # when our cell's carrier of s last answered
         # We stand in for it if it falls silent, in a round of two cells (net/standin.py).
-        # Not when our cell's mean lacks any of the shard (a part of step 1 nobody averaged, zero: the carrier that
-        # owned it died before step 1, and with cells as large as the shards are many, its part is the shard): its
-        # zeros would go in at the cell's whole weight.
         alt = standin_group(plan.carriers[s], plan.cell_of, group, s, holder) \
-            if standin_of(plan.carriers[s], plan.cell_of, holder) == me \
-            and not any(lo < bounds[s][1] and bounds[s][0] < hi for lo, hi in local.missing) else None
+            if standin_of(plan.carriers[s], plan.cell_of, holder) == me else None
+        # Not with a cell mean that lacks any of the shard (a part of step 1 nobody averaged, zero: the carrier that
+        # owned it died before step 1, and with cells as large as the shards are many, its part is the shard): its
+        # zeros would go in at the cell's whole weight. We say so instead (void), and the other carrier averages
+        # the shard from its cell alone; our cell keeps its progress there.
+        void = any(lo < bounds[s][1] and bounds[s][0] < hi for lo, hi in local.missing)
         async with asyncio.TaskGroup() as tg:  # (no child raises: the group owns and awaits the note's task)
             note = tg.create_task(answer(transport, holder, name, deadline)) if holder != me else None
             helper = None if alt is None else tg.create_task(stand_in(
                 transport, alt, _mark_name(group, phase, s), phase, mean[bounds[s][0]:bounds[s][1]],
                 local.total_weight, codec, silent_since=lambda: heard[0], silent=silent, end=cross_end,
-                fingerprint=cell_print, offer=lambda res: offer_digest(s, res)))
+                fingerprint=cell_print, offer=lambda res: offer_digest(s, res), void=void))
             try:
                 got: tuple[bytes, int, str] | RoundFailed = await _shard_bytes(
                     transport, plan, group, phase, s, me, deadline, cross_end, heard, silent)

@@ -39,13 +39,14 @@ import torch
 from ..collective.codecs import Codec
 from .transport import Declined, Group, ReduceResult, RoundFailed, Transport
 
-__all__ = ["carry_shard", "cells_by_member", "partner_standin", "stand_in", "standin_group", "standin_of"]
+__all__ = ["STEP", "VOID", "carry_shard", "cells_by_member", "partner_standin", "stand_in", "standin_group", "standin_of"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 WATCH_EVERY = 1.0  # seconds between a carrier's asks for its partner's stand-in's marker
+STEP, VOID = b"1", b"0"  # the marker: the stand-in steps in; its cell's mean lacks the shard (nothing to carry)
 
 
 def cells_by_member(cells: Sequence[Sequence[str]]) -> dict[str, tuple[str, ...]]:
@@ -98,35 +99,36 @@ async def _settled(aw: Awaitable[T]) -> T | Exception:
         return e
 
 
-async def _marked(transport: Transport, peer: str, name: str, start: float, end: float) -> bool:
-    """Whether ``peer`` offers ``name`` by ``end`` (monotonic): asked once a :data:`WATCH_EVERY` from ``start``,
-    until it declines (its round ended without stepping in)."""
+async def _marked(transport: Transport, peer: str, name: str, start: float, end: float) -> bytes | None:
+    """The marker ``name`` once ``peer`` offers it by ``end`` (monotonic), asked once a :data:`WATCH_EVERY` from
+    ``start``; None if it does not, or declines (its round ended without stepping in)."""
     await asyncio.sleep(max(0.0, start - time.monotonic()))
     while (left := end - time.monotonic()) > 0:
         try:
-            await transport.fetch_state(peer, name, timeout=min(left, 5.0))
-            return True
+            got = await transport.fetch_state(peer, name, timeout=min(left, 5.0))
+            return got if got in (STEP, VOID) else None
         except Declined:
-            return False
+            return None
         except (RoundFailed, TimeoutError, ConnectionError, OSError):
             pass  # not yet, or not reached: asked again
         await asyncio.sleep(max(0.0, min(WATCH_EVERY, end - time.monotonic())))
-    return False
+    return None
 
 
 async def carry_shard(transport: Transport, own: Group, alt: Group | None, sub: str | None, mark: str, phase: int,
                       values: torch.Tensor, weight: float, codec: Codec, *, start: float, silent: float, end: float,
-                      fingerprint: Sequence[float] | None) -> tuple[ReduceResult, bool]:
+                      fingerprint: Sequence[float] | None) -> tuple[ReduceResult, str]:
     """A carrier's cross step of one shard: with its shard group ``own``; and, when ``alt`` (the stand-in's group)
     is given, with it too once ``sub`` (the stand-in) offers ``mark``, watched from ``start + silent``. Returns the
-    first result and whether it came from the stand-in's group; raises the carrier's own failure when neither
+    first result and where from: ``own`` (our group), ``standin`` (the stand-in's), ``void`` (the stand-in's cell
+    lacks the shard: our cell's mean alone, the other cell's members keep their progress on it); raises the carrier's own failure when neither
     gives one by ``end`` (or, once its own step failed, when no marker came within about two ``silent`` of that)."""
     def step(group: Group) -> Awaitable[ReduceResult]:
         return transport.allreduce(group, phase, [values], weight, codec, timeout=max(0.1, end - time.monotonic()),
                                    fingerprint=fingerprint)
 
     if alt is None or sub is None:
-        return await step(own), False
+        return await step(own), "own"
     async with asyncio.TaskGroup() as tg:  # (every child returns its error: the group only owns and awaits them)
         mine = tg.create_task(_settled(step(own)))
         watch = tg.create_task(_marked(transport, sub, mark, start + silent - WATCH_EVERY, end))
@@ -140,8 +142,16 @@ async def carry_shard(transport: Transport, own: Group, alt: Group | None, sub: 
                     if t is not None and t.done() and isinstance(t.result(), ReduceResult):
                         if from_sub:
                             log.info("event=standin_carried key=%s with=%s", alt.key, sub[-8:])
-                        return t.result(), from_sub  # type: ignore[return-value]
-                if theirs is None and watch.done() and watch.result():
+                        return t.result(), "standin" if from_sub else "own"  # type: ignore[return-value]
+                if theirs is None and watch.done() and watch.result() == VOID:
+                    # The other cell has nothing for this shard (its carrier died before step 1, whose part of it
+                    # nobody averaged), and it says so: the shard is our cell's mean alone, offered by us only.
+                    log.info("event=standin_void key=%s with=%s", alt.key, sub[-8:])
+                    return ReduceResult([values.detach().float().clone()], float(weight), own.members,
+                                        (transport.peer_id,), partial=True,
+                                        agreed=None if fingerprint is None else tuple(float(v) for v in fingerprint)
+                                        ), "void"
+                if theirs is None and watch.done() and watch.result() == STEP:
                     log.info("event=standin_joined key=%s with=%s", alt.key, sub[-8:])
                     theirs = tg.create_task(_settled(step(alt)))
                     continue
@@ -167,16 +177,20 @@ async def carry_shard(transport: Transport, own: Group, alt: Group | None, sub: 
 
 async def stand_in(transport: Transport, group: Group, mark: str, phase: int, values: torch.Tensor, weight: float,
                    codec: Codec, *, silent_since: Callable[[], float], silent: float, end: float,
-                   fingerprint: Sequence[float] | None, offer: Callable[[ReduceResult], Awaitable[None]]) -> None:
+                   fingerprint: Sequence[float] | None, offer: Callable[[ReduceResult], Awaitable[None]],
+                   void: bool = False) -> None:
     """A stand-in's side: once its cell mate, the carrier, has been silent for ``silent`` seconds
     (``silent_since()``: when it last answered), offer ``mark`` and run the carrier's cross step in ``group``
-    with the cell's ``values``; ``offer`` is given its result (to serve its digest). Never raises."""
+    with the cell's ``values``; ``offer`` is given its result (to serve its digest). ``void``: the cell's mean
+    lacks (some of) the shard: say so in the marker instead, and carry nothing. Never raises."""
     while time.monotonic() - silent_since() < silent:
         if time.monotonic() >= end - 1.0:
             return  # too late to step in
         await asyncio.sleep(0.25)
-    transport.offers.put(mark, b"1", ttl=300.0)
-    log.info("event=standin key=%s", group.key)
+    transport.offers.put(mark, VOID if void else STEP, ttl=300.0)
+    log.info("event=standin key=%s void=%s", group.key, void)
+    if void:
+        return
     try:
         res = await transport.allreduce(group, phase, [values], weight, codec,
                                         timeout=max(0.1, end - time.monotonic()), fingerprint=fingerprint)

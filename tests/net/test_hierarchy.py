@@ -395,11 +395,14 @@ def test_a_carrier_frozen_in_a_round_of_two_cells_is_stood_in_for_on_libp2p(monk
 
 @pytest.mark.net
 @pytest.mark.timeout(150)
-def test_no_stand_in_carries_a_shard_its_cells_mean_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stand_in_whose_cells_mean_lacks_the_shard_leaves_it_to_the_other_cell(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Region b's carrier of shard 1 is cut off from everyone before step 1: in b's step it owned the part that is
     shard 1 (cells as large as the shards are many), which nobody averaged, so b's mean is zero there. Its stand-in
-    must not carry those zeros at b's whole weight (the shard's average would be a's mean times W_a / (W_a + W_b),
-    applied as if b's were in it): no live member applies the round."""
+    does not carry those zeros at b's whole weight (the shard would be a's mean × W_a / (W_a + W_b), applied as if
+    b's were in it); it says b has nothing for the shard, and a's carrier offers a's mean alone. Every live member
+    ends with the same bytes: shard 1 is a's mean, b's members keep their progress there (``missing``), the other
+    shards average a's and b's live members."""
     import p2ptrain.net.hierarchy as hier
 
     monkeypatch.setattr(hier, "SILENT", 2.0)
@@ -417,7 +420,16 @@ def test_no_stand_in_carries_a_shard_its_cells_mean_lacks(monkeypatch: pytest.Mo
             live = await asyncio.gather(*(c for i, c in enumerate(calls) if i != gone), return_exceptions=True)
             calls[gone].cancel()
             await asyncio.gather(calls[gone], return_exceptions=True)
-            assert all(isinstance(r, RoundFailed) for r in live), live
+            assert not any(isinstance(r, BaseException) for r in live), live
+            lo, hi = 1000, 2000  # shard 1 of 3000 values in 3 shards
+            b_live = [float(i + 1) for i in range(6) if regions[i] == "b" and i != gone]
+            across = (3 * 3.0 + 2 * sum(b_live) / 2) / 5  # a: 1, 3, 5 (weight 3); b's live two (weight 2)
+            for i, r in zip([i for i in range(6) if i != gone], live, strict=True):
+                assert isinstance(r, ReduceResult)
+                assert torch.equal(r.tensors[0], live[0].tensors[0])  # type: ignore[union-attr]
+                assert torch.allclose(r.tensors[0][lo:hi], torch.full((hi - lo,), 3.0))  # a's mean alone
+                assert torch.allclose(r.tensors[0][:lo], torch.full((lo,), across))
+                assert r.partial and r.missing == (((lo, hi),) if regions[i] == "b" else ())
 
     run(go())
 
