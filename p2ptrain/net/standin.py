@@ -99,39 +99,56 @@ async def _settled(aw: Awaitable[T]) -> T | Exception:
         return e
 
 
-async def _marked(transport: Transport, peer: str, name: str, start: float, end: float) -> bytes | None:
-    """The marker ``name`` once ``peer`` offers it by ``end`` (monotonic), asked once a :data:`WATCH_EVERY` from
-    ``start``; None if it does not, or declines (its round ended without stepping in)."""
-    await asyncio.sleep(max(0.0, start - time.monotonic()))
-    while (left := end - time.monotonic()) > 0:
+async def _marked(transport: Transport, peers: Sequence[str], name: str, start: float, end: float) -> bytes | None:
+    """The marker ``name`` once one of ``peers`` offers it by ``end`` (monotonic), each asked on its own once a
+    :data:`WATCH_EVERY` from ``start`` (a silent one holds up no other); None if none does, or all decline (their
+    rounds ended without it)."""
+    async def one(peer: str) -> bytes | None:
+        await asyncio.sleep(max(0.0, start - time.monotonic()))
+        while (left := end - time.monotonic()) > 0:
+            try:
+                got = await transport.fetch_state(peer, name, timeout=min(left, 5.0))
+                return got if got in (STEP, VOID) else None
+            except Declined:
+                return None
+            except (RoundFailed, TimeoutError, ConnectionError, OSError):
+                pass  # not yet, or not reached: asked again
+            await asyncio.sleep(max(0.0, min(WATCH_EVERY, end - time.monotonic())))
+        return None
+
+    async with asyncio.TaskGroup() as tg:  # (one() never raises: the group owns the asks and awaits them)
+        asks = {tg.create_task(one(p)) for p in peers}
         try:
-            got = await transport.fetch_state(peer, name, timeout=min(left, 5.0))
-            return got if got in (STEP, VOID) else None
-        except Declined:
-            return None
-        except (RoundFailed, TimeoutError, ConnectionError, OSError):
-            pass  # not yet, or not reached: asked again
-        await asyncio.sleep(max(0.0, min(WATCH_EVERY, end - time.monotonic())))
+            while asks:
+                done, asks = await asyncio.wait(asks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t.result() is not None:
+                        return t.result()
+        finally:
+            for t in asks:
+                t.cancel()
     return None
 
 
-async def carry_shard(transport: Transport, own: Group, alt: Group | None, sub: str | None, mark: str, phase: int,
-                      values: torch.Tensor, weight: float, codec: Codec, *, start: float, silent: float, end: float,
-                      fingerprint: Sequence[float] | None) -> tuple[ReduceResult, str]:
-    """A carrier's cross step of one shard: with its shard group ``own``; and, when ``alt`` (the stand-in's group)
-    is given, with it too once ``sub`` (the stand-in) offers ``mark``, watched from ``start + silent``. Returns the
-    first result and where from: ``own`` (our group), ``standin`` (the stand-in's), ``void`` (the stand-in's cell
-    lacks the shard: our cell's mean alone, the other cell's members keep their progress on it); raises the carrier's own failure when neither
+async def carry_shard(transport: Transport, own: Group, alt: Group | None, watch_on: Sequence[str], mark: str,
+                      phase: int, values: torch.Tensor, weight: float, codec: Codec, *, start: float, silent: float,
+                      end: float, fingerprint: Sequence[float] | None) -> tuple[ReduceResult, str]:
+    """A carrier's cross step of one shard: with its shard group ``own``; and, in a round of two cells, as
+    ``watch_on`` (the other carrier, and its stand-in if it has one) say with ``mark`` (watched from ``start +
+    silent``): with the stand-in's group ``alt`` too once the stand-in steps in, or with our cell's mean alone once
+    either says its cell's mean lacks the shard. Returns the first result and where from: ``own`` (our group),
+    ``standin`` (the stand-in's), ``void`` (our cell's mean alone: the other cell's members keep their progress on
+    the shard); raises the carrier's own failure when neither
     gives one by ``end`` (or, once its own step failed, when no marker came within about two ``silent`` of that)."""
     def step(group: Group) -> Awaitable[ReduceResult]:
         return transport.allreduce(group, phase, [values], weight, codec, timeout=max(0.1, end - time.monotonic()),
                                    fingerprint=fingerprint)
 
-    if alt is None or sub is None:
+    if not watch_on:
         return await step(own), "own"
     async with asyncio.TaskGroup() as tg:  # (every child returns its error: the group only owns and awaits them)
         mine = tg.create_task(_settled(step(own)))
-        watch = tg.create_task(_marked(transport, sub, mark, start + silent - WATCH_EVERY, end))
+        watch = tg.create_task(_marked(transport, watch_on, mark, start + silent - WATCH_EVERY, end))
         theirs: asyncio.Task[ReduceResult | Exception] | None = None
         # Our own step failed: the marker is waited for only as long as a stand-in takes to notice the silence
         # (our cell's members wait on our "not yet" meanwhile, where they used to be told at once that we have none)
@@ -140,19 +157,19 @@ async def carry_shard(transport: Transport, own: Group, alt: Group | None, sub: 
             while True:
                 for t, from_sub in ((mine, False), (theirs, True)):
                     if t is not None and t.done() and isinstance(t.result(), ReduceResult):
-                        if from_sub:
-                            log.info("event=standin_carried key=%s with=%s", alt.key, sub[-8:])
+                        if from_sub and alt is not None:
+                            log.info("event=standin_carried key=%s", alt.key)
                         return t.result(), "standin" if from_sub else "own"  # type: ignore[return-value]
                 if theirs is None and watch.done() and watch.result() == VOID:
                     # The other cell has nothing for this shard (its carrier died before step 1, whose part of it
                     # nobody averaged), and it says so: the shard is our cell's mean alone, offered by us only.
-                    log.info("event=standin_void key=%s with=%s", alt.key, sub[-8:])
+                    log.info("event=standin_void key=%s", own.key)
                     return ReduceResult([values.detach().float().clone()], float(weight), own.members,
                                         (transport.peer_id,), partial=True,
                                         agreed=None if fingerprint is None else tuple(float(v) for v in fingerprint)
                                         ), "void"
-                if theirs is None and watch.done() and watch.result() == STEP:
-                    log.info("event=standin_joined key=%s with=%s", alt.key, sub[-8:])
+                if theirs is None and alt is not None and watch.done() and watch.result() == STEP:
+                    log.info("event=standin_joined key=%s", alt.key)
                     theirs = tg.create_task(_settled(step(alt)))
                     continue
                 if theirs is None and mine.done():
