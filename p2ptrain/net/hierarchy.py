@@ -552,8 +552,14 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         if digest != digests[s].encode():
             raise RoundFailed(f"{name[:-4]}: our carry and {other[-8:]}'s disagree on it")
 
-    await asyncio.gather(*(fetch(s) for s in range(plan.shards) if s not in offers),
-                         *(check_own(s) for s in list(offers)))
+    try:
+        # (owned: once one shard fails the round, the others' fetches, and any stand-in's step, are cancelled, not
+        # left polling until the deadline)
+        async with asyncio.TaskGroup() as tg:
+            for s in range(plan.shards):
+                tg.create_task(check_own(s) if s in offers else fetch(s))
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
     timeline["gathered"] = time.monotonic() - t0
     # What each shard was and where from, for comparing members' logs after a round: its source, the crc32 of its
     # offer's first 4 KiB (two averages differ from the first values on), its contributors count and its total
