@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from bench.churn import PeerRec, Phase, phase_figures
 
@@ -13,6 +14,15 @@ from bench.churn import PeerRec, Phase, phase_figures
 def _phase(tmp_path: Path) -> Phase:
     a = argparse.Namespace(seed=0, regions=2, peers=2, spare=0, method="streaming", P=2)
     return Phase("faults", a, tmp_path, faults=True)
+
+
+def _rows(tmp_path: Path, lines: list[tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """The round rows of a phase that read ``lines`` as (peer, log line without its time stamp)."""
+    ph = _phase(tmp_path)
+    for name, line in lines:
+        ph.parse(PeerRec(name=name, slot=0, host="us0", region="us", fresh=True), "ts=2026-11-27 07:00:30,000 " + line,
+                 0.0)
+    return ph.round_rows()
 
 
 def test_abandoned_and_stuck_rounds_are_told_apart(tmp_path: Path) -> None:
@@ -38,15 +48,11 @@ def test_abandoned_and_stuck_rounds_are_told_apart(tmp_path: Path) -> None:
 def test_the_appliers_own_tokens_are_summed_beside_the_rounds_total(tmp_path: Path) -> None:
     """Each applied line's ``own=`` is summed per round (every applier, whatever its digest), so that goodput can
     also be counted by the tokens the appliers say are theirs; a line from before ``own`` was logged counts 0."""
-    ph = _phase(tmp_path)
-    ts = "ts=2026-11-27 07:00:30,000 "
-    lines = [("s00g0", "event=applied key=f0.L9 fragment=0 members=3 tokens=300 divergent=False digest=aa own=100"),
-             ("s01g0", "event=applied key=f0.L9 fragment=0 members=3 tokens=300 divergent=True digest=aa own=0"),
-             ("s02g0", "event=applied key=f0.L9 fragment=0 members=3 tokens=300 divergent=False digest=aa own=120"),
-             ("s00g0", "event=applied key=f1.L9 fragment=1 members=2 tokens=50 divergent=False digest=bb")]
-    for name, line in lines:
-        ph.parse(PeerRec(name=name, slot=0, host="us0", region="us", fresh=True), ts + line, 0.0)
-    rows = ph.round_rows()
+    rows = _rows(tmp_path, [
+        ("s00g0", "event=applied key=f0.L9 fragment=0 members=3 tokens=300 divergent=False digest=aa own=100"),
+        ("s01g0", "event=applied key=f0.L9 fragment=0 members=3 tokens=300 divergent=True digest=aa own=0"),
+        ("s02g0", "event=applied key=f0.L9 fragment=0 members=3 tokens=300 divergent=False digest=aa own=120"),
+        ("s00g0", "event=applied key=f1.L9 fragment=1 members=2 tokens=50 divergent=False digest=bb")])
     assert (rows["f0.L9"]["tokens"], rows["f0.L9"]["own"]) == (300, 220)
     assert (rows["f1.L9"]["tokens"], rows["f1.L9"]["own"]) == (50, 0)
     for r in rows.values():
@@ -62,16 +68,12 @@ def test_the_appliers_own_tokens_are_summed_beside_the_rounds_total(tmp_path: Pa
 def test_shards_carried_with_a_stand_in_are_counted_per_round(tmp_path: Path) -> None:
     """A carrier's ``event=standin_carried key=<round>#s<shard>~<id>`` line counts for its round (the shard key's
     round, not the cell or shard key), in the rows and the phase's figures, applied or not."""
-    ph = _phase(tmp_path)
-    ts = "ts=2026-11-27 07:00:30,000 "
-    lines = [("s00g0", "event=standin_carried key=f0.L9#s1~12D3KooWabcd with=Xyz12345"),
-             ("s01g0", "event=standin_carried key=f0.L9#s3~12D3KooWefgh with=Abc12345"),
-             ("s02g0", "event=applied key=f0.L9 fragment=0 members=6 tokens=300 divergent=False digest=aa own=100"),
-             ("s00g0", "event=standin_carried key=f1.L9#s0~12D3KooWabcd with=Xyz12345"),
-             ("s00g0", "event=round_failed key=f1.L9 reason=RoundFailed: no carrier delivered it")]
-    for name, line in lines:
-        ph.parse(PeerRec(name=name, slot=0, host="us0", region="us", fresh=True), ts + line, 0.0)
-    rows = ph.round_rows()
+    rows = _rows(tmp_path, [
+        ("s00g0", "event=standin_carried key=f0.L9#s1~12D3KooWabcd"),
+        ("s01g0", "event=standin_carried key=f0.L9#s3~12D3KooWefgh"),
+        ("s02g0", "event=applied key=f0.L9 fragment=0 members=6 tokens=300 divergent=False digest=aa own=100"),
+        ("s00g0", "event=standin_carried key=f1.L9#s0~12D3KooWabcd"),
+        ("s00g0", "event=round_failed key=f1.L9 reason=RoundFailed: no carrier delivered it")])
     assert (rows["f0.L9"]["shards_stood_in"], rows["f1.L9"]["shards_stood_in"]) == (2, 1)
     record = {"rounds": rows, "faults": [], "window_s": [0.0, 60.0], "live": [], "peers": {}}
     f = phase_figures(record, fragments=2)

@@ -303,6 +303,37 @@ def test_a_carrier_frozen_through_the_cross_step_costs_its_shard_a_cell_not_the_
     run(go())
 
 
+async def _all_but(ts: list[Transport], groups: list[Group], xs: list[list[torch.Tensor]], ws: list[float],
+                  gone: int, timeout: float) -> list[ReduceResult | BaseException]:
+    """Every member's hierarchical round; the outcomes of all but ``gone``, whose own round (frozen or dead: it never
+    ends) is cancelled once theirs have ended."""
+    calls = [asyncio.create_task(_hier(t, g, x, w, timeout=timeout))
+             for t, g, x, w in zip(ts, groups, xs, ws, strict=True)]
+    live = await asyncio.gather(*(c for i, c in enumerate(calls) if i != gone), return_exceptions=True)
+    calls[gone].cancel()
+    await asyncio.gather(calls[gone], return_exceptions=True)
+    return live
+
+
+def _cut_off(ts: list[Transport], i: int) -> None:
+    """From now on nobody reaches ``ts[i]`` (libp2p transports), and it reaches nobody: frozen, to the others."""
+    for k, t in enumerate(ts):
+        t.blocked |= {x.peer_id for j, x in enumerate(ts) if i in (k, j) and k != j}  # type: ignore[attr-defined]
+
+
+def _assert_whole_mean(live: list[ReduceResult | BaseException], xs: list[list[torch.Tensor]],
+                       ws: list[float]) -> None:
+    """Every outcome is a result, all the same bytes, the float64 weighted mean of every member's values (to fp32
+    rounding), with nothing partial or missing."""
+    assert not any(isinstance(r, BaseException) for r in live), live
+    exp = sum(w * x[0].double() for x, w in zip(xs, ws, strict=True)) / sum(ws)
+    for r in live:
+        assert isinstance(r, ReduceResult) and isinstance(live[0], ReduceResult)
+        assert torch.equal(r.tensors[0], live[0].tensors[0])
+        assert (r.tensors[0].double() - exp).abs().max() < 1e-6
+        assert not r.partial and r.missing == ()
+
+
 def test_a_carrier_that_dies_in_a_round_of_two_cells_is_stood_in_for_by_its_cell(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """2 regions × 3 (a round of two cells: every shard crosses between two carriers); region b's carrier of shard 1
@@ -334,18 +365,9 @@ def test_a_carrier_that_dies_in_a_round_of_two_cells_is_stood_in_for_by_its_cell
             gen = torch.Generator().manual_seed(5)
             xs = [[torch.randn(30, generator=gen)] for _ in ts]
             ws = [1.0, 2.0, 1.5, 0.5, 1.0, 3.0]
-            calls = [asyncio.create_task(_hier(t, g, x, w, timeout=20.0))
-                     for t, g, x, w in zip(ts, groups, xs, ws, strict=True)]
-            live = await asyncio.gather(*(c for i, c in enumerate(calls) if i != dead), return_exceptions=True)
-            calls[dead].cancel()  # (its own round never ends: it is dead)
-            await asyncio.gather(calls[dead], return_exceptions=True)
-            assert not any(isinstance(r, BaseException) for r in live), live
-            exp = sum(w * x[0].double() for x, w in zip(xs, ws, strict=True)) / sum(ws)
-            for r in live:
-                assert isinstance(r, ReduceResult)
-                assert torch.equal(r.tensors[0], live[0].tensors[0])  # type: ignore[union-attr]
-                assert (r.tensors[0].double() - exp).abs().max() < 1e-6
-                assert not r.partial and r.missing == () and r.total_weight == pytest.approx(sum(ws))
+            live = await _all_but(ts, groups, xs, ws, dead, timeout=20.0)
+            _assert_whole_mean(live, xs, ws)
+            assert all(r.total_weight == pytest.approx(sum(ws)) for r in live)  # type: ignore[union-attr]
 
     run(go())
 
@@ -369,26 +391,14 @@ def test_a_carrier_frozen_in_a_round_of_two_cells_is_stood_in_for_on_libp2p(monk
 
             async def freeze_across(group: Group, *args: Any, **kw: Any) -> ReduceResult:
                 if "#s" in group.key:  # its cell's step is done: from now on it is cut off from everyone
-                    for i, t in enumerate(ts):
-                        t.blocked |= {x.peer_id for j, x in enumerate(ts) if frozen in (i, j) and i != j}  # type: ignore[attr-defined]
+                    _cut_off(ts, frozen)
                 return await step(group, *args, **kw)
 
             ts[frozen].allreduce = freeze_across  # type: ignore[method-assign]
             gen = torch.Generator().manual_seed(7)
             xs = [[torch.randn(3000, generator=gen)] for _ in ts]
             ws = [1.0, 2.0, 1.5, 0.5, 1.0, 3.0]
-            calls = [asyncio.create_task(_hier(t, g, x, w, timeout=40.0))
-                     for t, g, x, w in zip(ts, groups, xs, ws, strict=True)]
-            live = await asyncio.gather(*(c for i, c in enumerate(calls) if i != frozen), return_exceptions=True)
-            calls[frozen].cancel()
-            await asyncio.gather(calls[frozen], return_exceptions=True)
-            assert not any(isinstance(r, BaseException) for r in live), live
-            exp = sum(w * x[0].double() for x, w in zip(xs, ws, strict=True)) / sum(ws)
-            for r in live:
-                assert isinstance(r, ReduceResult)
-                assert torch.equal(r.tensors[0], live[0].tensors[0])  # type: ignore[union-attr]
-                assert (r.tensors[0].double() - exp).abs().max() < 1e-6
-                assert not r.partial and r.missing == ()
+            _assert_whole_mean(await _all_but(ts, groups, xs, ws, frozen, timeout=40.0), xs, ws)
 
     run(go())
 
@@ -412,14 +422,9 @@ def test_a_stand_in_whose_cells_mean_lacks_the_shard_leaves_it_to_the_other_cell
             regions = ["a", "b", "a", "b", "a", "b"]
             groups = await _form(ts, regions, "hlack")
             gone = _carrier_of(ts, groups[0], "b", 1)
-            for i, t in enumerate(ts):
-                t.blocked |= {x.peer_id for j, x in enumerate(ts) if gone in (i, j) and i != j}  # type: ignore[attr-defined]
+            _cut_off(ts, gone)
             xs = [[torch.full((3000,), float(i + 1))] for i in range(6)]
-            calls = [asyncio.create_task(_hier(t, g, x, 1.0, timeout=20.0))
-                     for t, g, x in zip(ts, groups, xs, strict=True)]
-            live = await asyncio.gather(*(c for i, c in enumerate(calls) if i != gone), return_exceptions=True)
-            calls[gone].cancel()
-            await asyncio.gather(calls[gone], return_exceptions=True)
+            live = await _all_but(ts, groups, xs, [1.0] * 6, gone, timeout=20.0)
             assert not any(isinstance(r, BaseException) for r in live), live
             lo, hi = 1000, 2000  # shard 1 of 3000 values in 3 shards
             b_live = [float(i + 1) for i in range(6) if regions[i] == "b" and i != gone]
