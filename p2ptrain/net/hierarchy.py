@@ -63,7 +63,7 @@ from .digest import hexdigest
 from .groups import fingerprints_match
 from .parts import print_problem, union
 from .polling import answer, first_of, poll
-from .standin import VOID, carry_shard, cells_by_member, partner_standin, stand_in, standin_group, standin_of
+from .standin import carry_shard, cells_by_member, partner_standin, stand_in, standin_group, standin_of, void_marker
 from .transport import Group, ReduceResult, RoundFailed, Transport
 from .wire import FrameError, decode_message, encode_message
 
@@ -360,7 +360,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
             # members would keep their progress there besides. In a round of two cells we say so, and the other
             # carrier offers its cell's mean alone; our members keep their progress (net/standin.py). (With more
             # cells the zeros still go in: left out, the shard's other carriers would wait for us half their time.)
-            transport.offers.put(_mark_name(group, phase, s), VOID, ttl=OFFER_TTL)
+            transport.offers.put(_mark_name(group, phase, s), void_marker(cell_print), ttl=OFFER_TTL)
             raise RoundFailed(f"{_offer_name(group, phase, s)}: our cell's mean lacks part of the shard")
         # (in a round of two cells, with the other carrier's stand-in too if that one falls silent: net/standin.py)
         partner = partner_standin(plan.carriers[s], plan.cell_of, me)

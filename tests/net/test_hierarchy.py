@@ -439,6 +439,20 @@ def test_a_stand_in_whose_cells_mean_lacks_the_shard_leaves_it_to_the_other_cell
     run(go())
 
 
+def test_a_void_marker_is_taken_only_onto_the_same_theta() -> None:
+    """A cell that lacks a shard says so with its θ's print; the other carrier offers its cell's mean alone only onto
+    the same θ (on two θ, the round's vote settles which one: taken alone, a cell went on with its own θ while the
+    other failed, and the swarm repaired those rounds away)."""
+    from p2ptrain.net.standin import VOID, _same_theta, void_marker
+
+    assert void_marker([1.0, 2.0])[:1] == VOID
+    assert _same_theta(void_marker([1.0, 2.0]), (1.0, 2.0))
+    assert not _same_theta(void_marker([1.0, 2.0]), (1.0, 2.5))
+    assert _same_theta(void_marker(None), None)
+    assert not _same_theta(void_marker(None), (1.0,)) and not _same_theta(void_marker([1.0]), None)
+    assert not _same_theta(VOID + b"garbage", (1.0,))
+
+
 def test_a_carrier_is_taken_for_silent_sooner_in_a_short_round() -> None:
     """15 % of the round's timeout, between 2 s (a live carrier on a loaded machine answers within ~1 s) and SILENT:
     a round of 15 s takes a carrier silent after 2.25 s, not 10 of the 12.75 s its cross step may take."""
