@@ -63,7 +63,7 @@ from .digest import hexdigest
 from .groups import fingerprints_match
 from .parts import print_problem, union
 from .polling import answer, first_of, poll
-from .standin import carry_shard, cells_by_member, partner_standin, stand_in, standin_group, standin_of, void_marker
+from .standin import carry_shard, cells_by_member, partner_standin, stand_in, standin_group, standin_of
 from .transport import Group, ReduceResult, RoundFailed, Transport
 from .wire import FrameError, decode_message, encode_message
 
@@ -355,20 +355,12 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
 
     async def carry(s: int) -> tuple[int, ReduceResult, bytes, str]:
         lo, hi = bounds[s]
-        if lacks(s) and len(plan.carriers[s]) == 2:
-            # Our cell's mean lacks (some of) the shard: its zeros would go in at the cell's whole weight, and our
-            # members would keep their progress there besides. In a round of two cells we say so, and the other
-            # carrier offers its cell's mean alone; our members keep their progress (net/standin.py). (With more
-            # cells the zeros still go in: left out, the shard's other carriers would wait for us half their time.)
-            transport.offers.put(_mark_name(group, phase, s), void_marker(cell_print), ttl=OFFER_TTL)
-            raise RoundFailed(f"{_offer_name(group, phase, s)}: our cell's mean lacks part of the shard")
         # (in a round of two cells, with the other carrier's stand-in too if that one falls silent: net/standin.py)
         partner = partner_standin(plan.carriers[s], plan.cell_of, me)
-        others = [c for c in plan.carriers[s] if c != me] if len(plan.carriers[s]) == 2 else []
         res, how = await carry_shard(
             transport, plan.shard_group(group, s),
             None if partner is None else standin_group(plan.carriers[s], plan.cell_of, group, s, partner[0]),
-            others + ([partner[1]] if partner is not None else []), _mark_name(group, phase, s), phase,
+            [partner[1]] if partner is not None else [], _mark_name(group, phase, s), phase,
             mean[lo:hi], local.total_weight, codec, start=time.monotonic(), silent=silent, end=cross_end,
             fingerprint=cell_print)
         payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
