@@ -157,9 +157,9 @@ async def carry_shard(transport: Transport, own: Group, alt: Group | None, watch
                       phase: int, values: torch.Tensor, weight: float, codec: Codec, *, start: float, silent: float,
                       end: float, fingerprint: Sequence[float] | None) -> tuple[ReduceResult, str]:
     """A carrier's cross step of one shard: with its shard group ``own``; and, in a round of two cells, as
-    ``watch_on`` (the other carrier, and its stand-in if it has one) say with ``mark`` (watched from ``start +
+    ``watch_on`` (the other carrier's stand-in) says with ``mark`` (watched from ``start +
     silent``): with the stand-in's group ``alt`` too once the stand-in steps in, or with our cell's mean alone once
-    either says its cell's mean lacks the shard. Returns the first result and where from: ``own`` (our group),
+    it says its cell's mean lacks the shard. Returns the first result and where from: ``own`` (our group),
     ``standin`` (the stand-in's), ``void`` (our cell's mean alone: the other cell's members keep their progress on
     the shard); raises the carrier's own failure when neither
     gives one by ``end`` (or, once its own step failed, when no marker came within about two ``silent`` of that)."""
