@@ -261,6 +261,12 @@ async def _shard_bytes(transport: Transport, plan: Plan, group: Group, phase: in
     return data, len(data), "o:" + other
 
 
+async def _offer_of(res: ReduceResult, codec: Codec) -> bytes:
+    """A shard's offer as a carrier serves it: its total weight and contributors count, then its values encoded."""
+    payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
+    return _HEADER.pack(res.total_weight, len(res.contributors)) + payload
+
+
 def _ranges(value: object) -> list[tuple[int, int]]:
     """A note's ``missing`` ranges as (lo, hi) pairs; anything malformed is dropped (a note can only make its
     reader keep more of its own progress, never change an average)."""
@@ -363,8 +369,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
             [partner[1]] if partner is not None else [], _mark_name(group, phase, s), phase,
             mean[lo:hi], local.total_weight, codec, start=time.monotonic(), silent=silent, end=cross_end,
             fingerprint=cell_print)
-        payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
-        offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
+        offer = await _offer_of(res, codec)
         name = _offer_name(group, phase, s)
         log.info("event=carried name=%s timeline=%s", name,
                  ",".join(f"{k}:{v:.2f}" for k, v in (res.timeline or {}).items()))  # the shard's butterfly, step by step
@@ -499,8 +504,7 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
     async def offer_digest(s: int, res: ReduceResult) -> None:
         # We stood in for our cell's carrier of s: the digest of the shard's offer as a carrier makes it, for the
         # other cell's members to check what their carrier serves against (net/standin.py)
-        payload = await asyncio.to_thread(codec.encode, res.tensors[0].reshape(-1).float().cpu())
-        offer = _HEADER.pack(res.total_weight, len(res.contributors)) + payload
+        offer = await _offer_of(res, codec)
         transport.offers.put(_offer_name(group, phase, s) + "#sha", hexdigest(offer).encode(), ttl=OFFER_TTL)
 
     async def from_other_cell(s: int, other: str, name: str) -> None:

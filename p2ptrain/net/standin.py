@@ -10,10 +10,10 @@ But after step 1 every member of a cell holds the same bytes of its cell's mean:
 carrier's cell can carry its shard. So, only for shards of two carriers:
 
 * the silent carrier's *stand-in* (the next member of its cell, :func:`standin_of`) notices the silence while it
-  fetches the shard from it (no answer at all for :data:`~p2ptrain.net.hierarchy.SILENT` seconds, as its other
-  members do), offers a marker (``hier/<key>/<phase>/in/s<s>``) and runs the shard's cross step in the carrier's place (the group
-  ``<key>#s<s>~<carrier>``, with the cell's mean, weight and θ print, as the carrier would have);
-* the other carrier, while its own cross step runs, watches the stand-in's marker from :data:`SILENT` seconds into
+  fetches the shard from it (no answer at all for :func:`~p2ptrain.net.hierarchy.silence` seconds, as its other
+  members do), offers a marker (``hier/<key>/<phase>/in/s<s>``) and runs the shard's cross step in the carrier's
+  place (the group ``<key>#s<s>~<carrier>``, with the cell's mean, weight and θ print, as the carrier would have);
+* the other carrier, while its own cross step runs, watches the stand-in's marker from that silence into
   its carry (once a second; a round whose cross step ends sooner never asks) and, once it is offered, runs the
   stand-in's group as well. It keeps whichever of the two steps ends with a result first; if its own failed, it
   waits for the marker until its cross step's budget ends.
@@ -22,8 +22,8 @@ Why it cannot fork θ: either step averages the same two cell means with the sam
 each part owned on the same side (an owner averages a raw share of its own and a decoded one of the other's, and
 every member uses the owner's decoded result), so the silent carrier, had it finished after all, holds the same
 bytes as the stand-in's step gives (on the same float arithmetic; the cross-checks of the shard's digest between
-the cells catch the rest). A stand-in is only called in when its cell mate is silent to it; the other carrier only runs the stand-in's
-group once its marker is offered, so a carrier that is alive and answers is never replaced by its cell.
+the cells catch the rest). A stand-in is only called in when its cell mate is silent to it; the other carrier only
+runs the stand-in's group once its marker is offered, so a carrier that is alive and answers is never replaced by its cell.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
 
 import torch
 
 from ..collective.codecs import Codec
+from .allreduce import _settled
 from .groups import fingerprints_match
 from .transport import Declined, Group, ReduceResult, RoundFailed, Transport
 from .wire import FrameError, decode_message, encode_message
@@ -45,8 +45,6 @@ __all__ = ["STEP", "VOID", "carry_shard", "cells_by_member", "partner_standin", 
            "standin_of", "void_marker"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 WATCH_EVERY = 1.0  # seconds between a carrier's asks for its partner's stand-in's marker
 STEP, VOID = b"1", b"0"  # the marker: the stand-in steps in; its cell's mean lacks the shard (nothing to carry)
@@ -113,13 +111,6 @@ def partner_standin(carriers: Sequence[str], cell_of: dict[str, tuple[str, ...]]
     (partner,) = [c for c in carriers if c != me]
     sub = standin_of(carriers, cell_of, partner)
     return None if sub is None else (partner, sub)
-
-
-async def _settled(aw: Awaitable[T]) -> T | Exception:
-    try:
-        return await aw
-    except Exception as e:  # (RoundFailed and what a transport raises: the caller decides)
-        return e
 
 
 async def _marked(transport: Transport, peers: Sequence[str], name: str, start: float, end: float) -> bytes | None:
