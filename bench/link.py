@@ -116,6 +116,17 @@ def _known(cls: Any, **kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if k in names}
 
 
+def _peak_mb(*pids: int) -> float:
+    """The peak resident memory (VmHWM) of these processes, summed, in MB (0 for one that is gone)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+    return total / MB
+
+
 def _emit(rec: dict[str, Any]) -> None:
     print("RESULT " + json.dumps(rec), flush=True)
 
@@ -178,7 +189,7 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
                 _emit({"rep": rep, "group_s": t1 - t0, "allreduce_s": t2 - t1, "members": len(group.members),
                        "partial": res.partial, "max_err": err, "timeline": getattr(res, "timeline", None),
                        "verify_s": getattr(res, "verify_seconds", 0.0), "verify_bytes": getattr(res, "verify_bytes", 0),
-                       "audits": getattr(res, "verify_audits", 0),
+                       "audits": getattr(res, "verify_audits", 0), "peak_mb": _peak_mb(os.getpid()),
                        "hierarchical": len(set(group.region_of().values())) > 1})
             else:
                 print("READY", flush=True)
@@ -230,6 +241,7 @@ def _hivemind_worker(a: argparse.Namespace, initial: list[str]) -> None:
             with avg.get_tensors() as ts:
                 err = float((ts[0] - expect).abs().max())
             _emit({"rep": rep, "group_s": t1 - t0, "allreduce_s": t2 - t1, "matchmaking_attempts": attempt,
+                   "peak_mb": _peak_mb(os.getpid(), avg.pid),  # (the averager is a process of its own)
                    "members": 0 if group is None else len(group), "partial": group is None, "max_err": err})
         _turn(Path(a.turns), "end")
     finally:
@@ -365,7 +377,8 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
                          # verified rounds: chunk audits drawn by any member (each fetches one chunk of every
                          # contribution to a part; every member waits for its verdict), and the slowest judging
                          "audits": sum(r.get("audits", 0) for r in got),
-                         "verify_s": max(r.get("verify_s", 0.0) for r in got)})
+                         "verify_s": max(r.get("verify_s", 0.0) for r in got),
+                         "peak_mb": max(r.get("peak_mb", 0.0) for r in got)})  # the largest peer's, so far
         case: dict[str, Any] = {"system": system, "link": label, "peers": k, "size_mb": size, "ideal_s": ideal,
                                 "repeats": reps, "failed_ranks": failed}
         if system in errors or failed or len(reps) < repeats:
@@ -378,6 +391,8 @@ def run_case(tb: Testbed, systems: list[str], k: int, size: float, repeats: int,
             case |= {"allreduce_s": t, "goodput": ideal / t, "goodput_min": ideal / times[-1],
                      "goodput_max": ideal / times[0], "group_s": statistics.median(r["group_s"] for r in ok),
                      "round_s": statistics.median(r["round_s"] for r in ok), "correct_rounds": len(ok)}
+        if reps:
+            case["peak_mb"] = max(r["peak_mb"] for r in reps)
         out.append(case)
     return out
 
@@ -531,12 +546,13 @@ def main() -> None:
                      f"{c['allreduce_s']:.2f}" if g else "failed", f"{g:.3f}" if g else "-",
                      f"{c['goodput_min']:.3f}–{c['goodput_max']:.3f}" if g else "-",
                      f"{g * rate / c['tcp_bits']:.3f}" if g else "-", _verdict(c, rival),
-                     f"{c['group_s']:.2f}" if g else "-", f"{c.get('correct_rounds', 0)}/{args.repeats}"])
+                     f"{c['group_s']:.2f}" if g else "-", f"{c.get('correct_rounds', 0)}/{args.repeats}",
+                     f"{c['peak_mb']:.0f}" if "peak_mb" in c else "-"])
     out.print(table(f"all-reduce goodput, each peer behind its own {rate / 1e6:g} Mbit/s link, systems in turn "
                     f"(ideal = 2(k−1)/k · payload / rate; median and range of {args.repeats} repeats; TCP goodput of "
                     "one link: " + ", ".join(f"{k}: {v / 1e6:.1f}" for k, v in tcp.items()) + " Mbit/s)",
                     ["system", "link", "peers", "MB", "ideal s", "all-reduce s", "of rate", "range", "of TCP",
-                     "vs others", "group s", "ok"], rows))
+                     "vs others", "group s", "ok", "peak MB a peer"], rows))
 
 
 def _verdict(c: dict[str, Any], rivals: list[dict[str, Any]]) -> str:

@@ -185,6 +185,12 @@ class Codec(ABC):
             raise ValueError(f"{self.name}: {_NON_FINITE_PAYLOAD}")
         return out
 
+    def decode_into(self, data: bytes, out: torch.Tensor) -> None:
+        """Decode a payload of ``out.numel()`` values into ``out`` (a 1-D float32 CPU tensor), ValueError as
+        :meth:`decode` (``out`` may then hold part of the payload). A codec whose payload is its values' bytes
+        writes them straight in, with no tensor of its own in between."""
+        out.copy_(self.decode(data, out.numel()))
+
     @abstractmethod
     def encoded_size(self, numel: int) -> int:
         """Exact payload size in bytes for ``numel`` values (ValueError for a negative or non-integer count)."""

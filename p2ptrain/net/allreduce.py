@@ -47,7 +47,7 @@ from ..collective.codecs import Codec
 from ..faults import FaultPlan, corrupt_payload, lie_about
 from .audit import Audit
 from .bandwidth import LinkMeter
-from .chunks import EncodedStream, chunked_size, decode_chunked, encode_ahead
+from .chunks import EncodedStream, Slot, chunked_size, decode_chunked, encode_ahead
 from .claims import Entry
 from .guard import Guard
 from .mailbox import Mailbox
@@ -108,11 +108,6 @@ async def _settled(aw: Awaitable[T]) -> T | Exception:
         return await aw
     except Exception as e:
         return e
-
-
-def _touched(numel: int) -> torch.Tensor:
-    """``numel`` float32 zeros, every page of them written."""
-    return torch.zeros(numel, dtype=torch.float32)
 
 
 class ButterflyRun:
@@ -197,11 +192,12 @@ class ButterflyRun:
             self.own_commit = await asyncio.to_thread(self.audit.sign_own, own, self.chunk)
             # verification's sums of each result, made as its chunks arrive (net/tally.py)
             self.audit.register(self.flat, own, self.chunk, honest=self.faults.corrupt is None)
-        # The buffer the parts are assembled in, its pages touched in a worker thread while the parts are on the
-        # wire (after our own share's commitment, which the first part waits for; a plain executor future: the
-        # thread ends on its own if the run stops first).
-        self.out_buffer: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().run_in_executor(
-            None, _touched, self.flat.numel())
+        # The buffer the parts are assembled in: the results streamed from their owners, and our own part's average,
+        # are decoded straight into their ranges of it as they come (its pages are first written there, in the
+        # decoding worker threads), so that no result has a buffer of its own to copy at the end.
+        self.out = torch.empty(self.flat.numel(), dtype=torch.float32)
+        self.slots: dict[int, Slot] = {}
+        self.box.result_slot = self._slot
         try:
             sent = await self._exchange()
         except BaseExceptionGroup as eg:
@@ -216,6 +212,17 @@ class ButterflyRun:
             j, why = min(self.audit.unsettled.items())
             raise RoundFailed(f"round {self.group.key} phase {self.phase}: part {j} could not be verified ({why})")
         return await self._assemble(sent)
+
+    def _slot(self, part: int, sender: str, numel: int) -> Slot | None:
+        """Where the result of ``part`` streamed by ``sender`` decodes to: its range of our output, for the first
+        stream of it from its owner (a relay or a second stream gets a buffer of its own); None once we assemble."""
+        if not 0 <= part < len(self.members) or part == self.me or part in self.slots or self.box.result_slot is None:
+            return None
+        a, b = self.bounds[part]
+        if sender != self.members[part] or numel != b - a:
+            return None
+        slot = self.slots[part] = Slot(self.out[a:b])
+        return slot
 
     async def _exchange(self) -> int:
         """Steps 1 to 4 in a TaskGroup that owns every task they start; the payload bytes sent."""
@@ -282,7 +289,11 @@ class ButterflyRun:
             cb = chunk_bounds(hi - lo, self.chunk)
             msg |= {"chunk": self.chunk, "chunks": len(cb)}
             size = chunked_size(codec, hi - lo, self.chunk)
+            # The payloads are kept only where verification needs them: a lossy codec's, which our claims sketch and
+            # our audits read as the owner decoded them (fp32's are our values' bytes: ``mine`` serves both).
             pieces: list[bytes] = []
+            keep = audit is not None and codec.name != "fp32"
+            went = [0]  # bytes of the chunks that left, each counted once it has (a retried call starts again)
             grid = None
             if audit is not None:
                 audit.sending(j, pieces)
@@ -290,13 +301,18 @@ class ButterflyRun:
 
             async def source() -> AsyncGenerator[bytes, None]:
                 pieces.clear()  # a retried call encodes again
+                went[0] = 0
                 if grid is not None:
                     grid.reset()
                 async with aclosing(encode_ahead(codec, mine, cb, None if grid is None else grid.add)) as chunks:
+                    n = 0
                     async for data in chunks:
-                        pieces.append(data)
+                        n += 1
+                        if keep:
+                            pieces.append(data)
                         yield data
-                        self.faults.in_stream(len(pieces))  # tests only: a peer dying mid-stream
+                        went[0] += len(data)
+                        self.faults.in_stream(n)  # tests only: a peer dying mid-stream
 
             trailer = None
             if audit is not None:
@@ -313,7 +329,7 @@ class ButterflyRun:
             except RoundFailed:
                 # Cut off (a slow link times out before a whole part is through): what did go through is a
                 # measure of the link too, so that the next round's timeout can follow it (sync.py).
-                self.links.update(self.members[j], sum(len(p) for p in pieces[:-1]), time.monotonic() - t0)
+                self.links.update(self.members[j], went[0], time.monotonic() - t0)
                 raise
         else:
             if corrupt is None:
@@ -384,7 +400,7 @@ class ButterflyRun:
                 told = await asyncio.to_thread(self.codec.decode, data, hi - lo)
                 self.forged = self.flat[lo:hi] + (total / self.weight) * (told - avg)
         if hi - lo > self.chunk and (self.lie is None or self.lie_stream is not None):  # streamed to every member
-            stream = self.stream = EncodedStream(self.codec, avg, self.chunk)
+            stream = self.stream = EncodedStream(self.codec, avg, self.chunk, decoded=self.out[lo:hi])
             own |= {"chunk": self.chunk, "chunks": len(stream.bounds)}
             if self.audit is not None:
                 stream.on_chunk = self.audit.own_stream(own, hi - lo, stream.payloads)
@@ -436,7 +452,8 @@ class ButterflyRun:
             return None
         sources = [Source(p, whole(box.contribs[p][1]) if p in box.contribs else box.inflows[p].progress,
                           sel.use[p][1]) for p in use]
-        stream = PipelinedMean(self.codec, hi - lo, self.chunk, sources, box, box.contribs, self._until(GATHER))
+        stream = PipelinedMean(self.codec, hi - lo, self.chunk, sources, box, box.contribs, self._until(GATHER),
+                               decoded=self.out[lo:hi])
         own = {"key": self.group.key, "phase": self.phase, "part": self.me, "contributors": sorted(use),
                "total": float(sum(s.weight for s in stream.sources)), "agree": sorted(sel.agree),
                "group": group_tag(self.members),
@@ -706,8 +723,11 @@ class ButterflyRun:
 
     # 6. assembly
     async def _assemble(self, sent: int) -> ReduceResult:
+        self.box.result_slot = None
+        for slot in self.slots.values():  # no stream still on its way writes into the output after this
+            slot.close()
         out = Assembly(self.flat.numel(), self.members, self.me, check_agree=self.fp is not None, fingerprint=self.fp,
-                       out=await self.out_buffer)
+                       out=self.out)
         for j, (a, b) in enumerate(self.bounds):
             res = self.box.results.get(j)
             if res is not None and self.audit is not None and j != self.me and j not in self.audit.judged:

@@ -120,6 +120,8 @@ class Audit:
         self._draw = random.Random(int.from_bytes(os.urandom(8), "big"))
         self._slices: dict[int, list[tuple[int, int]]] = {}  # part -> the slices our audit of it drew
         self._fetches: dict[tuple[int, str, int, int], asyncio.Task[tuple[Any, int]]] = {}  # prefetched slices
+        # our part's evidence goes once every other member has judged it (Mailbox.judged_by_all)
+        box.own_part = (self.me, frozenset(m for m in self.members if m != me))
 
     # ------------------------------------------------------------------ signing what leaves
     def sign_own(self, own: torch.Tensor, chunk: int) -> bytes:
@@ -138,6 +140,8 @@ class Audit:
         """Sign our contribution to ``part`` (its payload ``pieces``, all of them written; ``values``: what they
         decode to, when known without decoding: a lossless codec; ``shas``: their contribution_shas, when hashed
         as they were encoded): the fields that carry the signature."""
+        if not shas and not pieces and values is not None and self.codec.name == "fp32":
+            shas = raw_shas(values, chunk)  # (fp32's payloads are not kept: they are the values' bytes)
         digest = root(shas) if shas else payload_sha(pieces, numel, self.codec, chunk)
         sig, commit = sign_contribution(self.identity, self.run, self.key, self.phase, part, self.weight, numel,
                                         self.codec.name, chunk, digest)
@@ -298,9 +302,10 @@ class Audit:
 
     def verdict_message(self) -> dict[str, Any]:
         """The parts we proved wrong, each with the digest of the result we held, for every member (they check
-        them in turn: :meth:`reconcile`)."""
+        them in turn: :meth:`reconcile`), and the parts we have judged: an owner whose part every other member has
+        judged, and none proved wrong, lets its evidence go (Mailboxes.accept_verdict)."""
         return {"key": self.key, "phase": self.phase,
-                "replaced": [[j, d, o] for j, (d, o) in sorted(self.replaced.items())]}
+                "replaced": [[j, d, o] for j, (d, o) in sorted(self.replaced.items())], "judged": sorted(self.judged)}
 
     async def reconcile(self, until: float) -> None:
         """Other members proved parts wrong that we used (an audit drew them, or their copy of the result was

@@ -11,6 +11,7 @@ encodes it once for all of them (:class:`EncodedStream`); a receiver decodes eac
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -21,7 +22,7 @@ from ..collective.butterfly import MIN_CHUNK, chunk_bounds
 from ..collective.codecs import Codec
 from .transport import RoundFailed
 
-__all__ = ["EncodedStream", "Progress", "Refused", "chunked_size", "decode_chunked", "encode_ahead", "receive_chunks"]
+__all__ = ["EncodedStream", "Progress", "Refused", "Slot", "chunked_size", "decode_chunked", "encode_ahead", "receive_chunks"]
 
 
 
@@ -32,9 +33,35 @@ OnChunk = Callable[[int, bytes, torch.Tensor], None]
 def decode_into(codec: Codec, data: bytes, out: torch.Tensor, on_chunk: OnChunk | None = None, index: int = 0) -> None:
     """Decode ``data`` into ``out`` (a 1-D float32 view), in the caller's thread: run it in a worker, so that the
     copy of a 1 MB chunk does not hold the event loop (ValueError as ``codec.decode``); then tell ``on_chunk``."""
-    out.copy_(codec.decode(data, out.numel()))
+    codec.decode_into(data, out)
     if on_chunk is not None:
         on_chunk(index, data, out)
+
+
+class Slot:
+    """Where a streamed result decodes to: its part's range of the all-reduce's output, so that no buffer of its own
+    is made and copied at the assembly (net/allreduce.py). The run closes it before it assembles: a chunk's decode
+    still in its worker thread then (a stream cut off mid-round) finishes first, and none writes after it: the
+    stream decodes the rest into a buffer of its own."""
+
+    def __init__(self, view: torch.Tensor) -> None:
+        self.view = view
+        self._lock = threading.Lock()
+        self._open = True
+
+    def write(self, codec: Codec, data: bytes, a: int, b: int, on_chunk: OnChunk | None, index: int) -> bool:
+        """Decode chunk ``index`` (values ``a:b``) into the view, in the caller's (worker) thread; False, writing
+        nothing, once the slot is closed."""
+        with self._lock:
+            if not self._open:
+                return False
+            decode_into(codec, data, self.view[a:b], on_chunk, index)
+            return True
+
+    def close(self) -> None:
+        """No write after this returns (it waits for one in progress: a chunk's decode, a millisecond or so)."""
+        with self._lock:
+            self._open = False
 
 class Refused(ValueError):
     """A streamed payload that does not fit what its header announced (the sender gets a strike)."""
@@ -107,11 +134,12 @@ class EncodedStream:
     the decoded values, so that lossy codecs agree everywhere.
     """
 
-    def __init__(self, codec: Codec, x: torch.Tensor, chunk: int) -> None:
+    def __init__(self, codec: Codec, x: torch.Tensor, chunk: int, decoded: torch.Tensor | None = None) -> None:
         self.codec, self.x = codec, x
         self.bounds = chunk_bounds(x.numel(), chunk)
         self.payloads: list[bytes] = []
-        self.decoded = torch.empty(x.numel(), dtype=torch.float32)
+        # ``decoded``: where the decoded values go (a range of the run's output), else a buffer of their own
+        self.decoded = torch.empty(x.numel(), dtype=torch.float32) if decoded is None else decoded
         self.failed: BaseException | None = None
         self.on_chunk: OnChunk | None = None  # told of each chunk once decoded (verification's tallies)
         self._stopped = False  # the producer returned, failed or was cancelled
@@ -169,13 +197,16 @@ class Progress:
 
 
 async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int, progress: Progress | None = None,
-                         on_chunk: OnChunk | None = None) -> tuple[torch.Tensor, list[bytes]]:
-    """Decode a streamed payload chunk by chunk as it arrives: (values, the chunks' payloads).
+                         on_chunk: OnChunk | None = None, *, keep: bool = True,
+                         into: Slot | None = None) -> tuple[torch.Tensor, list[bytes]]:
+    """Decode a streamed payload chunk by chunk as it arrives: (values, the chunks' payloads; [] unless ``keep``).
 
     ``msg`` is the header (``chunk``, ``chunks``) with an async generator of the chunk frames' payloads in
     ``_frames`` (each read bounded in size and time by the stream layer). Refused if the chunking or a chunk's size does
     not match the header, or a chunk does not decode; the frames are closed either way. ``progress`` (if any)
-    receives the values as they are decoded, and is marked failed if the stream does not end whole.
+    receives the values as they are decoded, and is marked failed if the stream does not end whole; ``into`` (if
+    any, and no ``progress``): where they are decoded (:class:`Slot`). ``keep``: whether the payloads are kept (a
+    plain contribution's are not: its values are all the owner uses).
     """
     try:
         chunk, count, frames = msg["chunk"], msg["chunks"], msg.get("_frames")
@@ -183,7 +214,9 @@ async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int, progress
         bounds = chunk_bounds(numel, chunk)
         if frames is None or count != len(bounds):
             raise Refused(f"{count!r} chunks announced for {numel} values in chunks of {chunk}")
-        return await _receive(frames, codec, numel, bounds, progress, on_chunk)
+        if into is not None and (progress is not None or into.view.numel() != numel or not keep):
+            raise ValueError("a slot takes a whole result of its size, its payloads kept")
+        return await _receive(frames, codec, numel, bounds, progress, on_chunk, keep, into)
     except BaseException:
         if progress is not None:
             progress.failed = True
@@ -192,25 +225,42 @@ async def receive_chunks(msg: dict[str, Any], codec: Codec, numel: int, progress
 
 
 async def _receive(frames: AsyncGenerator[bytes, None], codec: Codec, numel: int, bounds: list[tuple[int, int]],
-                   progress: Progress | None, on_chunk: OnChunk | None) -> tuple[torch.Tensor, list[bytes]]:
-    out = progress.values if progress is not None else torch.empty(numel, dtype=torch.float32)
+                   progress: Progress | None, on_chunk: OnChunk | None, keep: bool,
+                   into: Slot | None) -> tuple[torch.Tensor, list[bytes]]:
+    if progress is not None:
+        out = progress.values
+    elif into is not None:
+        out = into.view
+    else:
+        out = torch.empty(numel, dtype=torch.float32)
     pieces: list[bytes] = []
+    got = 0
     async with aclosing(frames) as it:
         async for data in it:
-            a, b = bounds[len(pieces)]
+            a, b = bounds[got]
             if len(data) != codec.encoded_size(b - a):
-                raise Refused(f"chunk {len(pieces)} of {len(data)} bytes for {b - a} values")
+                raise Refused(f"chunk {got} of {len(data)} bytes for {b - a} values")
             try:
-                await asyncio.to_thread(decode_into, codec, data, out[a:b], on_chunk, len(pieces))
+                if into is None:
+                    await asyncio.to_thread(decode_into, codec, data, out[a:b], on_chunk, got)
+                elif not await asyncio.to_thread(into.write, codec, data, a, b, on_chunk, got):
+                    # The slot closed (our run assembled without this result): the rest goes to a buffer of its own,
+                    # the chunks before it decoded there again (rare: a result later than its run).
+                    out, into = torch.empty(numel, dtype=torch.float32), None
+                    for i, piece in enumerate(pieces):
+                        await asyncio.to_thread(decode_into, codec, piece, out[bounds[i][0]:bounds[i][1]])
+                    await asyncio.to_thread(decode_into, codec, data, out[a:b], on_chunk, got)
             except ValueError as e:
-                raise Refused(f"undecodable chunk {len(pieces)} ({e})") from None
-            pieces.append(data)
+                raise Refused(f"undecodable chunk {got} ({e})") from None
+            got += 1
+            if keep:
+                pieces.append(data)
             if progress is not None:
                 progress.ready = b
                 progress.tick()
-            if len(pieces) == len(bounds):
+            if got == len(bounds):
                 break
-    if len(pieces) != len(bounds):
-        raise Refused(f"{len(pieces)} of {len(bounds)} chunks arrived")
+    if got != len(bounds):
+        raise Refused(f"{got} of {len(bounds)} chunks arrived")
     return out, pieces
 

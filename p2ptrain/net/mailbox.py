@@ -26,12 +26,12 @@ import torch
 
 from ..collective.butterfly import MIN_CHUNK
 from ..collective.codecs import get_codec
-from .chunks import Progress, Refused, receive_chunks
+from .chunks import Progress, Refused, Slot, receive_chunks
 from .claims import Entry, Evidence, commitment, parse_checks
 from .guard import Guard
 from .identity import verify_signature
 from .parts import wire_result
-from .pieces import GridShas, contribution_shas, root
+from .pieces import GridShas, contribution_shas, raw_shas, root
 from .tally import ChunkTally
 
 __all__ = ["Contribution", "Mailbox", "Mailboxes"]
@@ -66,6 +66,10 @@ class Mailbox:
     checks: dict[str, dict[int, Entry]] = field(default_factory=dict)  # member -> its claims, by part
     # member -> (part, digest, the owner's signature on it) of each result it proved wrong
     verdicts: dict[str, list[tuple[int, bytes, bytes | None]]] = field(default_factory=dict)
+    judged: dict[str, set[int]] = field(default_factory=dict)  # member -> the parts its verdict says it judged
+    # (our part's index, the members who judge it), set by our verified all-reduce: the evidence goes once each of
+    # them said it has judged our part and none proved it wrong (None: kept until ``evidence_until``)
+    own_part: tuple[int, frozenset[str]] | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None  # when our all-reduce of this (round, phase) returned or failed
@@ -73,9 +77,22 @@ class Mailbox:
     # (part, sender, result header, numel) -> a tally that the result's chunks are told to as they are decoded
     # (net/tally.py), set by our verified all-reduce of this phase once it runs; None: no tallies
     make_tally: Callable[[int, str, dict[str, Any], int], ChunkTally | None] | None = None
+    # (part, sender, numel) -> where a streamed result decodes to (its range of our run's output), set by our
+    # all-reduce of this phase once it runs; None: a buffer of its own
+    result_slot: Callable[[int, str, int], Slot | None] | None = None
 
     def poke(self) -> None:
         self.changed.set()
+
+    def judged_by_all(self) -> bool:
+        """Whether every other member said it has judged our part and none proved it wrong: nobody asks for our
+        evidence any more (a member with a late result of it judges it after its verdict, which then does not
+        name our part)."""
+        if self.own_part is None:
+            return False
+        j, judges = self.own_part
+        return all(j in self.judged.get(m, ()) for m in judges) and \
+            not any(p == j for said in self.verdicts.values() for p, _, _ in said)
 
     async def wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
         """Wait until ``ready()`` holds (checked after every arrival) or ``deadline`` (monotonic) passes;
@@ -114,6 +131,7 @@ class Mailbox:
         for res in self.results.values():
             res.pop("_tensor", None)
         self.make_tally = None
+        self.result_slot = None
 
 
 class Mailboxes:
@@ -180,8 +198,11 @@ class Mailboxes:
             # what its signature names, hashed as each chunk is decoded
             if self.verify and isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= MIN_CHUNK:
                 grid = GridShas(codec, numel, chunk)
+            # The payloads are kept only as a lossy codec's evidence: a plain owner uses the values alone, and a
+            # lossless (fp32) payload is the values' bytes, shown from the values themselves (Evidence.raw).
+            keep = self.verify and codec.name != "fp32"
             try:
-                x, pieces = await receive_chunks(msg, codec, numel, progress,
+                x, pieces = await receive_chunks(msg, codec, numel, progress, keep=keep,
                                                  on_chunk=None if grid is None else lambda i, data, _: grid.add(i, data))
             except Refused as e:
                 self.guard.strike(sender, f"streamed part: {e}")
@@ -199,8 +220,10 @@ class Mailboxes:
             sig, pk, own = signed.get("sig"), signed.get("pk", b""), msg.get("own")
             chunk = msg.get("chunk") if streamed else None
             shas = None if grid is None else grid.shas()
+            raw = x if streamed and codec.name == "fp32" else None  # (its payloads were not kept)
             if shas is None:
-                shas = await asyncio.to_thread(contribution_shas, pieces, numel, codec, chunk)
+                shas = await asyncio.to_thread(contribution_shas, pieces, numel, codec, chunk) if raw is None else \
+                    await asyncio.to_thread(raw_shas, raw, chunk)  # (fp32's pieces are a raw share's)
             c = commitment(self.run_id, key, phase, part, float(msg["weight"]), numel, codec.name, chunk, root(shas))
             if not (isinstance(sig, bytes) and isinstance(pk, bytes) and verify_signature(sender, c, sig, pk)):
                 self.guard.strike(sender, "part without a valid signature of its sender")
@@ -209,7 +232,7 @@ class Mailboxes:
                     box.poke()
                 return {"error": "part without a valid signature"}
             box.evidence[sender] = Evidence(tuple(pieces), float(msg["weight"]), numel, codec.name, chunk, sig, pk,
-                                            shas=shas)
+                                            shas=shas, raw=raw)
             if isinstance(own, bytes) and len(own) == 32:
                 box.own_commits.setdefault(sender, own)
         box.contribs[sender] = (part, x, float(msg["weight"]), fp)
@@ -226,11 +249,12 @@ class Mailboxes:
             numel = msg["numel"]
             if not isinstance(numel, int) or not 0 <= numel <= self.max_numel:
                 return {"error": "bad size"}
-            make = box.make_tally
+            make, slot_of = box.make_tally, box.result_slot
             tally = make(part, sender, res, numel) if make is not None and part not in box.results else None
+            slot = slot_of(part, sender, numel) if slot_of is not None and part not in box.results else None
             try:
                 x, pieces = await receive_chunks(msg, get_codec(str(msg["codec"])), numel,
-                                                 on_chunk=None if tally is None else tally.feed)
+                                                 on_chunk=None if tally is None else tally.feed, into=slot)
             except Refused as e:
                 self.guard.strike(sender, f"streamed result: {e}")
                 return {"error": "streamed result does not match its header"}
@@ -273,8 +297,18 @@ class Mailboxes:
                 isinstance(p, list) and len(p) == 3 and isinstance(p[0], int) and isinstance(p[1], bytes)
                 and (p[2] is None or isinstance(p[2], bytes)) for p in parts):
             raise ValueError("replaced must be a list of [part, digest, the owner's signature or None]")
+        judged = msg.get("judged", [])  # (absent from a peer of before: its word never lets our evidence go)
+        if not isinstance(judged, list) or len(judged) > 1 << 16 or not all(
+                isinstance(j, int) and not isinstance(j, bool) for j in judged):
+            raise ValueError("judged must be a list of part indices")
         box = self.box(str(msg["key"]), int(msg["phase"]))
-        box.verdicts.setdefault(sender, [(int(j), bytes(d), o) for j, d, o in parts])
+        if sender not in box.verdicts:
+            box.verdicts[sender] = [(int(j), bytes(d), o) for j, d, o in parts]
+            box.judged[sender] = set(judged)
+        if box.evidence and box.judged_by_all():
+            # Judged by every other member, proved wrong by none: at a 1B model's fragment the evidence is the
+            # part's every contribution (GBs), which the round's deadline held while rounds went on.
+            box.evidence.clear()
         box.poke()
         return {"ok": True}
 

@@ -178,10 +178,9 @@ class Assembly:
                  fingerprint: Sequence[float] | None = None, out: torch.Tensor | None = None) -> None:
         self.members, self.me, self.check_agree = tuple(members), me, check_agree
         self.fp = None if fingerprint is None else tuple(float(v) for v in fingerprint)
-        # ``out``: where to assemble (``numel`` float32 values), e.g. a buffer whose pages were touched while the
-        # parts were on the wire: copying 2 × 32 MB into fresh pages took 20–150 ms of a loaded CPU, 3× the
-        # copy alone. Parts not used are zeroed in result() (zeros of a 64 MB fragment cost ~90 ms of a loaded
-        # CPU for values that are all written over).
+        # ``out``: where to assemble (``numel`` float32 values), e.g. the buffer the results were decoded into as
+        # they came (net/allreduce.py): a part already in place is not copied. Parts not used are zeroed in
+        # result() (zeros of a 64 MB fragment cost ~90 ms of a loaded CPU for values that are all written over).
         if out is not None and (out.numel() != numel or out.dtype != torch.float32 or out.dim() != 1):
             raise ValueError(f"an output of {out.numel()} {out.dtype} values for {numel} float32 values")
         self.out = torch.empty(numel, dtype=torch.float32) if out is None else out
@@ -213,7 +212,8 @@ class Assembly:
             self.minority += 1
             self.skip()
             return
-        self.out[lo:hi] = values
+        if hi > lo and values.data_ptr() != self.out[lo:hi].data_ptr():  # (a result decoded in place is there)
+            self.out[lo:hi] = values
         self.filled.append((lo, hi))
         self.used += 1
         size = max(1, hi - lo)  # an empty part (more members than values) still counts once

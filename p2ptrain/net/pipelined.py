@@ -60,14 +60,15 @@ class PipelinedMean(EncodedStream):
     chunk into :attr:`payloads` as each chunk's coordinates are in, for several readers (:meth:`chunks`).
 
     ``box``: the mailbox the contributions arrive in (its ``poke`` wakes the producer); ``filed``: the
-    contributions whole and filed, by member (``box.contribs``); ``deadline`` (monotonic): when to give up.
+    contributions whole and filed, by member (``box.contribs``); ``deadline`` (monotonic): when to give up;
+    ``decoded``: where the average's decoded values go (the run's output), else a buffer of their own.
     """
 
     def __init__(self, codec: Codec, numel: int, chunk: int, sources: Sequence[Source], box: Mailbox,
-                 filed: Mapping[str, object], deadline: float) -> None:
+                 filed: Mapping[str, object], deadline: float, decoded: torch.Tensor | None = None) -> None:
         super().__init__(codec, torch.empty(0), chunk)
         self.bounds = chunk_bounds(numel, chunk)
-        self.decoded = torch.empty(numel, dtype=torch.float32)
+        self.decoded = torch.empty(numel, dtype=torch.float32) if decoded is None else decoded
         self.sources = sorted(sources, key=lambda s: s.member)
         self.box, self.filed, self.deadline = box, filed, deadline
 
