@@ -34,6 +34,7 @@ from .claims import (
     entry_for,
     fetch_evidence,
     fetch_slice,
+    fetch_slices,
     result_bounds,
     result_commitment,
     result_digest,
@@ -44,7 +45,7 @@ from .claims import (
 )
 from .guard import Guard
 from .identity import Identity, verify_signature
-from .mailbox import Mailbox
+from .mailbox import MAX_SLICES, Mailbox
 from .parts import result_problem
 from .pieces import AUDIT_GRAIN, RAW, payload_sha, piece_bounds, raw_shas, root
 from .tally import ChunkTally, Tallies
@@ -119,7 +120,8 @@ class Audit:
         self.audit_per_part = max(0.0, audit_rate) / max(1, len(self.members) - 1)  # slices, on average
         self._draw = random.Random(int.from_bytes(os.urandom(8), "big"))
         self._slices: dict[int, list[tuple[int, int]]] = {}  # part -> the slices our audit of it drew
-        self._fetches: dict[tuple[int, str, int, int], asyncio.Task[tuple[Any, int]]] = {}  # prefetched slices
+        # (part, lo, hi) -> the slice of every other contributor, prefetched in one exchange with the part's owner
+        self._fetches: dict[tuple[int, int, int], asyncio.Task[dict[str, tuple[Any, int]]]] = {}
         # our part's evidence goes once every other member has judged it (Mailbox.judged_by_all)
         box.own_part = (self.me, frozenset(m for m in self.members if m != me))
 
@@ -437,11 +439,10 @@ class Audit:
             if j == self.me or j in self._slices or res is None or self._result(j) is None:
                 continue
             slices = self._slices[j] = self._draw_slices(j, res)
-            contributors = [str(p) for p in res.get("contributors") or []]
+            whos = [str(p) for p in res.get("contributors") or [] if not (str(p) == self.me_id and j in self.sent)]
             for lo, hi in slices:
-                for who in contributors:
-                    if not (who == self.me_id and j in self.sent):
-                        self._fetches[(j, who, lo, hi)] = tg.create_task(self._fetch_slice(j, who, lo, hi, until))
+                if whos and len(whos) <= MAX_SLICES:
+                    self._fetches[(j, lo, hi)] = tg.create_task(self._fetch_slices(j, whos, lo, hi, until))
 
     def _draws(self) -> int:
         """How many audits of a part we make this round: the rate's whole part, and one more by a draw."""
@@ -459,6 +460,12 @@ class Audit:
         grains = [(s, min(s + AUDIT_GRAIN, hi)) for lo, hi in result_bounds(res, b - a)
                   for s in range(lo, hi, AUDIT_GRAIN)]
         return sorted(self._draw.sample(grains, min(n, len(grains))))
+
+    async def _fetch_slices(self, j: int, whos: list[str], lo: int, hi: int, until: float
+                            ) -> dict[str, tuple[Any, int]]:
+        a, b = self.bounds[j]
+        return await fetch_slices(self.call, self.members[j], self.key, self.phase, j, whos, lo, hi, b - a,
+                                  max(0.1, until - time.monotonic()))
 
     async def _fetch_slice(self, j: int, who: str, lo: int, hi: int, until: float) -> tuple[Any, int]:
         a, b = self.bounds[j]
@@ -482,8 +489,9 @@ class Audit:
         self.stats.audits += len(slices)
 
         async def fetch(who: str, lo: int, hi: int) -> tuple[Any, int]:
-            got = self._fetches.pop((j, who, lo, hi), None)
-            return await got if got is not None else await self._fetch_slice(j, who, lo, hi, until)
+            ahead = self._fetches.get((j, lo, hi))
+            got = None if ahead is None else (await ahead).get(who)
+            return got if got is not None else await self._fetch_slice(j, who, lo, hi, until)
 
         held = {self.me_id: lambda lo, hi: (self.weight, self._sent_values(j, lo, hi))} if j in self.sent else None
         why = await judge.audit(j, self.members[j], res, values, slices, fetch, held)

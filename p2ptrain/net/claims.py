@@ -58,6 +58,7 @@ __all__ = [
     "entry_for",
     "fetch_evidence",
     "fetch_slice",
+    "fetch_slices",
     "parse_checks",
     "result_bounds",
     "result_commitment",
@@ -393,6 +394,14 @@ async def fetch_evidence(call: Callable[..., Awaitable[tuple[dict[str, Any], flo
         return Fetched(None, answered=True)  # answered with something that is not a contribution
 
 
+def _slice(ev: Any, numel: int) -> tuple[Slice | None, int]:
+    try:
+        got = Slice.from_wire(ev, numel)
+    except SCHEMA_ERRORS:
+        return None, 0
+    return got, sum(map(len, got.pieces))
+
+
 async def fetch_slice(call: Callable[..., Awaitable[tuple[dict[str, Any], float]]], owner: str, key: str,
                       phase: int, part: int, who: str, lo: int, hi: int, numel: int, timeout: float
                       ) -> tuple[Slice | None, int]:
@@ -403,12 +412,23 @@ async def fetch_slice(call: Callable[..., Awaitable[tuple[dict[str, Any], float]
                                                   "lo": lo, "hi": hi}, timeout=timeout)
     except RoundFailed:
         return None, 0
-    ev = reply.get("evidence")
+    return _slice(reply.get("evidence"), numel)
+
+
+async def fetch_slices(call: Callable[..., Awaitable[tuple[dict[str, Any], float]]], owner: str, key: str,
+                       phase: int, part: int, whos: Sequence[str], lo: int, hi: int, numel: int, timeout: float
+                       ) -> dict[str, tuple[Slice | None, int]]:
+    """:func:`fetch_slice` of every one of ``whos`` in one exchange with the owner (an audit's slice of a part of
+    k members: one round trip where it took k − 1, each of them a message in and out of every member's loop)."""
     try:
-        got = Slice.from_wire(ev, numel)
-    except SCHEMA_ERRORS:
-        return None, 0
-    return got, sum(map(len, got.pieces))
+        reply, _ = await call(owner, "evidence", {"key": key, "phase": phase, "part": part, "whos": list(whos),
+                                                  "lo": lo, "hi": hi}, timeout=timeout)
+    except RoundFailed:
+        return {w: (None, 0) for w in whos}
+    shown = reply.get("evidence")
+    if not isinstance(shown, list) or len(shown) != len(whos):
+        shown = [None] * len(whos)  # (answered with something else: shown nothing)
+    return {w: _slice(ev, numel) for w, ev in zip(whos, shown, strict=True)}
 
 
 def sign_contribution(identity: Identity, run: str, key: str, phase: int, part: int, weight: float, numel: int,

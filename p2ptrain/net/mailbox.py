@@ -36,6 +36,9 @@ from .tally import ChunkTally
 
 __all__ = ["Contribution", "Mailbox", "Mailboxes"]
 
+#: Most contributions one slice request may name (a group's members but the asker; groups are bounded well below).
+MAX_SLICES = 256
+
 #: A member's contribution to a part: (part index, values, weight, its fingerprint of θ or None).
 Contribution = tuple[int, torch.Tensor, float, list[float] | None]
 
@@ -316,10 +319,18 @@ class Mailboxes:
         """A member's signed contribution to our part, for a member that checks our result: all of it, or the
         chunks that cover values ``lo:hi`` of it (a random audit's slice)."""
         box = self.boxes.get((str(msg["key"]), int(msg["phase"])))
+        lo, hi = msg.get("lo"), msg.get("hi")
+        whos = msg.get("whos")
+        if whos is not None:  # a slice of several contributions at once (claims.fetch_slices): None for one not here
+            if not (isinstance(whos, list) and 0 < len(whos) <= MAX_SLICES and isinstance(lo, int)
+                    and isinstance(hi, int)):
+                raise TypeError("whos must be a short list, lo and hi integers")
+            evs = [None if box is None else box.evidence.get(str(w)) for w in whos]
+            return {"evidence": await asyncio.to_thread(lambda: [None if ev is None else ev.slice_wire(lo, hi)
+                                                                 for ev in evs])}
         ev = None if box is None else box.evidence.get(str(msg["who"]))
         if ev is None:
             return {"error": "no such contribution here"}
-        lo, hi = msg.get("lo"), msg.get("hi")
         if lo is None and hi is None:
             return {"evidence": ev.to_wire()}
         if not (isinstance(lo, int) and isinstance(hi, int)):

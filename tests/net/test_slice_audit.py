@@ -213,3 +213,39 @@ def test_every_codec_encodes_a_slice_from_a_multiple_of_1024_as_it_does_inside_i
     whole = c.decode(c.encode(x), x.numel())
     for lo, hi in [(0, 1024), (1024, 3072), (4096, 5000), (2048, 5000)]:
         assert torch.equal(c.decode(c.encode(x[lo:hi]), hi - lo), whole[lo:hi]), (codec, lo, hi)
+
+
+def test_an_owner_shows_a_slice_of_every_contribution_asked_for_in_one_exchange() -> None:
+    """An audit of a slice fetches it for every other contributor of the part at once (claims.fetch_slices): the
+    same signed values one request each would show, None for a contribution the owner does not hold, and a request
+    naming more contributions than a group holds is refused."""
+    from p2ptrain.net.claims import fetch_slices
+    from p2ptrain.net.guard import Guard
+    from p2ptrain.net.mailbox import MAX_SLICES, Mailboxes
+
+    idents = [Identity.generate() for _ in range(3)]
+    boxes = Mailboxes(Guard(), max_numel=1 << 20, verify=True)
+    box = boxes.box(KEY, 0)
+    for i, ident in enumerate(idents):
+        box.evidence[ident.peer_id] = _evidence(ident, _values(i), "e3m0" if i else "fp32", CHUNK)
+    lo, hi = G, G + 1024
+    whos = [ident.peer_id for ident in idents] + ["someone-else"]
+    calls: list[dict[str, object]] = []
+
+    async def call(owner: str, kind: str, msg: dict[str, object], *, timeout: float) -> tuple[dict[str, object], float]:
+        assert kind == "evidence"
+        calls.append(msg)
+        return await boxes.show_evidence("auditor", msg), 0.0
+
+    got = asyncio.run(fetch_slices(call, "owner", KEY, 0, 0, whos, lo, hi, N, 5.0))
+    assert len(calls) == 1 and list(got) == whos
+    for ident in idents:
+        sl, nbytes = got[ident.peer_id]
+        assert sl is not None and sl.signed_by(ident.peer_id, RUN, KEY, 0, 0) and nbytes > 0
+        single = Slice.from_wire(box.evidence[ident.peer_id].slice_wire(lo, hi), N)
+        assert torch.equal(sl.values(lo, hi), single.values(lo, hi))
+        assert torch.equal(sl.values(lo, hi), box.evidence[ident.peer_id].values()[lo:hi])
+    assert got["someone-else"] == (None, 0)
+    with pytest.raises(TypeError, match="whos"):
+        asyncio.run(boxes.show_evidence("auditor", {"key": KEY, "phase": 0, "whos": ["x"] * (MAX_SLICES + 1),
+                                                    "lo": lo, "hi": hi}))
