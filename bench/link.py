@@ -242,7 +242,11 @@ def _hivemind_worker(a: argparse.Namespace, initial: list[str]) -> None:
                     ctl.result(timeout=1)
             t1 = time.monotonic()
             ctl.allow_allreduce()
-            group = ctl.result(timeout=timeout + 10)
+            try:
+                group = ctl.result(timeout=timeout + 10)
+            except Exception as e:  # its own failure: recorded as a round that did not average, the next one runs
+                print(f"repeat {rep}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                group = None
             t2 = time.monotonic()
             with avg.get_tensors() as ts:
                 err = _max_err(ts[0], expect)

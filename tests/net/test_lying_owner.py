@@ -102,7 +102,8 @@ def test_a_lying_owner_is_caught_banned_and_its_part_is_the_honest_mean(lie: str
                             keep[lo:hi] = False
                             assert x.partial and torch.allclose(got[keep], want[keep], rtol=0, atol=1e-6)
                     else:  # after the ban: a group of the four honest peers
-                        assert torch.allclose(got, weighted(honest_ids[:bad]), rtol=0, atol=1e-6), (lie, r, i)
+                        assert torch.allclose(got, weighted(honest_ids[:bad]), rtol=0, atol=1e-6), \
+                            (lie, r, i, x.partial, len(x.members), len(x.contributors), x.timeline)
             for i, t in enumerate(ts[:bad]):
                 assert t.guard.is_banned(liar), (lie, i, dict(t.guard.strikes))
                 assert not (t.guard.banned - {liar}), (lie, i, t.guard.banned)  # no honest peer was banned
