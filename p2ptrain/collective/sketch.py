@@ -117,14 +117,16 @@ def add_chunks(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], key: bytes, o
                 signed = chunk * signs64
             else:
                 signed = chunk.float() * signs
+            # (summed from a float64 copy: a float32 tensor's sum(dtype=float64) along a dimension took 3.5× as
+            # long, a quarter of a verified round's CPU at 8 × 16 MB; the sums are the same float64 values)
+            wide = signed if signed.dtype == torch.float64 else signed.to(torch.float64)
             if edge > pos:
-                out[b0] += signed[: edge - pos].sum(dtype=torch.float64)
+                out[b0] += wide[: edge - pos].sum()
             if whole:
                 b = edge // size
-                out[b : b + whole] += signed[edge - pos : edge - pos + whole * size].view(whole, size).sum(
-                    1, dtype=torch.float64)
+                out[b : b + whole] += wide[edge - pos : edge - pos + whole * size].view(whole, size).sum(1)
             if hi > tail:
-                out[tail // size] += signed[tail - pos :].sum(dtype=torch.float64)
+                out[tail // size] += wide[tail - pos :].sum()
         pos = hi
 
 
