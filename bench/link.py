@@ -453,6 +453,9 @@ def main() -> None:
     ap.add_argument("--systems", default="p2ptrain,hivemind")
     ap.add_argument("--max-total-mb", type=float, default=1024.0,
                     help="skip cases with peers × size above this (memory: every peer holds a few copies)")
+    ap.add_argument("--big", default="",
+                    help="MB:SYSTEMS: cases with peers × size above MB run only these systems (e.g. 1024:p2ptrain,"
+                         "hivemind: eight peers of three systems at 256 MB each do not fit 24 GiB)")
     ap.add_argument("--wan-rtt-ms", type=float, default=100.0,
                     help="rows across two regions (one peer each) with this round-trip time; 0: none")
     ap.add_argument("--wan-sizes", default="16,64", help="payloads (MB) of the rows across regions")
@@ -488,6 +491,16 @@ def main() -> None:
                          "averager)")
     if min(peers) < 2 or args.repeats < 1:
         raise SystemExit("--peers must be ≥ 2 and --repeats ≥ 1")
+    big_mb, big_systems = float("inf"), systems
+    if args.big:
+        limit, _, names = args.big.partition(":")
+        try:
+            big_mb = float(limit)
+        except ValueError:
+            raise SystemExit("--big takes MB:SYSTEMS, e.g. 1024:p2ptrain,hivemind") from None
+        big_systems = [x for x in names.split(",") if x]
+        if not big_systems or not set(big_systems) <= set(systems):
+            raise SystemExit(f"--big: its systems must be some of --systems ({', '.join(systems)})")
     plan = [(k, s) for k in peers for s in sizes if k * s <= args.max_total_mb]
     skipped = [(k, s) for k in peers for s in sizes if k * s > args.max_total_mb]
     wan_plan = [(2, s) for s in (float(x) for x in args.wan_sizes.split(",") if x)] if args.wan_rtt_ms > 0 else []
@@ -533,8 +546,9 @@ def main() -> None:
                 else:
                     tcp[name] = measure_throughput(tb, tb.hosts[0], tb.hosts[1], nbytes=16 * MB)["bits_per_s"]
                 for k, size in todo:
-                    prog.update(task, description=f"{name}: k={k} {size:g} MB, {'/'.join(systems)} in turn")
-                    for case in run_case(tb, systems, k, size, args.repeats, rate, work,
+                    these = big_systems if k * size > big_mb else systems
+                    prog.update(task, description=f"{name}: k={k} {size:g} MB, {'/'.join(these)} in turn")
+                    for case in run_case(tb, these, k, size, args.repeats, rate, work,
                                          label=name if name in ("wan", "hier") else "lan",
                                          base=None if args.base is None else str(args.base.resolve())):
                         case["tcp_bits"] = tcp[name]
