@@ -266,7 +266,9 @@ class Mailboxes:
                 osig = (await msg["_trailer"]()).get("osig")
                 if isinstance(osig, bytes):
                     res["osig"] = osig
-        box.results.setdefault(part, {**res, "_from": sender})
+        filed = box.results.setdefault(part, {**res, "_from": sender})
+        if box.finished is not None:  # after our run: only its wire form is served (close() kept no decoded result)
+            filed.pop("_tensor", None)
         box.poke()
         return {"ok": True}
 
