@@ -153,7 +153,7 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
     from p2ptrain.collective.codecs import get_codec
     from p2ptrain.net.hierarchy import hierarchical_allreduce, plan_for
     from p2ptrain.net.swarm import HivemindTransport, SwarmConfig
-    from p2ptrain.net.transport import JoinRequest, PeerInfo
+    from p2ptrain.net.transport import JoinRequest, PeerInfo, RoundFailed
 
     v = _variant(a.system)
     cfg = SwarmConfig(**_known(SwarmConfig, run_id=a.run_id, initial_peers=initial, host_maddrs=[a.listen],
@@ -182,13 +182,20 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
             if rep >= 0:
                 await asyncio.to_thread(_turn, Path(a.turns), f"{a.system}:{rep}")
             t0 = time.monotonic()
-            group = await tr.form_group(JoinRequest(key=f"r{rep}", peer_id=tr.peer_id, weight=1.0, fragment=0,
-                                                    region=a.region), None, timeout=120)
-            t1 = time.monotonic()
-            # cell by cell when the members announce regions of two or more (the hier rows), else the flat butterfly
-            plan = plan_for(group, tr.peer_id)
-            res = await (tr.allreduce(group, 0, [v], 1.0, codec, timeout=timeout) if plan is None else
-                         hierarchical_allreduce(tr, group, plan, 0, [v], 1.0, codec, timeout=timeout))
+            try:
+                group = await tr.form_group(JoinRequest(key=f"r{rep}", peer_id=tr.peer_id, weight=1.0, fragment=0,
+                                                        region=a.region), None, timeout=120)
+                t1 = time.monotonic()
+                # cell by cell when the members announce regions of two or more (the hier rows), else the flat one
+                plan = plan_for(group, tr.peer_id)
+                res = await (tr.allreduce(group, 0, [v], 1.0, codec, timeout=timeout) if plan is None else
+                             hierarchical_allreduce(tr, group, plan, 0, [v], 1.0, codec, timeout=timeout))
+            except RoundFailed as e:  # a round that failed here is recorded as such, and the next repeat runs
+                print(f"repeat {rep}: {e}", file=sys.stderr, flush=True)
+                if rep >= 0:
+                    _emit({"rep": rep, "group_s": time.monotonic() - t0, "allreduce_s": 0.0, "members": 0,
+                           "partial": True, "max_err": float("inf"), "failed": str(e)[:300]})
+                continue
             t2 = time.monotonic()
             err = _max_err(res.tensors[0], expect)
             if rep >= 0:
@@ -199,6 +206,7 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
                        "hierarchical": len(set(group.region_of().values())) > 1})
             else:
                 print("READY", flush=True)
+            del res  # (checked: not held while the next round runs, which would count it in that round's peak)
         await asyncio.to_thread(_turn, Path(a.turns), "end")
         await tr.leave()
     finally:
