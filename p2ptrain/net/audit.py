@@ -123,7 +123,7 @@ class Audit:
         # (part, lo, hi) -> the slice of every other contributor, prefetched in one exchange with the part's owner
         self._fetches: dict[tuple[int, int, int], asyncio.Task[dict[str, tuple[Any, int]]]] = {}
         # our part's evidence goes once every other member has judged it (Mailbox.judged_by_all)
-        box.own_part = (self.me, frozenset(m for m in self.members if m != me))
+        box.own_part = (self.me, tuple(self.members))
 
     # ------------------------------------------------------------------ signing what leaves
     def sign_own(self, own: torch.Tensor, chunk: int) -> bytes:

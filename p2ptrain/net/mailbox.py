@@ -70,9 +70,10 @@ class Mailbox:
     # member -> (part, digest, the owner's signature on it) of each result it proved wrong
     verdicts: dict[str, list[tuple[int, bytes, bytes | None]]] = field(default_factory=dict)
     judged: dict[str, set[int]] = field(default_factory=dict)  # member -> the parts its verdict says it judged
-    # (our part's index, the members who judge it), set by our verified all-reduce: the evidence goes once each of
-    # them said it has judged our part and none proved it wrong (None: kept until ``evidence_until``)
-    own_part: tuple[int, frozenset[str]] | None = None
+    # (our part's index, the group's members in order), set by our verified all-reduce: the evidence goes once each
+    # other member said it has judged our part and none proved it wrong (None: kept until ``evidence_until``), and
+    # the results once each said it judged every part but its own (it holds them all: no relay is asked of us)
+    own_part: tuple[int, tuple[str, ...]] | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None  # when our all-reduce of this (round, phase) returned or failed
@@ -93,9 +94,24 @@ class Mailbox:
         name our part)."""
         if self.own_part is None:
             return False
-        j, judges = self.own_part
-        return all(j in self.judged.get(m, ()) for m in judges) and \
+        j, members = self.own_part
+        return all(j in self.judged.get(m, ()) for i, m in enumerate(members) if i != j) and \
             not any(p == j for said in self.verdicts.values() for p, _, _ in said)
+
+    def everyone_holds_all(self) -> bool:
+        """Whether every other member said it has judged every part but its own: each holds every part, and none
+        will ask us to relay one."""
+        if self.own_part is None:
+            return False
+        me, members = self.own_part
+        return all(set(range(len(members))) - {i} <= self.judged.get(m, set()) for i, m in enumerate(members)
+                   if i != me)
+
+    def release_results(self) -> None:
+        """After our run, once every member holds every part: the results' wire chunks go (a fragment's size, less
+        a part, kept for a minute for relays that nobody will ask for: a 1B model's fragment is ~1 GB of fp32)."""
+        if self.finished is not None and self.results and self.everyone_holds_all():
+            self.results.clear()
 
     async def wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
         """Wait until ``ready()`` holds (checked after every arrival) or ``deadline`` (monotonic) passes;
@@ -135,6 +151,7 @@ class Mailbox:
             res.pop("_tensor", None)
         self.make_tally = None
         self.result_slot = None
+        self.release_results()
 
 
 class Mailboxes:
@@ -314,6 +331,7 @@ class Mailboxes:
             # Judged by every other member, proved wrong by none: at a 1B model's fragment the evidence is the
             # part's every contribution (GBs), which the round's deadline held while rounds went on.
             box.evidence.clear()
+        box.release_results()
         box.poke()
         return {"ok": True}
 

@@ -6,7 +6,8 @@
   to assemble, a stream still on its way writes nothing more there (it goes on into a buffer of its own);
 - a verified fp32 contribution is kept as its values (its bytes are the payload): the same hashes and slices;
 - an owner lets its evidence go once every other member's verdict says it judged the part and none proved it wrong;
-- on real peers: every member ends with the exact mean, and no owner still holds evidence once the verdicts are in.
+- and lets the results' wire chunks go after its run once every other member said it judged every part but its own;
+- on real peers: every member ends with the exact mean, and nobody holds evidence or results once the verdicts are in.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def test_a_verified_fp32_contribution_kept_as_its_values_hashes_and_shows_as_its
 def _box_with_evidence() -> tuple[Mailboxes, Any]:
     boxes = Mailboxes(Guard(), max_numel=1 << 20, verify=True)
     box = boxes.box("r", 0)
-    box.own_part = (0, frozenset({"b", "c"}))
+    box.own_part = (0, ("a", "b", "c"))
     box.evidence["b"] = Evidence((b"\0" * 8,), 1.0, 2, "fp32", None, b"s")
     return boxes, box
 
@@ -201,14 +202,37 @@ def test_verified_members_end_with_the_exact_mean_and_hold_no_evidence_once_the_
                 assert torch.allclose(r.tensors[0].double(), want, rtol=0, atol=1e-6)
             assert all(torch.equal(r.tensors[0], res[0].tensors[0]) for r in res)  # one average, bit for bit
             for _ in range(100):  # the last verdicts are deliveries: they may land just after a run returned
-                if not any(t.mailboxes.boxes[("m", 0)].evidence for t in ts):
+                if not any(t.mailboxes.boxes[("m", 0)].evidence or t.mailboxes.boxes[("m", 0)].results for t in ts):
                     break
                 await asyncio.sleep(0.05)
             for t in ts:
                 box = t.mailboxes.boxes[("m", 0)]
                 assert not box.evidence and box.evidence_until is not None
+                assert not box.results  # every member holds every part: no relay will be asked for
                 assert box.evidence_until > time.monotonic() + 30  # let go long before its deadline
         finally:
             await asyncio.gather(*(t.aclose() for t in ts), return_exceptions=True)
 
     asyncio.run(go())
+
+
+def test_results_go_after_the_run_once_every_member_said_it_holds_every_part() -> None:
+    """A verified member's verdict names the parts it judged: once each other member judged every part but its own,
+    nobody will ask us to relay one, and the results' wire chunks (a fragment's size, less a part) are let go; not
+    before our own run has ended, nor while one member has not said so."""
+    boxes, box = _box_with_evidence()
+    box.results = {j: {"part": j, "data": b"\0" * 8} for j in range(3)}
+    asyncio.run(boxes.accept_verdict("b", _verdict([0, 2])))
+    asyncio.run(boxes.accept_verdict("c", _verdict([0, 1])))
+    assert box.results, "our run has not ended: it still assembles from them"
+    box.close()
+    assert not box.results
+    got = asyncio.run(boxes.relay("x", {"key": "r", "phase": 0, "part": 1}))
+    assert got.get("expects") is False and "result" not in got
+
+    boxes, box = _box_with_evidence()
+    box.results = {j: {"part": j, "data": b"\0" * 8} for j in range(3)}
+    box.close()
+    asyncio.run(boxes.accept_verdict("b", _verdict([0, 2])))
+    asyncio.run(boxes.accept_verdict("c", _verdict([0])))  # c has not judged part 1: it may still ask for it
+    assert set(box.results) == {0, 1, 2}
