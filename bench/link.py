@@ -195,6 +195,8 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
                 if rep >= 0:
                     _emit({"rep": rep, "group_s": time.monotonic() - t0, "allreduce_s": 0.0, "members": 0,
                            "partial": True, "max_err": float("inf"), "failed": str(e)[:300]})
+                else:  # a warm-up that failed is still done: the harness waits for this word, the repeats follow
+                    print("READY", flush=True)
                 continue
             t2 = time.monotonic()
             err = _max_err(res.tensors[0], expect)
