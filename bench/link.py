@@ -283,12 +283,19 @@ def _worker(argv: list[str]) -> None:
 
         initial = wait_lines(Path(a.maddrs), 120)
     if a.system.startswith("p2ptrain"):
+        import logging
+
         import uvloop
 
-        if os.environ.get("P2PTRAIN_LOG_LEVEL"):  # the peers' own logs (event=carried …) in the case's log files
-            from p2ptrain.ui import setup_logging
+        from p2ptrain.ui import setup_logging
 
-            setup_logging()
+        # The peers' own logs (event=carried …) in the case's log files at P2PTRAIN_LOG_LEVEL; without it, warnings
+        # and how each round's group formed (a round that failed to form leaves its story in the case's log tail,
+        # which a failed case's JSON holds).
+        setup_logging()
+        if not os.environ.get("P2PTRAIN_LOG_LEVEL"):
+            for name in ("p2ptrain.net.groups", "p2ptrain.net.swarm"):
+                logging.getLogger(name).setLevel(logging.INFO)
         uvloop.run(_p2ptrain_worker(a, initial))
     else:
         _hivemind_worker(a, initial)
