@@ -204,6 +204,13 @@ _STARTED = re.compile(r"event=started (.*)$")
 START_FIELDS = ("process_seconds", "before_start", "cpu_seconds", "connect", "pacing", "state")
 
 
+def live_seconds(phase: dict[str, Any]) -> float:
+    """Seconds the phase's peer processes lived inside its window, summed over every life."""
+    w0, w1 = phase["window_s"]
+    return sum(max(0.0, min(w1, lf["ended"] if lf["ended"] is not None else w1) - max(w0, lf["started"]))
+               for p in phase["peers"].values() for lf in p["lives"])
+
+
 def startups(phase: dict[str, Any]) -> list[dict[str, Any]]:
     """Every peer life's ``event=started`` line (where its start-up went), marked whether it was one of the
     phase's first starts (a life 0 started in the phase's first minute) or a restart or join."""
@@ -292,12 +299,14 @@ def main(argv: list[str] | None = None) -> None:
     payload = json.loads(a.run.read_text())
     args = payload["args"]
     reached_base = None
+    base_seconds = None
     if a.baseline is not None:
         base_run = json.loads(a.baseline.read_text())
         bph = base_run["phases"]["baseline"]
         # (a fault-free phase whose logs are gone: every applied round counts as kept)
         reached_base = trained_in_window_reaching_theta(bph, base_run["args"]["P"], base_run["args"]["step_seconds"],
                                                         kept_rounds(bph) if Path(bph["work"]).exists() else None)
+        base_seconds = live_seconds(bph)
     seq = args["batch_size"] * _seq_len(args["preset"])
     result: dict[str, Any] = {"run": str(a.run), "phases": {}}
     phases = payload["phases"]
@@ -312,9 +321,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         summary = summarise(rows)
         starts = startups(ph)
-        w0, w1 = ph["window_s"]
-        peer_seconds = sum(max(0.0, min(w1, lf["ended"] if lf["ended"] is not None else w1) - max(w0, lf["started"]))
-                           for p in ph["peers"].values() for lf in p["lives"])
+        peer_seconds = live_seconds(ph)
         start_summary = startup_summary(starts, peer_seconds)
         accounts = round_accounts(ph, kept)
         result["phases"][ph["phase"]] = {"lives": rows, "summary": summary, "startups": starts,
@@ -347,14 +354,23 @@ def main(argv: list[str] | None = None) -> None:
                               *([f"{figures['tokens_in_kept_rounds_once'] / base:.3f}"] if base else [])]]))
         reached = trained_in_window_reaching_theta(ph, args["P"], args["step_seconds"], kept)
         trained = sum(r["trained"] for r in rows)
-        result["phases"][ph["phase"]]["reached"] = {"tokens": reached, "trained": trained, "baseline": reached_base}
+        # The peer time the faults left (a stopped peer counts as live: its process lives) against the fault-free
+        # run's: the goodput the run's fault mix allows at most if compute alone were lost (a join adds, a kill's
+        # restart and a leave take away), and the goodput of that peer time.
+        share = peer_seconds / base_seconds if base_seconds else None
+        result["phases"][ph["phase"]]["reached"] = {"tokens": reached, "trained": trained, "baseline": reached_base,
+                                                    "peer_seconds": peer_seconds, "baseline_peer_seconds": base_seconds}
+        both = reached_base and share
         out.print(table(f"{ph['phase']}: tokens trained in the window that reached a kept θ by the run's end (each "
                         "round's total spread over the time since its fragment's last applied round; the window's "
-                        "share counts, whenever the round was applied)",
+                        "share counts, whenever the round was applied); peer time: the seconds the peers' processes "
+                        "lived in the window, against the fault-free run's",
                         ["trained in the window", "reached θ", "of the trained",
-                         *(["fault-free run's, reached θ", "goodput"] if reached_base else [])],
+                         *(["fault-free run's, reached θ", "goodput", "peer time of the fault-free run's",
+                            "goodput of the peer time"] if both else [])],
                         [[f"{trained:,}", f"{reached:,.0f}", f"{reached / trained:.3f}" if trained else "—",
-                          *([f"{reached_base:,.0f}", f"{reached / reached_base:.3f}"] if reached_base else [])]]))
+                          *([f"{reached_base:,.0f}", f"{reached / reached_base:.3f}", f"{share:.3f}",
+                             f"{reached / reached_base / share:.3f}"] if both else [])]]))
         kills = kill_losses(ph)
         result["phases"][ph["phase"]]["kills"] = kills
         if kills:

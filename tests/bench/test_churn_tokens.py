@@ -205,3 +205,13 @@ def test_each_kill_loses_the_steps_since_the_checkpoint_its_next_life_resumed_fr
                   {"started": 90.0, "ended": None, "how": "left at the end", "log": "a.2.log"}],
         "loss": [[10.0, 4, 2.0], [30.0, 12, 2.0], [49.0, 21, 2.0], [70.0, 25, 2.0], [95.0, 27, 2.0]]}}}
     assert kill_losses(phase) == [{"peer": "a", "log": "a.0.log", "last_step": 21, "resumed": 17, "lost": 4}]
+
+
+def test_the_peer_time_is_each_lifes_seconds_inside_the_window() -> None:
+    from bench.churn_tokens import live_seconds
+
+    phase = {"window_s": [100.0, 400.0], "peers": {
+        "a": {"lives": [{"started": 0.0, "ended": 150.0}, {"started": 180.0, "ended": None}]},  # 50 + 220
+        "b": {"lives": [{"started": 410.0, "ended": 420.0}]},  # after the window: 0
+        "c": {"lives": [{"started": 200.0, "ended": 250.0}]}}}  # 50
+    assert live_seconds(phase) == pytest.approx(320.0)
