@@ -16,7 +16,7 @@ def test_eight_peers_in_two_regions_agree_on_every_round() -> None:
     res = run_net_sync(cfg)
     assert "error" not in res, res.get("error")
     assert res["transports_started"] == 8 and res["daemons_seen"] >= 8
-    assert res["rounds_run"] == 2 and res["failed"] == 0
+    assert res["rounds_run"] == 2 and res["failed"] == 0, [r["errors"] for r in res["rounds"]]
     assert res["modes"] == ["hierarchical"]  # 2 regions of 4: region by region (as sync.RoundRunner dispatches)
     assert res["agreement"]  # bitwise equal on every member, the float64 weighted mean within 1e-5
     for r in res["rounds"]:
