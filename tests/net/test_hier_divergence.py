@@ -277,3 +277,25 @@ def test_a_tie_goes_to_the_version_of_theta_that_took_more_rounds() -> None:
     assert all(r.agreed == tuple(fresh) for r in res.values())
     final = _after_repair(holds, res)
     assert all(final[p] == fresh for p in holds)
+
+
+def test_a_carrier_outvoted_in_its_cell_is_not_named_a_contributor() -> None:
+    """Churn benchmark (churn_seed7b), round f2.L598728300: four members outvoted in their own cells (resumed or
+    joined onto another θ) carried their cells' shards across, so the crossed results named them: each took its Δ
+    as in the average (``rnd.counted``), applied the round as a contributor and dropped its progress and tokens
+    (Σ of the appliers' ``own`` was 714,240 tokens against the round's total of 505,344). The mean its cell
+    carried holds no Δ of its: it must not be named, so that it keeps its progress for its next round (driver:
+    outvoted). Here u0 holds Y in a cell of X and carries shard 0."""
+    holds = {"a0": X, "a1": X, "a2": X, "e0": X, "e1": X, "e2": X, "u0": Y, "u1": X, "u2": X}
+    regions = {p: {"a": "ap", "e": "eu", "u": "us"}[p[0]] for p in holds}
+    res = asyncio.run(_round(holds, regions))
+    assert res["u0"].divergent
+    assert "u0" not in res["u0"].contributors, res["u0"].contributors
+    for p, r in res.items():
+        if p[0] == "u":  # (another cell's members name u0 as the carrier of us's mean they met: that mean is in)
+            assert "u0" not in r.contributors, (p, r.contributors)
+        assert p == "u0" or p in r.contributors, (p, r.contributors)
+        # every member's value is its index in sorted(holds): u0's (6) is in no cell's mean
+        assert r.total_weight == 8.0
+        torch.testing.assert_close(r.tensors[0], torch.full((12,), (0 + 1 + 2 + 3 + 4 + 5 + 7 + 8) / 8))
+    assert _repair_source("u0", holds, res["u0"]) in {"u1", "u2"}  # from its own cell's majority first
