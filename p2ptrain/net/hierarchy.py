@@ -595,17 +595,15 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
     # and named (a crossed result names its carriers) it took the round as holding its Δ and dropped its
     # progress and tokens (churn_seed7b, round f2.L598728300: Σ of the appliers' own was 714,240 tokens against
     # the round's 505,344, four carriers outvoted at home).
+    # Where our cell's θ lost across cells (outvoted), its mean is in no shard's average: none of its members contributed.
+    # Named contributors, they took the round as holding their Δ (rnd.counted): each repaired onto the winners'
+    # θ and applied the average, its progress and tokens dropped as if in θ (churn_own_tokens: Σ of the tokens
+    # members said were theirs in a round's average was up to 2.4× the round's total weight, in 24 of 53
+    # rounds). Not named, each keeps its progress on the winners' θ and its tokens go into its next round
+    # (driver: outvoted).
     home = set(plan.local.members)
-    if outvoted:
-        # Our cell's θ lost across cells: its mean is in no shard's average, so none of its members contributed.
-        # Named contributors, they took the round as holding their Δ (rnd.counted): each repaired onto the winners'
-        # θ and applied the average, its progress and tokens dropped as if in θ (churn_own_tokens: Σ of the tokens
-        # members said were theirs in a round's average was up to 2.4× the round's total weight, in 24 of 53
-        # rounds). Not named, each keeps its progress on the winners' θ and its tokens go into its next round
-        # (driver: outvoted).
-        contributors = tuple(dict.fromkeys([*sorted(set(outvoted)), *(m for m in crossers if m not in home)]))
-    else:
-        contributors = tuple(dict.fromkeys([*sorted(local.contributors), *(m for m in crossers if m not in home)]))
+    named = sorted(set(outvoted)) if outvoted else sorted(local.contributors)
+    contributors = tuple(dict.fromkeys([*named, *(m for m in crossers if m not in home)]))
     return ReduceResult(pieces, max(totals) if totals else local.total_weight, group.members, contributors,
                         partial=partial or len(totals) > 1,
                         bytes_sent=local.bytes_sent + sum(r.bytes_sent for r in crossed) + served,
