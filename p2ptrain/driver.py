@@ -28,7 +28,7 @@ import torch
 
 from .algo.bequest import Bequest, blend, displacement
 from .algo.compress import Identity
-from .algo.outer_loop import LocalParams, OuterLoop
+from .algo.outer_loop import LocalParams, OuterLoop, same_theta
 from .algo.rounds import Action, ApplyReport, Round, RoundState
 from .algo.slots import SlotLeader
 
@@ -130,6 +130,19 @@ class DriverHooks:
         """``rnd`` was applied (under the driver's lock); ``report`` is None for a data-parallel step."""
 
 
+@dataclass(frozen=True)
+class _Unresolved:
+    """A round this peer saw fail after its group formed: others may have averaged its Δ all the same (a
+    hierarchical cell's mean crossed, then a carrier never delivered it here). Its θ at send, its snapshot (the
+    local fragment then) and the tokens mark it had set are kept until the fragment's next round says whether that
+    Δ is in the majority's θ (:meth:`OuterDriver._apply`, via a repair's ``held_round``)."""
+
+    key: str
+    theta: list[torch.Tensor]
+    snapshot: list[torch.Tensor]
+    after: int  # the tokens mark its send had set
+
+
 @dataclass
 class _Stats:
     max_delay: int = 0
@@ -171,6 +184,9 @@ class OuterDriver:
         # back to the fragment's next send (its progress stays in θ − θ_i and goes into that round's Δ)
         self._marks: dict[str, tuple[int, int, int]] = {}
         self.bequests: dict[int, list[Bequest]] = {}  # fragment -> leavers' progress for its next send (inherit)
+        # fragment -> its last round that failed here after its group formed, until its next round is applied (at
+        # most one per fragment: a reference to that round's snapshot, one fragment of memory while held)
+        self.unresolved: dict[int, _Unresolved] = {}
         self.in_flight: list[Round] = []
         self.pending: list[tuple[int, Pending]] = []  # CoCoDC negotiations: (slot, decision to come)
         self.last_slot = -1
@@ -237,8 +253,19 @@ class OuterDriver:
         (unless a later send of the fragment already moved the mark on)."""
         for r in self.in_flight:
             if r.state is RoundState.ABORTED:
+                mark = self._marks.get(r.key)
+                if r.began and mark is not None and self._resolvable(r):
+                    self.unresolved[r.fragment] = _Unresolved(r.key, list(r.theta), list(r.snapshot), mark[2])
                 self._give_back(r.key)
         self.in_flight = [r for r in self.in_flight if r.live]
+
+    def _resolvable(self, rnd: Round) -> bool:
+        """Whether a failed round's Δ can be taken out of the local progress later, should the majority's θ turn
+        out to hold it: rules whose local model keeps what it sent and whose θ is the swarm's (as for an outvoted
+        round), and a compressor with nothing carried from round to round (an error-feedback buffer would have
+        taken the round back at its abort)."""
+        o = self.outer
+        return o.shared_theta and not o.restarts_each_round and not o.rules.eager and rnd.compressor.stateless
 
     def inherit(self, bequest: Bequest) -> None:
         """Take a leaving peer's unsent progress on a fragment into this peer's next round of it (any thread;
@@ -303,12 +330,22 @@ class OuterDriver:
             return
         self.hooks.before_apply(rnd)
         with self.lock:
+            failed = self.unresolved.pop(rnd.fragment, None)
             if mine is not None and rnd.compressor.withdraw():
                 # Outvoted: our Δ is in no average. Our progress is kept on the majority's θ, and its tokens go
                 # into the fragment's next round with it (a repair used to drop both: a peer cut off for a minute
                 # lost that minute's work on every fragment).
-                rep = self.outer.finish_outvoted(rnd, step, self.params, *mine)
+                theta_before, local = mine
+                held = failed is not None and rnd.held_round == failed.key and same_theta(failed.theta, theta_before)
+                # Unless the majority's θ holds the Δ of a round we saw fail (its contributors name us): that much
+                # of our progress is in θ already, and only what we trained since that round's send is kept (kept
+                # whole, it was averaged twice: once there and again in the next round).
+                rep = self.outer.finish_outvoted(rnd, step, self.params, failed.snapshot if held else theta_before,
+                                                 local)
                 self._give_back(rnd.key)
+                if held:
+                    self.tokens_at_send[rnd.fragment] = max(self.tokens_at_send[rnd.fragment], failed.after)
+                    log.info("event=counted_after_all key=%s fragment=%d by=%s", failed.key, rnd.fragment, rnd.key)
             else:
                 # Where the average left our Δ out (a part or a shard without it), our progress stays for the next
                 # round: merged, it was lost (a cell whose carrier failed a shard lost that shard's work).

@@ -401,3 +401,96 @@ def test_rules_that_restart_from_theta_keep_nothing_and_finish_refuses_to() -> N
     assert not outer.can_keep(rnd)
     with pytest.raises(ValueError, match="cannot be kept"):
         outer.finish(rnd, 4, left_out, keep=((0, 5),))
+
+
+class FailsThenOutvoted(Outvoted):
+    """Round 2 fails here after its group formed (``began``: others may still have averaged our Δ); round 3 then
+    arrives outvoted (our θ missed round 2's step), and the repair's θ is the majority's, which says whether it
+    was last made by round 2 counting us (``held``)."""
+
+    def __init__(self, avg: float) -> None:
+        super().__init__(avg)
+        self.snapshots: dict[str, list[torch.Tensor]] = {}
+
+    def launch(self, rnd: Round, request: Any) -> None:
+        self.snapshots[rnd.key] = [t.clone() for t in rnd.snapshot]
+        if self.fail:
+            self.weights.append(rnd.weight)
+            rnd.began = True
+            rnd.abort()
+            return
+        super().launch(rnd, request)
+
+
+def _failed_then_outvoted(held: bool) -> tuple[FakePeer, OuterLoop, FailsThenOutvoted, dict[str, torch.Tensor],
+                                                dict[str, torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """DiLoCo (τ = 0): round 1 (steps 1-2) alone, round 2 (3-4) fails after its group formed, round 3 (5-6)
+    outvoted and repaired onto the majority's θ; returns the peer, its outer loop, the collective, the local model
+    and our θ^(p) at round 3's repair, the majority's θ, and the local model after round 3 was applied."""
+    from p2ptrain.driver import DriverHooks
+
+    peer = FakePeer(0)
+    outer = OuterLoop(DiLoCoConfig(H=2, codec="fp32"), make_fragments(UNITS, 1))
+    outer.init(peer)
+    names = outer.fragments[0].names
+    majority = [torch.full_like(t, 0.5) for t in outer.theta(0)]
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+
+    class Repair(DriverHooks):
+        def repair(self, rnd: Round) -> bool:
+            seen["local"] = {n: peer.x[n].clone() for n in names}
+            seen["theta"] = dict(zip(names, outer.theta(0), strict=True))
+            outer.overwrite(0, majority, [torch.zeros_like(t) for t in majority])
+            peer.apply_outer(names, majority)
+            rnd.held_round = "f0.L4" if held else ""  # (what a replica's repair reads from the θ it took)
+            return True
+
+    net = FailsThenOutvoted(avg=0.25)
+    driver = OuterDriver(outer, peer, net, hooks=Repair())  # type: ignore[arg-type]
+    _steps(peer, driver, 1, 2)
+    net.fail = True
+    _steps(peer, driver, 3, 4)
+    assert set(driver.unresolved) == {0} and driver.unresolved[0].key == "f0.L4"
+    net.fail, net.outvote = False, True
+    _steps(peer, driver, 5, 6)
+    after = [peer.x[n].clone() for n in names]
+    assert driver.unresolved == {}  # (held only until the fragment's next round is applied)
+    net.outvote = False
+    _steps(peer, driver, 7, 8)
+    return peer, outer, net, seen["local"], seen["theta"], majority, after
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_failed_round_the_majority_counted_us_in_is_not_averaged_twice(held: bool) -> None:
+    """Round 2 failed here, but the majority's θ that round 3's repair took was made by round 2 and names us
+    among its contributors (a hierarchical cell whose mean crossed and whose carrier then never delivered the
+    result here): round 2's progress is in θ already. The local model keeps only what it trained since round 2's
+    send, and round 2's tokens stay counted, so round 4 carries steps 5-8 (before: steps 3-8, round 2's Δ and
+    tokens a second time). Without that word of the majority's θ, all the progress since our θ is kept, as for an
+    outvoted round."""
+    eta, mu = 0.7, 0.9
+    _, outer, net, local, theta, majority, after = _failed_then_outvoted(held)
+    assert net.weights == [20, 20, 40, 40 if held else 60]
+    names = outer.fragments[0].names
+    base = dict(zip(names, net.snapshots["f0.L4"], strict=True)) if held else theta
+    for i, n in enumerate(names):
+        after3 = majority[i].double() - eta * (0.25 + mu * 0.25)  # Nesterov from momentum 0, average 0.25
+        want = after3 + (local[n].double() - base[n].double())
+        assert torch.allclose(after[i].double(), want, atol=1e-6), n
+    if held:  # (round 2's progress: what it put between our θ and its snapshot; not in the local model now)
+        gap = [(local[n] - theta[n]) - (local[n] - base[n]) for n in names]
+        assert any(g.abs().max() > 1e-3 for g in gap)
+
+
+def test_a_round_that_failed_before_its_group_formed_is_not_held() -> None:
+    """A round that never formed a group (no quorum, nobody to join) is in nobody's average: nothing is kept of
+    it but its tokens, given back to the fragment's next round."""
+    peer = FakePeer(0)
+    outer = OuterLoop(DiLoCoConfig(H=2, codec="fp32"), make_fragments(UNITS, 1))
+    outer.init(peer)
+    net = Scripted()
+    driver = OuterDriver(outer, peer, net)  # type: ignore[arg-type]
+    _steps(peer, driver, 1, 2)
+    net.fail = True
+    _steps(peer, driver, 3, 4)
+    assert driver.unresolved == {} and driver.tokens_at_send == [20]

@@ -169,3 +169,50 @@ def test_a_catch_up_that_keeps_progress_trains_between_its_asks() -> None:
         assert len(asks) == 3 and not steps  # θ taken as it is: no progress to keep, so no steps
     finally:
         rep.close()
+
+
+def test_theta_before_a_round_says_which_round_made_it_and_whom_that_round_counted() -> None:
+    """A member that saw round R1 fail may be in its average all the same (its cell's mean crossed); it learns so
+    when its next round's repair takes θ before R2 from a contributor: that θ names R1 as the round last in it,
+    with R1's contributors, but only while it is the very θ R1 made (θ replaced since, by a repair or a state
+    taken, it says nothing). The repairing member marks R2 ``held_round`` only if those contributors name it."""
+    from p2ptrain.checkpoint import state_to_bytes
+
+    current = [[torch.zeros(3)]]
+    outer = types.SimpleNamespace(theta=lambda f: current[0], momentum=lambda f: [torch.zeros(3)],
+                                  round_state=lambda f: {}, overwrite=lambda f, th, mo, version: None)
+    params = types.SimpleNamespace(apply_outer=lambda names, theta: None)
+    frags = [types.SimpleNamespace(names=["w"], index=0)]
+    flying: list[Round] = []
+    source = ReplicaState(outer, params, frags, threading.Lock(), lambda: flying)  # type: ignore[arg-type]
+    taker = ReplicaState(outer, params, frags, threading.Lock(), list)  # type: ignore[arg-type]
+
+    def exchange(r2: Round, me: str) -> str:
+        """R2 sent at the source; ``me`` repairs R2 from it: the round ``me`` is told holds its Δ."""
+        flying.append(r2)
+        source.record_send(r2)
+        raw = source.provide(f"before:{r2.key}")
+        assert raw is not None
+        mine = _round(r2.seq, [torch.ones(3)])
+        mine.contributors, mine.divergent = ("src",), True
+        assert taker.repair(mine, me, lambda peer, name: raw)
+        flying.remove(r2)
+        return mine.held_round
+
+    try:
+        r1 = _round(1, current[0])
+        r1.contributors = ("me", "src")
+        current[0] = [torch.full((3,), 2.0)]  # R1's outer step made a new θ
+        source.record_apply(r1)
+        assert exchange(_round(2, current[0]), "me") == "f0.L1"
+        assert exchange(_round(3, current[0]), "other") == ""  # R1 did not count "other"
+        current[0] = [torch.full((3,), 2.0)]  # the same values, another θ: replaced since R1 (a state taken)
+        assert exchange(_round(4, current[0]), "me") == ""
+        r2 = _round(5, current[0])
+        raw = state_to_bytes({"theta": [torch.ones(3)], "momentum": [torch.zeros(3)], "version": 5,
+                              "made": ["f0.L1", "me"]})  # malformed (a string, not a list of peers): ignored
+        r2.contributors, r2.divergent = ("src",), True
+        assert taker.repair(r2, "me", lambda peer, name: raw) and r2.held_round == ""
+    finally:
+        source.close()
+        taker.close()

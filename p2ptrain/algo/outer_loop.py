@@ -35,7 +35,7 @@ from .rounds import Action, ApplyReport, Round, RoundState, StepPlan
 from .rules import rules_for
 from .slots import SlotGrid
 
-__all__ = ["LocalParams", "OuterLoop"]
+__all__ = ["LocalParams", "OuterLoop", "same_theta"]
 
 
 class LocalParams(Protocol):
@@ -60,6 +60,10 @@ class _FragmentState:
     # fingerprint, so that a tie between two versions of θ goes to the one that took more of the swarm's rounds.
     version: int = 0
 
+
+def same_theta(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether two θ^(p) are the same version: the same tensor objects (θ is replaced, never written in place)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 def _rebased(new: Sequence[torch.Tensor], keep: Sequence[tuple[int, int]], theta: Sequence[torch.Tensor],
              local: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> list[torch.Tensor]:

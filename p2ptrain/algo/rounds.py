@@ -73,6 +73,10 @@ class Round:
     missing: tuple[tuple[int, int], ...] = ()
     theta: list[torch.Tensor] = field(default_factory=list)  # θ^(p) at send time (never written in place)
     based_on: int = 0  # θ^(p)'s version at send time (OuterLoop.version: the send step of the last round in it)
+    began: bool = False  # its group formed: others may average our Δ even where this peer then fails the round
+    # a repair's: the key of the last round in the majority's θ it took, where that round's contributors name this
+    # peer (our Δ of that round is in that θ, even if we saw the round fail)
+    held_round: str = ""
     # the compressor's begin, not yet run (see the module docstring); prepare() runs it once
     pending: Callable[[], list[torch.Tensor]] | None = field(default=None, repr=False)
     _preparing: bool = field(default=False, repr=False)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..algo.fragments import Fragment
-from ..algo.outer_loop import LocalParams, OuterLoop
+from ..algo.outer_loop import LocalParams, OuterLoop, same_theta
 from ..algo.rounds import Round
 from ..checkpoint import state_from_bytes, state_to_bytes
 from ..net.groups import fingerprints_match, versioned
@@ -67,6 +67,15 @@ def _log_applied(fields: tuple[str, int, int, float, bool, float], digest: concu
              fragment, members, tokens, divergent, digest.result()[:16], own)
 
 
+def _held_round(made: Any, me: str) -> str:
+    """The key of the round a served θ says it was last made by, if that round's contributors name ``me``; ""
+    otherwise, or when the field is missing or malformed (a peer's word: at worst, we drop progress of ours)."""
+    if (isinstance(made, list | tuple) and len(made) == 2 and isinstance(made[0], str)
+            and isinstance(made[1], list | tuple) and me in {str(c) for c in made[1]}):
+        return made[0]
+    return ""
+
+
 class ReplicaState:
     """What one outer-loop peer keeps and serves of its replica (see the module docstring).
 
@@ -82,8 +91,13 @@ class ReplicaState:
                  in_flight: Callable[[], Sequence[Round]], *, keep: int = 2, keep_applied: bool = False) -> None:
         self.outer, self.params, self.frags, self.lock, self._in_flight = outer, params, list(frags), lock, in_flight
         self.keep, self.keep_applied = keep, keep_applied
-        # round key -> (fragment, θ, momentum, θ's version) at its send
-        self.before: OrderedDict[str, tuple[int, list[torch.Tensor], list[torch.Tensor], int]] = OrderedDict()
+        # round key -> (fragment, θ, momentum, θ's version, the round that made that θ and its contributors) at its
+        # send
+        self.before: OrderedDict[str, tuple[int, list[torch.Tensor], list[torch.Tensor], int,
+                                            tuple[str, tuple[str, ...]] | None]] = OrderedDict()
+        # fragment -> (θ^(p) a round applied here made, the round's key, its contributors): what a θ served as
+        # ``before:KEY`` says of the round last in it, while θ is still that object (copy-on-write)
+        self.made: dict[int, tuple[list[torch.Tensor], str, tuple[str, ...]]] = {}
         self.after: OrderedDict[str, tuple[int, list[torch.Tensor], list[torch.Tensor], dict[str, Any]]] = OrderedDict()
         # θ^(p) after each applied round, by round key: its digest (and θ when keep_applied)
         self.applied_log: dict[str, tuple[concurrent.futures.Future[str], list[torch.Tensor]]] = {}
@@ -100,7 +114,9 @@ class ReplicaState:
     # ------------------------------------------------------------------ versions (compute thread, under the lock)
     def record_send(self, rnd: Round) -> None:
         self.sent_at.setdefault(rnd.key, time.time())
-        self.before[rnd.key] = (rnd.fragment, rnd.theta, self.outer.momentum(rnd.fragment), rnd.based_on)
+        made = self.made.get(rnd.fragment)
+        last = (made[1], made[2]) if made is not None and same_theta(made[0], rnd.theta) else None
+        self.before[rnd.key] = (rnd.fragment, rnd.theta, self.outer.momentum(rnd.fragment), rnd.based_on, last)
         self._prune_before(rnd.key)
 
     def record_apply(self, rnd: Round) -> None:
@@ -108,6 +124,7 @@ class ReplicaState:
         self.behind.discard(f)
         theta = self.outer.theta(f)
         self.after[rnd.key] = (f, theta, self.outer.momentum(f), self.outer.round_state(f))
+        self.made[f] = (theta, rnd.key, tuple(rnd.contributors))
         self._prune(self.after)
         self._prune_before()
         digest = self._digests.submit(theta_digest, theta)
@@ -167,8 +184,12 @@ class ReplicaState:
         if name.startswith("before:"):
             with self.lock:
                 kept = self.before.get(name[len("before:"):])
-            return None if kept is None else state_to_bytes({"theta": kept[1], "momentum": kept[2],
-                                                              "version": kept[3]})
+            if kept is None:
+                return None
+            # (the round last in that θ, and whom it counted: a member that saw that round fail learns from it
+            # whether its Δ is in this θ, see OuterDriver.unresolved)
+            made = {} if kept[4] is None else {"made": [kept[4][0], list(kept[4][1])]}
+            return state_to_bytes({"theta": kept[1], "momentum": kept[2], "version": kept[3], **made})
         if name.startswith("after:"):
             key = name[len("after:"):]
             with self.lock:
@@ -259,6 +280,7 @@ class ReplicaState:
                 with self.lock:
                     self.outer.overwrite(rnd.fragment, st["theta"], st["momentum"], version)
                     self.params.apply_outer(self.frags[rnd.fragment].names, self.outer.theta(rnd.fragment))
+                rnd.held_round = _held_round(st.get("made"), me)
                 self.repairs += 1
                 log.warning("event=repaired fragment=%d from=%s", rnd.fragment, peer)
                 return True
