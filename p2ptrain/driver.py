@@ -132,14 +132,16 @@ class DriverHooks:
 
 @dataclass(frozen=True)
 class _Unresolved:
-    """A round this peer saw fail after its group formed: others may have averaged its Δ all the same (a
-    hierarchical cell's mean crossed, then a carrier never delivered it here). Its θ at send, its snapshot (the
-    local fragment then) and the tokens mark it had set are kept until the fragment's next round says whether that
-    Δ is in the majority's θ (:meth:`OuterDriver._apply`, via a repair's ``held_round``)."""
+    """A round whose outcome this peer did not see: it failed here after its group formed, and others may have
+    averaged its Δ all the same (a hierarchical cell's mean crossed, then a carrier never delivered it here); or it
+    was in flight when the checkpoint this peer resumed from was written. Its θ at send, its Δ (θ − the local
+    fragment then: minus the progress it carried) and the tokens mark it had set are kept until the majority's θ
+    says whether that Δ is in it (a repair's ``held_round``: :meth:`OuterDriver._apply`; the ``made`` of a state
+    taken: :meth:`OuterDriver.held_in`)."""
 
     key: str
     theta: list[torch.Tensor]
-    snapshot: list[torch.Tensor]
+    delta: list[torch.Tensor]
     after: int  # the tokens mark its send had set
 
 
@@ -185,7 +187,7 @@ class OuterDriver:
         self._marks: dict[str, tuple[int, int, int]] = {}
         self.bequests: dict[int, list[Bequest]] = {}  # fragment -> leavers' progress for its next send (inherit)
         # fragment -> its last round that failed here after its group formed, until its next round is applied (at
-        # most one per fragment: a reference to that round's snapshot, one fragment of memory while held)
+        # most one per fragment: a reference to that round's Δ, one fragment of memory while held)
         self.unresolved: dict[int, _Unresolved] = {}
         self.in_flight: list[Round] = []
         self.pending: list[tuple[int, Pending]] = []  # CoCoDC negotiations: (slot, decision to come)
@@ -255,9 +257,45 @@ class OuterDriver:
             if r.state is RoundState.ABORTED:
                 mark = self._marks.get(r.key)
                 if r.began and mark is not None and self._resolvable(r):
-                    self.unresolved[r.fragment] = _Unresolved(r.key, list(r.theta), list(r.snapshot), mark[2])
+                    self.unresolved[r.fragment] = _Unresolved(r.key, list(r.theta), list(r.delta), mark[2])
                 self._give_back(r.key)
         self.in_flight = [r for r in self.in_flight if r.live]
+
+    def _counted_after_all(self, fragment: int, failed: _Unresolved, by: str) -> None:
+        """``failed``'s Δ is in θ: its tokens are counted (not given to the fragment's next round)."""
+        self.tokens_at_send[fragment] = max(self.tokens_at_send[fragment], failed.after)
+        log.info("event=counted_after_all key=%s fragment=%d by=%s", failed.key, fragment, by)
+
+    def resumed_in_flight(self, key: str, fragment: int, delta: list[torch.Tensor], before: int, after: int) -> None:
+        """A round that was in flight in the checkpoint this peer resumed from: its tokens go back to the
+        fragment's next round, and it is held (:class:`_Unresolved`) until a state taken says whether it counted."""
+        if self.tokens_at_send[fragment] == after:
+            self.tokens_at_send[fragment] = before
+        self.unresolved[fragment] = _Unresolved(key, list(self.outer.theta(fragment)), delta, after)
+
+    def in_flight_record(self) -> list[dict[str, Any]]:
+        """The live rounds a checkpoint keeps (see :meth:`resumed_in_flight`): key, fragment, Δ, tokens marks."""
+        out = []
+        for r in self.in_flight:
+            if r.live and (mark := self._marks.get(r.key)) is not None and self._resolvable(r):
+                out.append({"key": r.key, "fragment": r.fragment, "delta": list(r.delta), "before": mark[1],
+                            "after": mark[2]})
+        return out
+
+    def held_in(self, made: dict[str, Any], me: str) -> dict[int, list[torch.Tensor]]:
+        """A state about to be taken says, per fragment, which round its θ was last made by and whom that round
+        counted (``made``: fragment -> [key, contributors]). The held rounds whose Δ it names us for: fragment ->
+        that Δ (the rebase onto that θ takes it out of the local progress); they are counted, and no longer held.
+        Malformed entries are ignored (a peer's word: at worst we drop progress of ours)."""
+        out: dict[int, list[torch.Tensor]] = {}
+        for f, u in list(self.unresolved.items()):
+            m = made.get(str(f)) if isinstance(made, dict) else None
+            if (isinstance(m, list | tuple) and len(m) == 2 and m[0] == u.key and isinstance(m[1], list | tuple)
+                    and me in {str(c) for c in m[1]}):
+                out[f] = u.delta
+                del self.unresolved[f]
+                self._counted_after_all(f, u, "state")
+        return out
 
     def _resolvable(self, rnd: Round) -> bool:
         """Whether a failed round's Δ can be taken out of the local progress later, should the majority's θ turn
@@ -340,12 +378,12 @@ class OuterDriver:
                 # Unless the majority's θ holds the Δ of a round we saw fail (its contributors name us): that much
                 # of our progress is in θ already, and only what we trained since that round's send is kept (kept
                 # whole, it was averaged twice: once there and again in the next round).
-                rep = self.outer.finish_outvoted(rnd, step, self.params, failed.snapshot if held else theta_before,
-                                                 local)
+                if held:  # (θ before minus that round's Δ: the local fragment at its send)
+                    theta_before = [t - d for t, d in zip(theta_before, failed.delta, strict=True)]
+                rep = self.outer.finish_outvoted(rnd, step, self.params, theta_before, local)
                 self._give_back(rnd.key)
                 if held:
-                    self.tokens_at_send[rnd.fragment] = max(self.tokens_at_send[rnd.fragment], failed.after)
-                    log.info("event=counted_after_all key=%s fragment=%d by=%s", failed.key, rnd.fragment, rnd.key)
+                    self._counted_after_all(rnd.fragment, failed, rnd.key)
             else:
                 # Where the average left our Δ out (a part or a shard without it), our progress stays for the next
                 # round: merged, it was lost (a cell whose carrier failed a shard lost that shard's work).

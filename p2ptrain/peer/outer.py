@@ -96,6 +96,7 @@ class Peer(PeerBase):
         self._tokens_resumed: list[int] | None = None
         self.estate: bytes | None = None  # our will while we leave, served as the state ``bequest``
         self._bequests_resumed: list[Bequest] = []
+        self._in_flight_resumed: list[dict[str, Any]] = []
 
     @property
     def keep_applied(self) -> bool:
@@ -125,6 +126,9 @@ class Peer(PeerBase):
             self.driver.tokens_at_send = list(self._tokens_resumed)
         for b in self._bequests_resumed:  # (a checkpoint of this run: the fragments are the same)
             self.driver.inherit(b)
+        for r in self._in_flight_resumed:
+            self.driver.resumed_in_flight(str(r["key"]), int(r["fragment"]), list(r["delta"]), int(r["before"]),
+                                          int(r["after"]))
 
     def _on_started(self) -> None:
         with self.lock:
@@ -142,7 +146,14 @@ class Peer(PeerBase):
         bequest.bequeath(self)
 
     def _take_state(self, state: dict[str, Any], source: str, keep_progress: bool, catch_up: bool = True) -> None:
-        self.replica.take(state, keep_progress)
+        held: dict[int, list[torch.Tensor]] = {}
+        if self.driver is not None:
+            with self.lock:
+                if keep_progress:
+                    held = self.driver.held_in(state.get("made") or {}, self.peer_id)
+                else:  # the local progress is dropped: a held round's Δ is in it no more
+                    self.driver.unresolved.clear()
+        self.replica.take(state, keep_progress, held)
         if not catch_up:
             with self.lock:
                 self.replica.behind = {int(f) for f, _ in state.get("pending", [])}
@@ -175,7 +186,10 @@ class Peer(PeerBase):
                 "tokens_at_send": list(d.tokens_at_send) if d is not None else [0] * len(self.frags),
                 # leavers' progress this peer holds for its next rounds (called under the lock: inherit waits)
                 "bequests": [{"fragment": b.fragment, "tokens": b.tokens, "source": b.source, "d": b.displacement}
-                             for bs in (d.bequests.values() if d is not None else ()) for b in bs]}
+                             for bs in (d.bequests.values() if d is not None else ()) for b in bs],
+                # rounds in flight now, whose outcome a peer resumed from this checkpoint will not see: their Δ and
+                # tokens marks, so that it learns from the state it takes whether they counted (OuterDriver.held_in)
+                "in_flight": d.in_flight_record() if d is not None else []}
 
     def restore(self, state: dict[str, Any]) -> None:
         super().restore(state)
@@ -185,6 +199,7 @@ class Peer(PeerBase):
         self._tokens_resumed = [int(x) for x in counters["tokens_at_send"]]
         self._bequests_resumed = [Bequest(int(b["fragment"]), list(b["d"]), int(b["tokens"]), str(b["source"]))
                                   for b in counters.get("bequests", [])]
+        self._in_flight_resumed = list(counters.get("in_flight", []))
 
     @property
     def applied(self) -> int:

@@ -179,6 +179,10 @@ class ReplicaState:
                 thetas = [self.outer.theta(f.index) for f in self.frags]
                 # Rounds this θ does not include yet: the taker fetches θ after each ("after:KEY").
                 state["pending"] = [[r.fragment, r.key] for r in list(self._in_flight()) if r.live]
+                # The round last in each θ and whom it counted (a taker resumed with that round in flight learns
+                # whether its Δ is in this θ: OuterDriver.held_in)
+                state["made"] = {str(f): [m[1], list(m[2])] for f, m in self.made.items()
+                                 if same_theta(m[0], thetas[f])}
             self.served_digests.append([theta_digest(t) for t in thetas])
             return state_to_bytes(state)
         if name.startswith("before:"):
@@ -203,10 +207,13 @@ class ReplicaState:
         return None
 
     # ------------------------------------------------------------------ taking others' state (compute thread)
-    def take(self, state: dict[str, Any], keep_progress: bool) -> None:
+    def take(self, state: dict[str, Any], keep_progress: bool,
+             held: dict[int, list[torch.Tensor]] | None = None) -> None:
         """Take a downloaded ``outer`` state (ValueError/KEY error if it does not fit). ``keep_progress``:
         the local model keeps its progress since θ (rebased), and this peer's own per-fragment state (eager's
-        Δ_i, error feedback) is kept where it still fits."""
+        Δ_i, error feedback) is kept where it still fits. ``held``: fragment -> the Δ of a round of ours that the
+        state's θ already holds (OuterDriver.held_in): that much of the progress is not kept."""
+        held = held or {}
         with self.lock:
             before = {f.index: self.outer.theta(f.index) for f in self.frags}
             mine = self.outer.state_dict() if keep_progress else None
@@ -216,7 +223,10 @@ class ReplicaState:
             for frag in self.frags:
                 new = self.outer.theta(frag.index)
                 if keep_progress:
-                    new = rebase(new, self.params.snapshot(frag.names), before[frag.index])
+                    old = before[frag.index]
+                    if frag.index in held:  # (θ minus that round's Δ: where its progress began)
+                        old = [o - d for o, d in zip(old, held[frag.index], strict=True)]
+                    new = rebase(new, self.params.snapshot(frag.names), old)
                 self.params.apply_outer(frag.names, new)
 
     def catch_up(self, source: str, pending: Sequence[Sequence[Any]], keep_progress: bool, fetch: Fetch, *,
