@@ -28,9 +28,10 @@ import torch
 
 from .algo.bequest import Bequest, blend, displacement
 from .algo.compress import Identity
-from .algo.outer_loop import LocalParams, OuterLoop, same_theta
+from .algo.outer_loop import LocalParams, OuterLoop
 from .algo.rounds import Action, ApplyReport, Round, RoundState
 from .algo.slots import SlotLeader
+from .algo.unseen import Unseen, UnseenRounds
 
 __all__ = ["Collective", "DDPDriver", "DriverHooks", "OuterDriver", "Pending", "RoundRequest", "SlotOutcome",
            "SlotRequest"]
@@ -130,21 +131,6 @@ class DriverHooks:
         """``rnd`` was applied (under the driver's lock); ``report`` is None for a data-parallel step."""
 
 
-@dataclass(frozen=True)
-class _Unresolved:
-    """A round whose outcome this peer did not see: it failed here after its group formed, and others may have
-    averaged its Δ all the same (a hierarchical cell's mean crossed, then a carrier never delivered it here); or it
-    was in flight when the checkpoint this peer resumed from was written. Its θ at send, its Δ (θ − the local
-    fragment then: minus the progress it carried) and the tokens mark it had set are kept until the majority's θ
-    says whether that Δ is in it (a repair's ``held_round``: :meth:`OuterDriver._apply`; the ``made`` of a state
-    taken: :meth:`OuterDriver.held_in`)."""
-
-    key: str
-    theta: list[torch.Tensor]
-    delta: list[torch.Tensor]
-    after: int  # the tokens mark its send had set
-
-
 @dataclass
 class _Stats:
     max_delay: int = 0
@@ -186,9 +172,7 @@ class OuterDriver:
         # back to the fragment's next send (its progress stays in θ − θ_i and goes into that round's Δ)
         self._marks: dict[str, tuple[int, int, int]] = {}
         self.bequests: dict[int, list[Bequest]] = {}  # fragment -> leavers' progress for its next send (inherit)
-        # fragment -> its last round that failed here after its group formed, until its next round is applied (at
-        # most one per fragment: a reference to that round's Δ, one fragment of memory while held)
-        self.unresolved: dict[int, _Unresolved] = {}
+        self.unseen = UnseenRounds()  # rounds whose outcome we did not see, until θ says whether they counted us
         self.in_flight: list[Round] = []
         self.pending: list[tuple[int, Pending]] = []  # CoCoDC negotiations: (slot, decision to come)
         self.last_slot = -1
@@ -256,54 +240,46 @@ class OuterDriver:
         for r in self.in_flight:
             if r.state is RoundState.ABORTED:
                 mark = self._marks.get(r.key)
-                if r.began and mark is not None and self._resolvable(r):
-                    self.unresolved[r.fragment] = _Unresolved(r.key, list(r.theta), list(r.delta), mark[2])
+                if r.began and mark is not None and self.outer.progress_kept(r.fragment):
+                    self.unseen.failed(r.fragment, Unseen(r.key, list(r.theta), list(r.delta), mark[2]))
                 self._give_back(r.key)
         self.in_flight = [r for r in self.in_flight if r.live]
 
-    def _counted_after_all(self, fragment: int, failed: _Unresolved, by: str) -> None:
-        """``failed``'s Δ is in θ: its tokens are counted (not given to the fragment's next round)."""
-        self.tokens_at_send[fragment] = max(self.tokens_at_send[fragment], failed.after)
-        log.info("event=counted_after_all key=%s fragment=%d by=%s", failed.key, fragment, by)
+    def counted(self, fragment: int, unseen: Unseen, by: str) -> None:
+        """``unseen``'s Δ is in θ after all: its tokens are counted (not given to the fragment's next round)."""
+        self.tokens_at_send[fragment] = max(self.tokens_at_send[fragment], unseen.after)
+        log.info("event=counted_after_all key=%s fragment=%d by=%s", unseen.key or "after-checkpoint", fragment, by)
 
-    def resumed_in_flight(self, key: str, fragment: int, delta: list[torch.Tensor], before: int, after: int) -> None:
-        """A round that was in flight in the checkpoint this peer resumed from: its tokens go back to the
-        fragment's next round, and it is held (:class:`_Unresolved`) until a state taken says whether it counted."""
-        if self.tokens_at_send[fragment] == after:
-            self.tokens_at_send[fragment] = before
-        self.unresolved[fragment] = _Unresolved(key, list(self.outer.theta(fragment)), delta, after)
-
-    def in_flight_record(self) -> list[dict[str, Any]]:
-        """The live rounds a checkpoint keeps (see :meth:`resumed_in_flight`): key, fragment, Δ, tokens marks."""
-        out = []
+    def unseen_record(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the rounds whose outcome a peer resumed from it will not see (its rounds in
+        flight now, and those held): key, fragment, Δ and tokens marks; and the keys it sent (see
+        :meth:`resume_unseen`)."""
+        rounds = [{"key": u.key, "fragment": f, "delta": u.delta, "before": u.after, "after": u.after}
+                  for f, u in self.unseen.held.items()]
         for r in self.in_flight:
-            if r.live and (mark := self._marks.get(r.key)) is not None and self._resolvable(r):
-                out.append({"key": r.key, "fragment": r.fragment, "delta": list(r.delta), "before": mark[1],
-                            "after": mark[2]})
-        return out
+            if r.live and (mark := self._marks.get(r.key)) is not None and self.outer.progress_kept(r.fragment):
+                rounds.append({"key": r.key, "fragment": r.fragment, "delta": list(r.delta), "before": mark[1],
+                               "after": mark[2]})
+        return {"rounds": rounds, "sent": {str(f): list(k) for f, k in self.unseen.sent.items()}}
 
-    def held_in(self, made: dict[str, Any], me: str) -> dict[int, list[torch.Tensor]]:
-        """A state about to be taken says, per fragment, which round its θ was last made by and whom that round
-        counted (``made``: fragment -> [key, contributors]). The held rounds whose Δ it names us for: fragment ->
-        that Δ (the rebase onto that θ takes it out of the local progress); they are counted, and no longer held.
-        Malformed entries are ignored (a peer's word: at worst we drop progress of ours)."""
-        out: dict[int, list[torch.Tensor]] = {}
-        for f, u in list(self.unresolved.items()):
-            m = made.get(str(f)) if isinstance(made, dict) else None
-            if (isinstance(m, list | tuple) and len(m) == 2 and m[0] == u.key and isinstance(m[1], list | tuple)
-                    and me in {str(c) for c in m[1]}):
-                out[f] = u.delta
-                del self.unresolved[f]
-                self._counted_after_all(f, u, "state")
-        return out
-
-    def _resolvable(self, rnd: Round) -> bool:
-        """Whether a failed round's Δ can be taken out of the local progress later, should the majority's θ turn
-        out to hold it: rules whose local model keeps what it sent and whose θ is the swarm's (as for an outvoted
-        round), and a compressor with nothing carried from round to round (an error-feedback buffer would have
-        taken the round back at its abort)."""
-        o = self.outer
-        return o.shared_theta and not o.restarts_each_round and not o.rules.eager and rnd.compressor.stateless
+    def resume_unseen(self, record: dict[str, Any], local: Callable[[int], list[torch.Tensor]]) -> None:
+        """Resumed from a checkpoint (its :meth:`unseen_record`; ``local``: the local fragment now, the
+        checkpoint's): its rounds in flight are gone here, so their tokens go back to the fragment's next round,
+        and they are held with the progress the checkpoint held, until a state taken says whether they counted."""
+        held = []
+        for r in record.get("rounds", []):
+            f, before, after = int(r["fragment"]), int(r["before"]), int(r["after"])
+            if self.tokens_at_send[f] == after:
+                self.tokens_at_send[f] = before
+            held.append((f, Unseen(str(r["key"]), list(self.outer.theta(f)), list(r["delta"]), after)))
+        since = {}
+        for frag in self.outer.fragments:
+            if self.outer.progress_kept(frag.index):
+                theta = list(self.outer.theta(frag.index))
+                since[frag.index] = Unseen("", theta, [t - x for t, x in zip(theta, local(frag.index), strict=True)],
+                                           self._tokens())
+        self.unseen.resumed(held, {int(f): [str(k) for k in keys] for f, keys in record.get("sent", {}).items()},
+                            since)
 
     def inherit(self, bequest: Bequest) -> None:
         """Take a leaving peer's unsent progress on a fragment into this peer's next round of it (any thread;
@@ -348,6 +324,7 @@ class OuterDriver:
         weight = max(1, tokens - before)
         self.tokens_at_send[fragment] = tokens
         self._marks[request.key] = (fragment, before, tokens)
+        self.unseen.sent_round(fragment, request.key)
         request.check_theta = self.outer.shared_theta
         with self.lock:  # a state provider on another thread sees the round in flight with the state it left
             rnd = self.outer.start(fragment, step, self.params, weight=weight, name=request.key,
@@ -368,23 +345,23 @@ class OuterDriver:
             return
         self.hooks.before_apply(rnd)
         with self.lock:
-            failed = self.unresolved.pop(rnd.fragment, None)
             if mine is not None and rnd.compressor.withdraw():
                 # Outvoted: our Δ is in no average. Our progress is kept on the majority's θ, and its tokens go
                 # into the fragment's next round with it (a repair used to drop both: a peer cut off for a minute
                 # lost that minute's work on every fragment).
                 theta_before, local = mine
-                held = failed is not None and rnd.held_round == failed.key and same_theta(failed.theta, theta_before)
                 # Unless the majority's θ holds the Δ of a round we saw fail (its contributors name us): that much
                 # of our progress is in θ already, and only what we trained since that round's send is kept (kept
                 # whole, it was averaged twice: once there and again in the next round).
-                if held:  # (θ before minus that round's Δ: the local fragment at its send)
-                    theta_before = [t - d for t, d in zip(theta_before, failed.delta, strict=True)]
+                held = self.unseen.outvoted(rnd.fragment, rnd.held_round, theta_before)
+                if held is not None:  # (θ before minus that round's Δ: the local fragment at its send)
+                    theta_before = [t - d for t, d in zip(theta_before, held.delta, strict=True)]
                 rep = self.outer.finish_outvoted(rnd, step, self.params, theta_before, local)
                 self._give_back(rnd.key)
-                if held:
-                    self._counted_after_all(rnd.fragment, failed, rnd.key)
+                if held is not None:
+                    self.counted(rnd.fragment, held, rnd.key)
             else:
+                self.unseen.applied(rnd.fragment)
                 # Where the average left our Δ out (a part or a shard without it), our progress stays for the next
                 # round: merged, it was lost (a cell whose carrier failed a shard lost that shard's work).
                 keep = rnd.missing if rnd.missing and self.outer.can_keep(rnd) else ()

@@ -112,7 +112,7 @@ class PeerCheckpoints:
             **({"trainer": peer.trainer.state_dict()} if trainer else {}),
             "outer": own["outer"],
             "peer": {"applied": own["applied"], "repairs": peer.repairs, "tokens_at_send": own["tokens_at_send"],
-                     "bequests": own.get("bequests", []), "in_flight": own.get("in_flight", []),
+                     "bequests": own.get("bequests", []), "unseen": own.get("unseen", {}),
                      "rounds": {k: int(getattr(stats, k)) if stats else 0 for k in COUNTERS}},
             "rng": torch.get_rng_state(),
             "saved_at": time.time(),

@@ -263,7 +263,7 @@ class RoundRunner:
                 group = await self.transport.form_group(self._with_terms(group_or_request), None,
                                                         timeout=self.join_timeout)
             formed = time.monotonic()
-            rnd.began = True  # (failed from here, its Δ may be in others' averages: OuterDriver.unresolved)
+            rnd.began = True  # (failed from here, its Δ may be in others' averages: p2ptrain/algo/unseen.py)
             reducing = 0.0
             phase, partial = 0, False
             payload = await (prepared if prepared is not None else _prepare(rnd))

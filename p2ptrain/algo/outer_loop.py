@@ -35,7 +35,7 @@ from .rounds import Action, ApplyReport, Round, RoundState, StepPlan
 from .rules import rules_for
 from .slots import SlotGrid
 
-__all__ = ["LocalParams", "OuterLoop", "same_theta"]
+__all__ = ["LocalParams", "OuterLoop"]
 
 
 class LocalParams(Protocol):
@@ -60,10 +60,6 @@ class _FragmentState:
     # fingerprint, so that a tie between two versions of θ goes to the one that took more of the swarm's rounds.
     version: int = 0
 
-
-def same_theta(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    """Whether two θ^(p) are the same version: the same tensor objects (θ is replaced, never written in place)."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 def _rebased(new: Sequence[torch.Tensor], keep: Sequence[tuple[int, int]], theta: Sequence[torch.Tensor],
              local: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -349,6 +345,15 @@ class OuterLoop:
         rnd.state = RoundState.APPLIED
         st.version = rnd.send_step
         return ApplyReport(rnd.fragment, rnd.seq, step - rnd.send_step, correction, rnd.members)
+
+    def progress_kept(self, fragment: int) -> bool:
+        """Whether the local fragment keeps the progress a round of it sent until the round is applied, with θ^(p)
+        the swarm's and nothing carried from round to round by the compressor: a round's Δ can then be taken out
+        of that progress later (:mod:`.unseen`), as an outvoted round's progress is kept (:meth:`finish_outvoted`).
+        Not the rules that restart from θ^(p) each round or hold a θ of their own (eager), nor error feedback (its
+        buffer takes an aborted round back)."""
+        return (self.shared_theta and not self.restarts_each_round and not self.rules.eager
+                and self._state[fragment].compressor.stateless)
 
     def can_keep(self, rnd: Round) -> bool:
         """Whether :meth:`finish` can keep this peer's progress where ``rnd``'s average left its Δ out: its Δ was

@@ -96,7 +96,7 @@ class Peer(PeerBase):
         self._tokens_resumed: list[int] | None = None
         self.estate: bytes | None = None  # our will while we leave, served as the state ``bequest``
         self._bequests_resumed: list[Bequest] = []
-        self._in_flight_resumed: list[dict[str, Any]] = []
+        self._unseen_resumed: dict[str, Any] = {}
 
     @property
     def keep_applied(self) -> bool:
@@ -126,9 +126,10 @@ class Peer(PeerBase):
             self.driver.tokens_at_send = list(self._tokens_resumed)
         for b in self._bequests_resumed:  # (a checkpoint of this run: the fragments are the same)
             self.driver.inherit(b)
-        for r in self._in_flight_resumed:
-            self.driver.resumed_in_flight(str(r["key"]), int(r["fragment"]), list(r["delta"]), int(r["before"]),
-                                          int(r["after"]))
+        if resumed is not None:
+            with self.lock:
+                self.driver.resume_unseen(self._unseen_resumed,
+                                          lambda f: self.trainer.snapshot(self.frags[f].names))
 
     def _on_started(self) -> None:
         with self.lock:
@@ -150,9 +151,11 @@ class Peer(PeerBase):
         if self.driver is not None:
             with self.lock:
                 if keep_progress:
-                    held = self.driver.held_in(state.get("made") or {}, self.peer_id)
+                    for f, u in self.driver.unseen.counted_in(state.get("made"), self.peer_id).items():
+                        held[f] = u.delta
+                        self.driver.counted(f, u, source)
                 else:  # the local progress is dropped: a held round's Δ is in it no more
-                    self.driver.unresolved.clear()
+                    self.driver.unseen.clear()
         self.replica.take(state, keep_progress, held)
         if not catch_up:
             with self.lock:
@@ -187,9 +190,9 @@ class Peer(PeerBase):
                 # leavers' progress this peer holds for its next rounds (called under the lock: inherit waits)
                 "bequests": [{"fragment": b.fragment, "tokens": b.tokens, "source": b.source, "d": b.displacement}
                              for bs in (d.bequests.values() if d is not None else ()) for b in bs],
-                # rounds in flight now, whose outcome a peer resumed from this checkpoint will not see: their Δ and
-                # tokens marks, so that it learns from the state it takes whether they counted (OuterDriver.held_in)
-                "in_flight": d.in_flight_record() if d is not None else []}
+                # rounds whose outcome a peer resumed from this checkpoint will not see: their Δ and tokens marks,
+                # so that it learns from the state it takes whether they counted (p2ptrain/algo/unseen.py)
+                "unseen": d.unseen_record() if d is not None else {}}
 
     def restore(self, state: dict[str, Any]) -> None:
         super().restore(state)
@@ -199,7 +202,7 @@ class Peer(PeerBase):
         self._tokens_resumed = [int(x) for x in counters["tokens_at_send"]]
         self._bequests_resumed = [Bequest(int(b["fragment"]), list(b["d"]), int(b["tokens"]), str(b["source"]))
                                   for b in counters.get("bequests", [])]
-        self._in_flight_resumed = list(counters.get("in_flight", []))
+        self._unseen_resumed = counters.get("unseen") or {}
 
     @property
     def applied(self) -> int:

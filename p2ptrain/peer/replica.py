@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from ..algo.fragments import Fragment
-from ..algo.outer_loop import LocalParams, OuterLoop, same_theta
+from ..algo.outer_loop import LocalParams, OuterLoop
 from ..algo.rounds import Round
+from ..algo.unseen import same_theta
 from ..checkpoint import state_from_bytes, state_to_bytes
 from ..net.groups import fingerprints_match, versioned
 from ..net.transport import RoundFailed
@@ -180,7 +181,7 @@ class ReplicaState:
                 # Rounds this θ does not include yet: the taker fetches θ after each ("after:KEY").
                 state["pending"] = [[r.fragment, r.key] for r in list(self._in_flight()) if r.live]
                 # The round last in each θ and whom it counted (a taker resumed with that round in flight learns
-                # whether its Δ is in this θ: OuterDriver.held_in)
+                # whether its Δ is in this θ: p2ptrain/algo/unseen.py)
                 state["made"] = {str(f): [m[1], list(m[2])] for f, m in self.made.items()
                                  if same_theta(m[0], thetas[f])}
             self.served_digests.append([theta_digest(t) for t in thetas])
@@ -191,7 +192,7 @@ class ReplicaState:
             if kept is None:
                 return None
             # (the round last in that θ, and whom it counted: a member that saw that round fail learns from it
-            # whether its Δ is in this θ, see OuterDriver.unresolved)
+            # whether its Δ is in this θ, see p2ptrain/algo/unseen.py)
             made = {} if kept[4] is None else {"made": [kept[4][0], list(kept[4][1])]}
             return state_to_bytes({"theta": kept[1], "momentum": kept[2], "version": kept[3], **made})
         if name.startswith("after:"):
@@ -212,7 +213,7 @@ class ReplicaState:
         """Take a downloaded ``outer`` state (ValueError/KEY error if it does not fit). ``keep_progress``:
         the local model keeps its progress since θ (rebased), and this peer's own per-fragment state (eager's
         Δ_i, error feedback) is kept where it still fits. ``held``: fragment -> the Δ of a round of ours that the
-        state's θ already holds (OuterDriver.held_in): that much of the progress is not kept."""
+        state's θ already holds (UnseenRounds.counted_in): that much of the progress is not kept."""
         held = held or {}
         with self.lock:
             before = {f.index: self.outer.theta(f.index) for f in self.frags}
