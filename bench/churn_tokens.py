@@ -201,7 +201,7 @@ def round_accounts(phase: dict[str, Any], kept: dict[str, bool] | None = None) -
 
 _STARTED = re.compile(r"event=started (.*)$")
 #: The phases of a start a peer's ``event=started`` line gives (p2ptrain/peer/startup.py).
-START_FIELDS = ("process_seconds", "before_start", "cpu_seconds", "connect", "pacing", "state")
+START_FIELDS = ("process_seconds", "before_start", "cpu_seconds", "connect", "pacing", "state", "trained")
 
 
 def live_seconds(phase: dict[str, Any]) -> float:
@@ -223,6 +223,7 @@ def startups(phase: dict[str, Any]) -> list[dict[str, Any]]:
             for line in log.read_text(errors="replace").splitlines():
                 if (m := _STARTED.search(line)) is not None:
                     fields = {k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", m.group(1)) if k in START_FIELDS}
+                    fields.setdefault("trained", 0.0)  # (a start that trained through none of it)
                     rows.append({"peer": name, "log": life["log"], "first": i == 0 and life["started"] < 60.0,
                                  **fields})
                     break
@@ -231,15 +232,16 @@ def startups(phase: dict[str, Any]) -> list[dict[str, Any]]:
 
 def startup_summary(rows: list[dict[str, Any]], peer_seconds: float) -> list[dict[str, Any]]:
     """Medians of each phase for the first starts, the restarts and joins, and all; with the wall seconds the
-    starts took in all and their share of ``peer_seconds`` (the lives' time in the window: the first starts'
-    seconds mostly fall before it)."""
+    starts took in all, less those they trained through, and their share of ``peer_seconds`` (the lives' time in
+    the window: the first starts' seconds mostly fall before it)."""
     out_ = []
     for label, sel in (("first starts", [r for r in rows if r["first"]]),
                        ("restarts and joins", [r for r in rows if not r["first"]]), ("all", rows)):
         if not sel:
             continue
         med = {k: statistics.median(r[k] for r in sel) for k in START_FIELDS if all(k in r for r in sel)}
-        total = sum(r.get("process_seconds", 0.0) for r in sel)
+        # (the seconds a resumed peer trained while it connected are not lost)
+        total = sum(r.get("process_seconds", 0.0) - r.get("trained", 0.0) for r in sel)
         out_.append({"starts": label, "count": len(sel), "median": med, "seconds": total,
                      "share_of_peer_time": total / peer_seconds if peer_seconds else None})
     return out_

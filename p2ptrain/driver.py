@@ -262,10 +262,11 @@ class OuterDriver:
                                "after": mark[2]})
         return {"rounds": rounds, "sent": {str(f): list(k) for f, k in self.unseen.sent.items()}}
 
-    def resume_unseen(self, record: dict[str, Any], local: Callable[[int], list[torch.Tensor]]) -> None:
-        """Resumed from a checkpoint (its :meth:`unseen_record`; ``local``: the local fragment now, the
-        checkpoint's): its rounds in flight are gone here, so their tokens go back to the fragment's next round,
-        and they are held with the progress the checkpoint held, until a state taken says whether they counted."""
+    def resume_unseen(self, record: dict[str, Any], local: Callable[[int], list[torch.Tensor]], tokens: int) -> None:
+        """Resumed from a checkpoint (its :meth:`unseen_record`; ``local``: its local fragment; ``tokens``: the
+        tokens it had trained): its rounds in flight are gone here, so their tokens go back to the fragment's next
+        round, and they are held with the progress the checkpoint held, until a state taken says whether they
+        counted."""
         held = []
         for r in record.get("rounds", []):
             f, before, after = int(r["fragment"]), int(r["before"]), int(r["after"])
@@ -276,8 +277,8 @@ class OuterDriver:
         for frag in self.outer.fragments:
             if self.outer.progress_kept(frag.index):
                 theta = list(self.outer.theta(frag.index))
-                since[frag.index] = Unseen("", theta, [t - x for t, x in zip(theta, local(frag.index), strict=True)],
-                                           self._tokens())
+                since[frag.index] = Unseen("", theta, [t - x.to(t.device, t.dtype) for t, x in
+                                                       zip(theta, local(frag.index), strict=True)], tokens)
         self.unseen.resumed(held, {int(f): [str(k) for k in keys] for f, keys in record.get("sent", {}).items()},
                             since)
 

@@ -62,7 +62,7 @@ def _resume(ckpt: dict[str, Any]) -> tuple[FakePeer, OuterLoop, OuterDriver]:
     driver = OuterDriver(outer, peer, Scripted())  # type: ignore[arg-type]
     driver.tokens_at_send = list(ckpt["tokens_at_send"])
     names = outer.fragments[0].names
-    driver.resume_unseen(ckpt["unseen"], lambda f: peer.snapshot(names))
+    driver.resume_unseen(ckpt["unseen"], lambda f: peer.snapshot(names), ckpt["tokens"])
     return peer, outer, driver
 
 

@@ -17,7 +17,7 @@ counted. Not named, or no word: everything since our θ is kept, with its tokens
 
 Pure bookkeeping (no clock, no network); the driver and the peer call it. What it holds: per fragment, at most one
 round's Δ (a reference: one fragment of memory while held), and after a resume the whole progress at the checkpoint
-(one model's worth, until the start's state is taken).
+(one model's worth, until the state taken after the warm-up).
 """
 
 from __future__ import annotations

@@ -100,6 +100,7 @@ class PeerBase:
         #: Whether this peer takes its own inner steps (False: a driver steps several peers' shared model, staged.py).
         self.own_steps = True
         self.announce_extra: dict[str, Any] = {}  # more fields of this peer's announcement (its stage)
+        self.connect_steps = 0  # inner steps a resumed peer took while it connected
         self.model_fingerprint = model_fingerprint(trainer.model)
 
     # ------------------------------------------------------------------ what each kind adds
@@ -236,18 +237,23 @@ class PeerBase:
         """Connect, start the background services, agree on the pacing, and take the swarm's state if it
         has one; log where the start-up time went (:mod:`.startup`)."""
         clock = StartupClock()
-        self.connect()
-        self._check_model()
+        resumed = self.resume_state
+        if resumed is not None:  # (what was restored, before any step: the checkpoint's own digest)
+            digest = resumable_digest(self.trainer.state_dict(), resumed["outer"])
+            log.info("event=resumed step=%d state=%s", self.trainer.step_count, digest)
+        if (resumed is not None and self.has_outer_loop and self.own_steps and self.cfg.train_while_connecting
+                and not self.lockstep):
+            clock.notes["trained"] = self._connect_training()
+        else:
+            self.connect()
+            self._check_model()
         clock.mark("connect")
         self.link.agree_pacing(fixed=self.fixed_pacing, measure=self._measure_pacing)
         clock.mark("pacing")
         self.last_lstep = self.logical_step()
         self.compute = 0.0  # steps taken to measure the pacing are start-up, not the loop's compute
-        resumed = self.resume_state
         self._init_state(resumed)
         if resumed is not None:
-            digest = resumable_digest(self.trainer.state_dict(), self.checkpoint_state()["outer"])
-            log.info("event=resumed step=%d state=%s", self.trainer.step_count, digest)
             assert self.runner is not None
             for k, v in resumed["peer"]["rounds"].items():
                 setattr(self.runner.stats, k, int(v))
@@ -268,6 +274,33 @@ class PeerBase:
 
     def _on_started(self) -> None:
         """Hook: the peer is paced and synced."""
+
+    def _connect_training(self) -> float:
+        """Connect and check the model on a thread of its own while this one trains the checkpoint's model: a
+        resumed peer's progress is its own until it takes the swarm's state (rebased onto it then, as the
+        checkpoint's progress is), so the seconds the daemon, the DHT and the first heartbeat take (10-20 s a
+        restart in churn on a loaded machine) are not a GPU idle. A failed connect or model check raises here,
+        once the thread has ended (both are bounded by the transport's own timeouts). Returns the seconds trained."""
+        failed: list[BaseException] = []
+
+        def bring_up() -> None:
+            try:
+                self.connect()
+                self._check_model()
+            except BaseException as e:  # (handed to the training thread, which raises it)
+                failed.append(e)
+
+        thread = threading.Thread(target=bring_up, name="p2ptrain-connect", daemon=True)
+        thread.start()
+        steps, computed = self.trainer.step_count, self.compute
+        while thread.is_alive() and self.trainer.step_count < self.cfg.steps and not self._stop.is_set():
+            self._inner_step()
+        thread.join()
+        if failed:
+            raise failed[0]
+        self.connect_steps = self.trainer.step_count - steps
+        log.info("event=trained_while_connecting steps=%d seconds=%.1f", self.connect_steps, self.compute - computed)
+        return self.compute - computed
 
     def _check_model(self) -> None:
         """Refuse to join a run of another model, before any inner step (see :func:`.vitals.check_model`)."""

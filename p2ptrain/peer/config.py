@@ -39,6 +39,8 @@ class PeerConfig:
         quorum_memory: seconds a peer seen live still counts toward a round's quorum after its announcement
             expired (SwarmConfig.quorum_memory): a cut-off minority waits instead of forking θ.
         sync_on_join: a peer that finds a live swarm downloads θ and the outer state first.
+        train_while_connecting: a peer resumed from a checkpoint trains its model while it connects (its progress
+            is its own until it takes the swarm's state, rebased onto it then); not with ``clock="steps"``.
         drain_timeout: seconds to wait for rounds still in flight when leaving.
         leave_flush: a leave by signal (SIGTERM, Ctrl-C) stays in the swarm's rounds, training on, until every
             fragment has sent the progress no round carries yet, at most this many seconds (0: leave after the
@@ -78,6 +80,7 @@ class PeerConfig:
     ttl: float = 8.0
     quorum_memory: float = 120.0
     sync_on_join: bool = True
+    train_while_connecting: bool = True
     drain_timeout: float = 60.0
     leave_flush: float = 120.0
     min_step_seconds: float = 0.0

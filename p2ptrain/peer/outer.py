@@ -126,10 +126,11 @@ class Peer(PeerBase):
             self.driver.tokens_at_send = list(self._tokens_resumed)
         for b in self._bequests_resumed:  # (a checkpoint of this run: the fragments are the same)
             self.driver.inherit(b)
-        if resumed is not None:
+        if resumed is not None:  # (the checkpoint's local model: the one the start may have trained on since)
+            model = resumed["trainer"]["model"]
             with self.lock:
-                self.driver.resume_unseen(self._unseen_resumed,
-                                          lambda f: self.trainer.snapshot(self.frags[f].names))
+                self.driver.resume_unseen(self._unseen_resumed, lambda f: [model[n] for n in self.frags[f].names],
+                                          int(resumed["trainer"]["tokens_seen"]))
 
     def _on_started(self) -> None:
         with self.lock:
@@ -265,6 +266,8 @@ class Peer(PeerBase):
             self._synced_after_warmup = True
             if self.cfg.sync_on_join:
                 self.sync_from_swarm(keep_progress=True)
+            with self.lock:  # (a round sent after our checkpoint has ended by now: its word came, or never will)
+                self.driver.unseen.since_checkpoint.clear()
         assert self.collective is not None
         t0, waited = time.perf_counter(), self.collective.stall
         done = self.last_lstep

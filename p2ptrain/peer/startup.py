@@ -9,7 +9,8 @@ and every second of it is a second of the peer's GPU lost to the swarm. The line
 ``process_seconds``: wall time since the process began (from ``/proc``; absent where there is none);
 ``cpu_seconds``: the CPU time the process used by then (a loaded machine stretches the wall time of the same CPU
 work); ``before_start``: the wall seconds before the peer's start began (imports, model, checkpoint); the rest:
-each phase of :meth:`~p2ptrain.peer.base.PeerBase.start`.
+each phase of :meth:`~p2ptrain.peer.base.PeerBase.start`; ``trained``, when there: the seconds of those phases
+the peer trained through (a resumed peer trains its checkpoint's model while it connects), not lost to the swarm.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class StartupClock:
         self._age0 = process_age()
         self._t = time.monotonic()
         self.phases: dict[str, float] = {}
+        self.notes: dict[str, float] = {}  # figures of the start that are not phases (``trained``)
 
     def mark(self, phase: str) -> None:
         """The phase ``phase`` ended now (its seconds: since the last mark, or since the clock began)."""
@@ -65,6 +67,7 @@ class StartupClock:
             out["before_start"] = self._age0
         out["cpu_seconds"] = time.process_time()
         out.update(self.phases)
+        out.update(self.notes)
         return out
 
     def report(self) -> dict[str, float]:

@@ -3,6 +3,7 @@ and keeps its own inner state (AdamW, step, data position)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -26,8 +27,9 @@ def test_resume_takes_the_swarms_theta_and_keeps_its_own_inner_state(corpus: Cor
     def peer(name: str, steps: int, rank: int, ckdir: Path | None = None) -> Peer:
         tr = make_trainer(MODEL, TrainerConfig(batch_size=2, warmup_steps=2, total_steps=300), DataConfig(),
                           rank=rank, world=4, corpus=corpus)
+        # (the inner state exactly as saved: no steps while it connects, see the test below)
         cfg = PeerConfig(run_id="r", steps=steps, step_seconds=0.03, join_window=0.3, join_timeout=10, heartbeat=0.2,
-                         ttl=3.0, drain_timeout=10, min_step_seconds=0.03,
+                         ttl=3.0, drain_timeout=10, min_step_seconds=0.03, train_while_connecting=False,
                          checkpoint_dir=str(ckdir) if ckdir else None, checkpoint_every=2)
 
         async def make() -> object:
@@ -77,6 +79,60 @@ def test_resume_takes_the_swarms_theta_and_keeps_its_own_inner_state(corpus: Cor
             p.request_stop()
         net.close()
 
+
+
+def test_a_resumed_peer_trains_while_it_connects_and_keeps_that_progress(corpus: Corpus, tmp_path: Path) -> None:
+    """Its connect takes a second (a daemon and a DHT on a loaded machine take 10-20 s): the resumed peer trains its
+    checkpoint's model meanwhile. Those steps are its own: the step, the tokens and AdamW move on from the
+    checkpoint's, the swarm's θ is taken with that progress kept on top of it, and their tokens go into the next
+    rounds (the tokens marks are the checkpoint's)."""
+    net, swarm = NetLoop(), MemorySwarm(join_window=0.3, ttl=3.0)
+    method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10)
+
+    def peer(name: str, steps: int, rank: int, ckdir: Path, delay: float = 0.0) -> Peer:
+        tr = make_trainer(MODEL, TrainerConfig(batch_size=2, warmup_steps=2, total_steps=300), DataConfig(),
+                          rank=rank, world=2, corpus=corpus)
+        cfg = PeerConfig(run_id="r", steps=steps, step_seconds=0.03, join_window=0.3, join_timeout=10, heartbeat=0.2,
+                         ttl=3.0, drain_timeout=10, min_step_seconds=0.03, checkpoint_dir=str(ckdir),
+                         checkpoint_every=2)
+
+        async def make() -> object:
+            await asyncio.sleep(delay)
+            return swarm.transport(name)
+
+        return Peer(cfg, method, tr, make, net=net)  # type: ignore[arg-type]
+
+    try:
+        a, c = peer("a", 400, 0, tmp_path / "a"), peer("c", 30, 1, tmp_path / "c")
+        for p in (a, c):
+            p.start()
+        threads = [threading.Thread(target=p.run, daemon=True) for p in (a, c)]
+        for t in threads:
+            t.start()
+        threads[1].join(60)
+        assert not threads[1].is_alive()
+        _, saved = PeerCheckpoints(tmp_path / "c").latest()  # type: ignore[misc]
+        back = peer("c", 200, 1, tmp_path / "c", delay=1.0)
+        PeerCheckpoints.restore(back, saved)
+        back.start()
+        k = back.connect_steps
+        assert k >= 5, k  # a second of 0.03 s steps (loaded machine: a few at least)
+        per_step = saved["trainer"]["tokens_seen"] // saved["trainer"]["step"]
+        assert back.trainer.step_count == saved["trainer"]["step"] + k
+        assert back.trainer.tokens_seen == saved["trainer"]["tokens_seen"] + k * per_step
+        assert back.driver is not None and back.driver.tokens_at_send == saved["peer"]["tokens_at_send"]
+        held = {d for served in a.served_digests for d in served} | {d for d, _ in a.applied_log.values()}
+        assert all(d in held for d in back.start_digests)  # θ is the swarm's ...
+        for f in back.frags:  # ... and the local model holds progress beyond it on every fragment
+            local = back.trainer.snapshot(f.names)
+            assert any(not torch.equal(x, t) for x, t in zip(local, back.outer.theta(f.index), strict=True))
+        back.close()
+        a.request_stop()
+        threads[0].join(60)
+    finally:
+        for p in (a, c):
+            p.request_stop()
+        net.close()
 
 
 def _lone(corpus: Corpus, swarm: MemorySwarm, net: NetLoop) -> Peer:
