@@ -134,10 +134,11 @@ class Outvoted(Scripted):
         rnd.divergent, rnd.counted = True, self.counted
 
 
-def _outvoted_run(counted: bool) -> tuple[FakePeer, OuterLoop, Outvoted, dict[str, torch.Tensor],
-                                          dict[str, torch.Tensor], list[torch.Tensor]]:
-    """DiLoCo (τ = 0) on one fragment: round 1 alone, round 2 outvoted; returns the peer, its outer loop, the
-    collective, the local model and θ^(p) just before round 2 was applied, and the majority's θ it repaired to."""
+def _repairing(held_round: str) -> tuple[FakePeer, OuterLoop, list[torch.Tensor], dict[str, dict[str, torch.Tensor]],
+                                         Any]:
+    """A DiLoCo peer on one fragment and hooks whose repair takes the majority's θ (0.5, momentum zero) as a
+    replica does, recording the local model and θ^(p) it replaced (``seen``), and saying that θ was last made by
+    ``held_round`` counting us ("" for no such word)."""
     from p2ptrain.driver import DriverHooks
 
     peer = FakePeer(0)
@@ -153,11 +154,20 @@ def _outvoted_run(counted: bool) -> tuple[FakePeer, OuterLoop, Outvoted, dict[st
             seen["theta"] = dict(zip(names, outer.theta(0), strict=True))
             outer.overwrite(0, majority, [torch.zeros_like(t) for t in majority])
             peer.apply_outer(names, majority)  # what a replica's repair does to the local model
+            rnd.held_round = held_round  # (what a replica's repair reads from the θ it took)
             return True
 
+    return peer, outer, majority, seen, Repair()
+
+
+def _outvoted_run(counted: bool) -> tuple[FakePeer, OuterLoop, Outvoted, dict[str, torch.Tensor],
+                                          dict[str, torch.Tensor], list[torch.Tensor]]:
+    """DiLoCo (τ = 0) on one fragment: round 1 alone, round 2 outvoted; returns the peer, its outer loop, the
+    collective, the local model and θ^(p) just before round 2 was applied, and the majority's θ it repaired to."""
+    peer, outer, majority, seen, hooks = _repairing("")
     net = Outvoted(avg=0.25)
     net.counted = counted
-    driver = OuterDriver(outer, peer, net, hooks=Repair())  # type: ignore[arg-type]
+    driver = OuterDriver(outer, peer, net, hooks=hooks)  # type: ignore[arg-type]
     for s in (1, 2):
         peer.step()
         assert driver.advance(s)
@@ -425,26 +435,10 @@ def _failed_then_outvoted(held: bool) -> tuple[FakePeer, OuterLoop, FailsThenOut
     """DiLoCo (τ = 0): round 1 (steps 1-2) alone, round 2 (3-4) fails after its group formed, round 3 (5-6)
     outvoted and repaired onto the majority's θ; returns the peer, its outer loop, the collective, the local model
     and our θ^(p) at round 3's repair, the majority's θ, and the local model after round 3 was applied."""
-    from p2ptrain.driver import DriverHooks
-
-    peer = FakePeer(0)
-    outer = OuterLoop(DiLoCoConfig(H=2, codec="fp32"), make_fragments(UNITS, 1))
-    outer.init(peer)
+    peer, outer, majority, seen, hooks = _repairing("f0.L4" if held else "")
     names = outer.fragments[0].names
-    majority = [torch.full_like(t, 0.5) for t in outer.theta(0)]
-    seen: dict[str, dict[str, torch.Tensor]] = {}
-
-    class Repair(DriverHooks):
-        def repair(self, rnd: Round) -> bool:
-            seen["local"] = {n: peer.x[n].clone() for n in names}
-            seen["theta"] = dict(zip(names, outer.theta(0), strict=True))
-            outer.overwrite(0, majority, [torch.zeros_like(t) for t in majority])
-            peer.apply_outer(names, majority)
-            rnd.held_round = "f0.L4" if held else ""  # (what a replica's repair reads from the θ it took)
-            return True
-
     net = FailsThenOutvoted(avg=0.25)
-    driver = OuterDriver(outer, peer, net, hooks=Repair())  # type: ignore[arg-type]
+    driver = OuterDriver(outer, peer, net, hooks=hooks)  # type: ignore[arg-type]
     _steps(peer, driver, 1, 2)
     net.fail = True
     _steps(peer, driver, 3, 4)
