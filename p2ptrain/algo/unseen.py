@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Unseen", "UnseenRounds"]
+__all__ = ["Unseen", "UnseenRounds", "named_round", "same_theta"]
 
 #: The keys of the rounds a peer sent, kept per fragment (a checkpoint's: which rounds it knew of).
 SENT_KEPT = 4
@@ -49,7 +49,7 @@ class Unseen:
     after: int
 
 
-def _names(made: Any, me: str) -> str | None:
+def named_round(made: Any, me: str) -> str | None:
     """The key of the round a ``made`` entry ([key, contributors]) says counted ``me``; None otherwise (also for
     a malformed entry: a peer's word, at worst we drop progress of ours)."""
     if (isinstance(made, list | tuple) and len(made) == 2 and isinstance(made[0], str)
@@ -104,7 +104,7 @@ class UnseenRounds:
             entry = made.get(str(f))
             if not isinstance(entry, list | tuple) or len(entry) != 2:
                 continue  # (no word of it: a θ replaced at the source since; a later state may say)
-            key, mine = entry[0], _names(entry, me)
+            key, mine = entry[0], named_round(entry, me)
             u, since = self.held.get(f), self.since_checkpoint.get(f)
             if u is not None and key == u.key:
                 del self.held[f]

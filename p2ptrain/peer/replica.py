@@ -27,7 +27,7 @@ import torch
 from ..algo.fragments import Fragment
 from ..algo.outer_loop import LocalParams, OuterLoop
 from ..algo.rounds import Round
-from ..algo.unseen import same_theta
+from ..algo.unseen import named_round, same_theta
 from ..checkpoint import state_from_bytes, state_to_bytes
 from ..net.groups import fingerprints_match, versioned
 from ..net.transport import RoundFailed
@@ -66,15 +66,6 @@ def _log_applied(fields: tuple[str, int, int, float, bool, float], digest: concu
     key, fragment, members, tokens, divergent, own = fields
     log.info("event=applied key=%s fragment=%d members=%d tokens=%.0f divergent=%s digest=%s own=%.0f", key,
              fragment, members, tokens, divergent, digest.result()[:16], own)
-
-
-def _held_round(made: Any, me: str) -> str:
-    """The key of the round a served θ says it was last made by, if that round's contributors name ``me``; ""
-    otherwise, or when the field is missing or malformed (a peer's word: at worst, we drop progress of ours)."""
-    if (isinstance(made, list | tuple) and len(made) == 2 and isinstance(made[0], str)
-            and isinstance(made[1], list | tuple) and me in {str(c) for c in made[1]}):
-        return made[0]
-    return ""
 
 
 class ReplicaState:
@@ -291,7 +282,7 @@ class ReplicaState:
                 with self.lock:
                     self.outer.overwrite(rnd.fragment, st["theta"], st["momentum"], version)
                     self.params.apply_outer(self.frags[rnd.fragment].names, self.outer.theta(rnd.fragment))
-                rnd.held_round = _held_round(st.get("made"), me)
+                rnd.held_round = named_round(st.get("made"), me) or ""
                 self.repairs += 1
                 log.warning("event=repaired fragment=%d from=%s", rnd.fragment, peer)
                 return True
