@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the run's modules import torch and hivemind: only the comma
     from ..peer import PeerBase, PeerSummary
     from ..trainer import Trainer
     from .config import JoinRun
+    from .session import HeldSignal
 
 __all__ = ["join", "run_peer"]
 
@@ -29,6 +30,16 @@ __all__ = ["join", "run_peer"]
 @flags_command(app, JoinFlags)
 def join(file: dict[str, Any], flags: JoinFlags) -> None:
     """Join a swarm (or start one, with no --initial-peers) and train until --steps."""
+    from .session import HeldSignal
+
+    held = HeldSignal().arm()  # before the imports of torch and hivemind: a leave while they run is a clean one
+    try:
+        _join(file, flags, held)
+    finally:
+        held.disarm()
+
+
+def _join(file: dict[str, Any], flags: JoinFlags, held: HeldSignal) -> None:
     from ..peer.malloc import mmap_threshold, pin_mmap_threshold
     from .config import join_config
 
@@ -36,17 +47,20 @@ def join(file: dict[str, Any], flags: JoinFlags) -> None:
         pin_mmap_threshold(mmap_threshold())  # before the run allocates: see peer/malloc.py
         run = join_config(file, flags)
     if run.stages is None:
-        run_peer(run)
+        run_peer(run, held)
     elif run.stages.launch:
         from .launcher import launch_stages
 
+        held.disarm()  # the launcher hands the signals on to its stages
+        if held.signum is not None:  # told to leave before any stage ran
+            raise typer.Exit(0)
         if sys.argv[1:2] != ["join"]:
             raise fail("--pipeline-stages > 1 is launched from the `p2ptrain join` command line")
         raise typer.Exit(launch_stages(run.stages.pipeline_stages, sys.argv[1:]))
     else:
         from .staged import run_staged
 
-        run_staged(run)
+        run_staged(run, held)
 
 
 def _trainer(run: JoinRun) -> Trainer:
@@ -81,9 +95,10 @@ def _resume(peer: PeerBase, trainer: Trainer, folder: Path) -> int | None:
     return step
 
 
-def run_peer(run: JoinRun) -> None:
+def run_peer(run: JoinRun, held: HeldSignal | None = None) -> None:
     """Join as one peer: resume, serve metrics, start, train until ``--steps`` or a signal, then print the
-    summary (and write the JSON). Exit code 1 when the swarm cannot be joined, 2 for bad input."""
+    summary (and write the JSON). A signal ``held`` from before (or one during the start) lets the peer start,
+    then leave cleanly. Exit code 1 when the swarm cannot be joined, 2 for bad input."""
     from ..net.swarm import HivemindTransport
     from ..peer import make_peer
     from ..staged import data_rank
@@ -103,6 +118,8 @@ def run_peer(run: JoinRun) -> None:
                       highlight=False)
     else:
         console.print(f"private swarm: key fingerprint {run.swarm.swarm_key.fingerprint}", highlight=False)
+    # Before the start: a signal while it connects (and, resumed, trains) ends that and leaves cleanly after it.
+    session.stop_on_signals(peer, shutdown_grace(run), held=held)
     session.start(peer)
     if resumed_step is None:  # a resumed peer keeps its data position
         trainer.stream.reseed(run.data.seed, data_rank(peer.peer_id))
@@ -111,7 +128,6 @@ def run_peer(run: JoinRun) -> None:
     console.print(f"p2ptrain {__version__} · peer {peer.peer_id} · run {rid} · {method} · "
                   f"step pacing {peer.step_seconds}s", highlight=False)
     console.print(join_hint(maddrs, run), highlight=False, soft_wrap=True)
-    session.stop_on_signals(peer, shutdown_grace(run))
     log = open_experiment_log(run, peer.peer_id)
     summary, val = session.run(peer, run.quiet, lambda s: trainer.evaluate(s.outer_params or None).loss, log,
                                total=run.peer.steps)

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from ..explog import ExperimentLog
     from ..peer import PeerBase
 
-__all__ = ["METRICS_PORTS", "RunSession", "SessionPeer", "join_hint", "open_experiment_log", "report",
+__all__ = ["METRICS_PORTS", "HeldSignal", "RunSession", "SessionPeer", "join_hint", "open_experiment_log", "report",
            "shutdown_grace", "visible_maddrs"]
 
 #: How many ports from DEFAULT_METRICS_PORT (plus a stage's rank) are tried when none is given.
@@ -51,6 +52,36 @@ class SessionPeer(Protocol[R]):
     def request_stop(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class HeldSignal:
+    """A SIGTERM or SIGINT that comes while a peer is being built (its imports, model and checkpoint: tens of
+    seconds on a loaded machine), held until :meth:`RunSession.stop_on_signals` can act on it. Without it the
+    signal's default action ends the process (exit code -15) before anything is saved: a resumed peer would
+    lose what it trained while connecting, and a leave would not be a clean one. A second signal leaves at once
+    (exit code 130). :meth:`arm` installs it; the session's own handlers replace it."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._saved: dict[int, Any] = {}
+
+    def arm(self) -> HeldSignal:
+        def hold(signum: int, _frame: Any) -> None:
+            if self.signum is not None:
+                raise SystemExit(130)
+            self.signum = signum
+            print(f"signal {signal.Signals(signum).name}: leaving once this peer has started (a second signal "
+                  "leaves at once)", file=sys.stderr, flush=True)
+
+        self._saved = {s: signal.signal(s, hold) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def disarm(self) -> None:
+        """Put back the handlers from before :meth:`arm` (when the run is over, or for a process that hands the
+        signals on itself)."""
+        for s, h in self._saved.items():
+            signal.signal(s, h)
+        self._saved = {}
 
 
 class RunSession:
@@ -96,11 +127,12 @@ class RunSession:
             return None
 
     def stop_on_signals(self, peer: SessionPeer[Any], grace: float,
-                        exit_now: Callable[[int], Any] = os._exit) -> None:
+                        exit_now: Callable[[int], Any] = os._exit, held: HeldSignal | None = None) -> None:
         """On SIGTERM or SIGINT (Ctrl-C), say so and let ``peer`` leave cleanly after its current step; if it
         has not left ``grace`` seconds later (its rounds' timeout, the drain and a checkpoint), leave anyway
         (``exit_now``, exit code 124; not once the peer has left: the summary may take its time). A second signal leaves at once: SystemExit from the handler, so the
-        ``finally`` blocks still close the network with their own bounded waits."""
+        ``finally`` blocks still close the network with their own bounded waits. A signal ``held`` from before
+        (:class:`HeldSignal`) counts as the first one."""
         from ..ui import console
 
         signals = 0
@@ -126,6 +158,8 @@ class RunSession:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        if held is not None and held.signum is not None:  # it came while the peer was being built: act on it now
+            on_signal(held.signum, None)
 
     @staticmethod
     def start(peer: SessionPeer[Any]) -> None:

@@ -50,7 +50,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     for name in [n for n in os.environ if n.startswith("P2PTRAIN_")]:
         monkeypatch.delenv(name)
     runs: list[Any] = []
-    monkeypatch.setattr(join_module, "run_peer", runs.append)
+    monkeypatch.setattr(join_module, "run_peer", lambda run, held=None: runs.append(run))
     return runs
 
 

@@ -68,3 +68,48 @@ def test_the_deadline_is_off_once_the_peer_has_left() -> None:
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_a_signal_while_the_peer_is_built_is_held_and_acted_on_once_the_session_can() -> None:
+    """A SIGTERM during the imports and the model's build does not end the process: the session's handlers take
+    it as their first signal (the peer is asked to leave, the deadline runs); a second one leaves at once."""
+    from p2ptrain.cli.session import HeldSignal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    exits: list[int] = []
+    try:
+        held = HeldSignal().arm()
+        os.kill(os.getpid(), signal.SIGTERM)  # would end the process with exit code -15 by default
+        deadline = time.monotonic() + 5
+        while held.signum is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held.signum == signal.SIGTERM
+        peer = _Stuck()
+        RunSession("streaming", "").stop_on_signals(peer, grace=30, exit_now=exits.append,  # type: ignore[arg-type]
+                                                    held=held)
+        assert peer.stop_requested.is_set() and exits == []  # asked to leave at once, cleanly
+        with pytest.raises(SystemExit) as e:
+            os.kill(os.getpid(), signal.SIGTERM)  # the held one was the first: this is the second
+            time.sleep(5)
+        assert e.value.code == 130
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_a_second_signal_while_held_leaves_at_once_and_disarm_puts_the_old_handlers_back() -> None:
+    from p2ptrain.cli.session import HeldSignal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        held = HeldSignal().arm()
+        with pytest.raises(SystemExit) as e:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        assert e.value.code == 130 and held.signum == signal.SIGINT
+        held.disarm()
+        assert {s: signal.getsignal(s) for s in saved} == saved
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)

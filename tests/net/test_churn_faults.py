@@ -195,6 +195,37 @@ def test_a_graceful_leave_keeps_the_swarm_going(tmp_path: Path) -> None:
     _no_divergence(tmp_path, names)
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``signum`` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+@pytest.mark.timeout(180)
+def test_a_leave_told_before_the_peer_has_started_is_a_clean_one(tmp_path: Path) -> None:
+    """SIGTERM while a restarted peer is still importing torch and hivemind (tens of seconds on a loaded
+    machine, where a leave used to end it with exit code -15 and nothing saved): it starts, leaves cleanly,
+    writes its checkpoint and summary, and exits 0."""
+    import json
+
+    write_recipe(tmp_path, f"early{os.getpid()}")
+    ck = ["--checkpoint-dir", str(tmp_path / "a.ck"), "--resume"]
+    proc = _start(tmp_path, "a", [], ck)
+    try:
+        _wait(lambda: _catches(proc.pid, signal.SIGTERM), 30, "a handler for SIGTERM (the command began)")
+        assert not (tmp_path / "a.maddrs").exists()  # (not started yet: the imports take far longer than this)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, (tmp_path / "a.log").read_text(errors="replace")[-2000:]
+        text = (tmp_path / "a.log").read_text(errors="replace")
+        assert "signal SIGTERM: leaving once this peer has started" in text, text[-2000:]
+        assert "event=checkpoint why=leave" in text, text[-2000:]
+        assert json.loads((tmp_path / "a.json").read_text())["stuck_rounds"] == 0
+    finally:
+        _stop([proc])
+
+
 @pytest.mark.timeout(180)
 def test_a_leave_hands_what_no_round_carried_to_a_peer_that_stays(tmp_path: Path) -> None:
     """SIGTERM to a peer that does not flush (``leave_flush = 0``): after its drain, what it trained since each
