@@ -118,10 +118,13 @@ class DriverHooks:
     def after_send(self, rnd: Round) -> None:
         """``rnd`` was just started (under the driver's lock)."""
 
-    def repair(self, rnd: Round) -> bool:
+    def repair(self, rnd: Round, taking: Callable[[], None]) -> bool:
         """``rnd`` says this peer's state left the majority's: take theirs before applying it. False when it could
         not be taken: the round is then not applied here (applied to a θ known to be another one, it would make a
-        replica that differs from the majority's, and one a joiner could be served)."""
+        replica that differs from the majority's, and one a joiner could be served). ``taking()`` is called right
+        before the majority's θ replaces ours (the driver reads our progress then: a repair may train while it
+        fetches, and those steps are progress too)."""
+        taking()
         return True
 
     def before_apply(self, rnd: Round) -> None:
@@ -337,8 +340,13 @@ class OuterDriver:
         return rnd
 
     def _apply(self, rnd: Round, step: int) -> None:
-        mine = self._own_progress(rnd)
-        if rnd.divergent and not self.hooks.repair(rnd):
+        mine = None  # (θ^(p), local fragment) of an outvoted round: read as the majority's θ comes to replace ours
+
+        def taking() -> None:
+            nonlocal mine
+            mine = self._own_progress(rnd)
+
+        if rnd.divergent and not self.hooks.repair(rnd, taking):
             self._refuse(rnd, "divergent θ, no repair")
             return
         if not rnd.divergent and self._replaced(rnd):
@@ -514,7 +522,7 @@ class DDPDriver:
             return False
         rnd, self.round = self.round, None
         if rnd.arrived and rnd.divergent:
-            self.hooks.repair(rnd)
+            self.hooks.repair(rnd, lambda: None)  # (a data-parallel step keeps no progress of its own)
             return True
         with self.lock:  # a state provider must not read half-updated parameters
             if rnd.arrived and rnd.result is not None:

@@ -83,7 +83,7 @@ def test_a_divergent_round_without_repair_is_not_applied() -> None:
     class NoRepair(DriverHooks):
         asked = 0
 
-        def repair(self, rnd: Round) -> bool:
+        def repair(self, rnd: Round, taking: Any) -> bool:
             self.asked += 1
             return False
 
@@ -134,11 +134,12 @@ class Outvoted(Scripted):
         rnd.divergent, rnd.counted = True, self.counted
 
 
-def _repairing(held_round: str) -> tuple[FakePeer, OuterLoop, list[torch.Tensor], dict[str, dict[str, torch.Tensor]],
-                                         Any]:
+def _repairing(held_round: str, trains: int = 0) -> tuple[FakePeer, OuterLoop, list[torch.Tensor],
+                                                         dict[str, dict[str, torch.Tensor]], Any]:
     """A DiLoCo peer on one fragment and hooks whose repair takes the majority's θ (0.5, momentum zero) as a
     replica does, recording the local model and θ^(p) it replaced (``seen``), and saying that θ was last made by
-    ``held_round`` counting us ("" for no such word)."""
+    ``held_round`` counting us ("" for no such word). ``trains``: inner steps the repair takes while it fetches
+    (as a replica's does, beside its fetch: peer/overlap.py)."""
     from p2ptrain.driver import DriverHooks
 
     peer = FakePeer(0)
@@ -149,7 +150,10 @@ def _repairing(held_round: str) -> tuple[FakePeer, OuterLoop, list[torch.Tensor]
     seen: dict[str, dict[str, torch.Tensor]] = {}
 
     class Repair(DriverHooks):
-        def repair(self, rnd: Round) -> bool:
+        def repair(self, rnd: Round, taking: Any) -> bool:
+            for _ in range(trains):
+                peer.step()
+            taking()  # (the driver reads our progress here, before the majority's θ replaces it)
             seen["local"] = {n: peer.x[n].clone() for n in names}
             seen["theta"] = dict(zip(names, outer.theta(0), strict=True))
             outer.overwrite(0, majority, [torch.zeros_like(t) for t in majority])
@@ -200,6 +204,31 @@ def test_an_outvoted_peer_keeps_its_progress_and_its_tokens() -> None:
         want = after2 - eta * (delta + mu * m)
         assert torch.allclose(outer.theta(0)[i].double(), want, atol=1e-5), n
         assert torch.allclose(peer.x[n].double(), want, atol=1e-5), n  # DiLoCo restarts the local model at θ
+
+
+def test_steps_a_repair_trains_while_it_fetches_are_kept_with_the_rest_of_the_progress() -> None:
+    """The inner steps a repair takes while the majority's θ is on its way (peer/overlap.py) are progress like
+    the steps before it: kept on the new θ with the rest (read when θ comes, not when the round did), and their
+    tokens go into the fragment's next round."""
+    eta, mu = 0.7, 0.9
+    peer, outer, majority, seen, hooks = _repairing("", trains=2)
+    net = Outvoted(avg=0.25)
+    driver = OuterDriver(outer, peer, net, hooks=hooks)  # type: ignore[arg-type]
+    _steps(peer, driver, 1, 2)
+    net.outvote = True
+    peer.step()
+    peer.step()
+    at_round = {n: peer.x[n].clone() for n in outer.fragments[0].names}
+    assert driver.advance(4)  # outvoted: the repair trains 2 steps, then takes the majority's θ
+    net.outvote = False
+    names = outer.fragments[0].names
+    for i, n in enumerate(names):
+        assert not torch.equal(seen["local"][n], at_round[n])  # (the repair's steps moved the local model)
+        after2 = majority[i].double() - eta * (0.25 + mu * 0.25)  # θ after round 2, as in the test above
+        kept = seen["local"][n].double() - seen["theta"][n].double()  # everything since θ_mine, the 2 steps too
+        assert torch.allclose(peer.x[n].double(), after2 + kept, atol=1e-6), n
+    _steps(peer, driver, 5, 6)
+    assert net.weights == [20, 20, 60]  # round 3: round 2's 20 tokens, the repair's 20 and its own 20
 
 
 def test_an_outvoted_round_that_still_counted_us_drops_the_progress_it_holds() -> None:

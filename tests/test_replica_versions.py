@@ -6,6 +6,7 @@ knew was divergent)."""
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 import torch
@@ -216,3 +217,47 @@ def test_theta_before_a_round_says_which_round_made_it_and_whom_that_round_count
     finally:
         source.close()
         taker.close()
+
+
+def test_a_repair_trains_while_it_fetches_and_reads_the_progress_right_before_it_takes_theta() -> None:
+    """With ``idle`` (an inner step), the fetch runs on a thread of its own while this one trains: a source that
+    times out (a peer across a region cut) costs no idle time. ``taking`` runs once θ has come, before it is
+    taken; no source serving θ: False, nothing taken."""
+    from p2ptrain.checkpoint import state_to_bytes
+
+    good, mine = [torch.arange(6.0)], [torch.zeros(6)]
+    order: list[str] = []
+    outer = types.SimpleNamespace(theta=lambda f: mine, momentum=lambda f: [torch.zeros(6)], round_state=lambda f: {},
+                                  overwrite=lambda f, th, mo, version: order.append("overwrite"))
+    params = types.SimpleNamespace(apply_outer=lambda names, theta: order.append("apply"))
+    frags = [types.SimpleNamespace(names=["w"], index=0)]
+    rep = ReplicaState(outer, params, frags, threading.Lock(), list)  # type: ignore[arg-type]
+    trainer = threading.current_thread()
+    fetched_on: list[threading.Thread] = []
+
+    def fetch(peer: str, name: str) -> bytes:
+        fetched_on.append(threading.current_thread())
+        time.sleep(0.3)  # a slow source
+        if peer == "cut":
+            raise TimeoutError("across the cut")
+        return state_to_bytes({"theta": good, "momentum": [torch.zeros(6)], "version": 3})
+
+    def idle() -> None:
+        assert threading.current_thread() is trainer
+        order.append("step")
+        time.sleep(0.05)
+
+    try:
+        rnd = _round(3, mine)
+        rnd.contributors, rnd.divergent = ("cut", "me", "honest"), True
+        assert rep.repair(rnd, "me", fetch, lambda: order.append("taking"), idle)
+        assert fetched_on and all(t is not trainer for t in fetched_on)
+        steps = order.index("taking")
+        assert steps >= 4 and set(order[:steps]) == {"step"}  # it trained through both fetches (0.6 s)
+        assert order[steps:] == ["taking", "overwrite", "apply"]
+        order.clear()
+        rnd.contributors = ("cut", "me")
+        assert not rep.repair(rnd, "me", fetch, lambda: order.append("taking"), idle)
+        assert "taking" not in order and "overwrite" not in order and "step" in order
+    finally:
+        rep.close()

@@ -41,6 +41,7 @@ from ..trainer import Trainer
 from .collective import SwarmCollective
 from .config import PeerConfig, PeerState, PeerSummary
 from .link import SwarmLink
+from .overlap import while_training
 from .startup import StartupClock
 from .vitals import SharingWatch, check_model, measured_pacing, model_fingerprint
 
@@ -281,26 +282,23 @@ class PeerBase:
         checkpoint's progress is), so the seconds the daemon, the DHT and the first heartbeat take (10-20 s a
         restart in churn on a loaded machine) are not a GPU idle. A failed connect or model check raises here,
         once the thread has ended (both are bounded by the transport's own timeouts). Returns the seconds trained."""
-        failed: list[BaseException] = []
-
         def bring_up() -> None:
-            try:
-                self.connect()
-                self._check_model()
-            except BaseException as e:  # (handed to the training thread, which raises it)
-                failed.append(e)
+            self.connect()
+            self._check_model()
 
-        thread = threading.Thread(target=bring_up, name="p2ptrain-connect", daemon=True)
-        thread.start()
         steps, computed = self.trainer.step_count, self.compute
-        while thread.is_alive() and self.trainer.step_count < self.cfg.steps and not self._stop.is_set():
-            self._inner_step()
-        thread.join()
-        if failed:
-            raise failed[0]
+        while_training(bring_up, self.overlap_step, "p2ptrain-connect")
         self.connect_steps = self.trainer.step_count - steps
         log.info("event=trained_while_connecting steps=%d seconds=%.1f", self.connect_steps, self.compute - computed)
         return self.compute - computed
+
+    def overlap_step(self) -> None:
+        """An inner step while network work runs beside the training (:func:`.overlap.while_training`): none past
+        the run's last step, or once asked to stop (a short wait instead)."""
+        if self.trainer.step_count < self.cfg.steps and not self._stop.is_set():
+            self._inner_step()
+        else:
+            time.sleep(0.25 * (self.step_seconds or 0.2))
 
     def _check_model(self) -> None:
         """Refuse to join a run of another model, before any inner step (see :func:`.vitals.check_model`)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ..algo.rounds import ApplyReport, Round
@@ -70,7 +71,8 @@ class DDPPeer(PeerBase, DriverHooks):
             self.trainer.step_count = int(state["step"])
 
     # ------------------------------------------------------------------ driver hooks
-    def repair(self, rnd: Round) -> bool:
+    def repair(self, rnd: Round, taking: Callable[[], None]) -> bool:
+        taking()  # (a data-parallel peer keeps no progress of its own across a repair)
         for peer in rnd.contributors:
             if peer == self.peer_id:
                 continue

@@ -61,8 +61,10 @@ class _Hooks(DriverHooks):
     def after_send(self, rnd: Round) -> None:
         self.peer.replica.record_send(rnd)
 
-    def repair(self, rnd: Round) -> bool:
-        return self.peer.replica.repair(rnd, self.peer.peer_id, self.peer.fetch)
+    def repair(self, rnd: Round, taking: Callable[[], None]) -> bool:
+        p = self.peer  # training while it fetches, if its steps are its own and do not drive its clock
+        idle = p.overlap_step if p.own_steps and not p.lockstep else None
+        return p.replica.repair(rnd, p.peer_id, p.fetch, taking, idle)
 
     def after_apply(self, rnd: Round, report: ApplyReport | None) -> None:
         p = self.peer
@@ -169,19 +171,12 @@ class Peer(PeerBase):
         self.replica.catch_up(source, state.get("pending", []), keep_progress, self.fetch,
                               deadline=time.monotonic() + self.method.timeout + self.cfg.join_timeout,
                               poll=0.25 * (self.step_seconds or 0.2),
-                              idle=self._catch_up_step if self.own_steps else None)
+                              idle=self.overlap_step if self.own_steps else None)
         stall = max(0.0, time.perf_counter() - t0 - (self.compute - computed))
         self.catchup_stall += stall
         if state.get("pending"):
             log.info("event=catch_up_done seconds=%.1f stall=%.1f steps=%d", time.perf_counter() - t0, stall,
                      self.trainer.step_count - steps)
-
-    def _catch_up_step(self) -> None:
-        """An inner step while a catch-up waits (none past the run's last step, or once asked to stop)."""
-        if self.trainer.step_count < self.cfg.steps and not self._stop.is_set():
-            self._inner_step()
-        else:
-            time.sleep(0.25 * (self.step_seconds or 0.2))
 
     def checkpoint_state(self) -> dict[str, Any]:
         d = self.driver
@@ -269,14 +264,15 @@ class Peer(PeerBase):
             with self.lock:  # (a round sent after our checkpoint has ended by now: its word came, or never will)
                 self.driver.unseen.since_checkpoint.clear()
         assert self.collective is not None
-        t0, waited = time.perf_counter(), self.collective.stall
+        t0, waited, computed = time.perf_counter(), self.collective.stall, self.compute
         done = self.last_lstep
         for step in steps_to_advance(done, self.logical_step, self.max_behind):
             if step > done + 1:
                 log.info("event=steps_skipped first=%d last=%d reason=behind the swarm's clock", done + 1, step - 1)
             self.driver.advance(step)
             done = lstep = max(done, step)
-        self.outer_seconds += time.perf_counter() - t0 - (self.collective.stall - waited)
+        # (less the inner steps a repair took while it fetched: compute, counted as such)
+        self.outer_seconds += time.perf_counter() - t0 - (self.collective.stall - waited) - (self.compute - computed)
         self.last_lstep = max(self.last_lstep, lstep)
         if self.checkpoints is not None:
             self.checkpoints.save_if_due(self)

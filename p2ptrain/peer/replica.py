@@ -32,6 +32,7 @@ from ..checkpoint import state_from_bytes, state_to_bytes
 from ..net.groups import fingerprints_match, versioned
 from ..net.transport import RoundFailed
 from ..sync import fingerprint, theta_digest
+from .overlap import while_training
 
 __all__ = ["ReplicaState", "rebase"]
 
@@ -264,11 +265,30 @@ class ReplicaState:
         # catch-up cut short by a timeout above leaves its fragments behind until each applies a round of its own.
         self.behind.clear()
 
-    def repair(self, rnd: Round, me: str, fetch: Fetch) -> bool:
+    def repair(self, rnd: Round, me: str, fetch: Fetch, taking: Callable[[], None] = lambda: None,
+               idle: Callable[[], None] | None = None) -> bool:
         """Our θ^(p) disagreed with the round's majority: take theirs as it was before the round, from the
         first contributor that has it, and only a θ whose fingerprint is the majority's (``rnd.agreed``, when the
         round said it): a contributor may itself have been outvoted (a hierarchical round's cell that lost the
-        vote across regions) or may lie. True if repaired."""
+        vote across regions) or may lie. ``taking()`` runs right before it replaces ours. ``idle``: an inner
+        step, run on this thread while another one fetches (a source across a region cut costs its whole timeout:
+        60-70 s with the peer idle, in churn, when the first two were unreachable). True if repaired."""
+        got = self._fetch_majority(rnd, me, fetch) if idle is None else while_training(
+            lambda: self._fetch_majority(rnd, me, fetch), idle)
+        if got is None:
+            return False
+        peer, st = got
+        taking()
+        with self.lock:
+            self.outer.overwrite(rnd.fragment, st["theta"], st["momentum"], int(st.get("version", 0)))
+            self.params.apply_outer(self.frags[rnd.fragment].names, self.outer.theta(rnd.fragment))
+        rnd.held_round = named_round(st.get("made"), me) or ""
+        self.repairs += 1
+        log.warning("event=repaired fragment=%d from=%s", rnd.fragment, peer)
+        return True
+
+    def _fetch_majority(self, rnd: Round, me: str, fetch: Fetch) -> tuple[str, dict[str, Any]] | None:
+        """(source, state) of the first contributor that serves the majority's θ from before ``rnd``, or None."""
         for peer in rnd.contributors:
             if peer == me:
                 continue
@@ -279,13 +299,7 @@ class ReplicaState:
                                                                      rnd.agreed):
                     log.info("event=repair_refused peer=%s key=%s reason=not the majority's θ", peer, rnd.key)
                     continue
-                with self.lock:
-                    self.outer.overwrite(rnd.fragment, st["theta"], st["momentum"], version)
-                    self.params.apply_outer(self.frags[rnd.fragment].names, self.outer.theta(rnd.fragment))
-                rnd.held_round = named_round(st.get("made"), me) or ""
-                self.repairs += 1
-                log.warning("event=repaired fragment=%d from=%s", rnd.fragment, peer)
-                return True
+                return peer, st
             except (RoundFailed, TimeoutError, ValueError, KeyError) as e:
                 log.info("event=repair_failed peer=%s reason=%s", peer, e)
-        return False
+        return None
