@@ -58,7 +58,7 @@ def _transports(swarm: SwarmConfig) -> Callable[[int, str, list[str]], Callable[
     return transport
 
 
-def run_staged(run: JoinRun, held: HeldSignal | None = None) -> None:
+def run_staged(run: JoinRun, early: HeldSignal | None = None) -> None:
     """Join as a staged peer (the whole model in every namespace, or one pipeline stage): serve metrics,
     start, train until ``--steps`` or a signal, then print the summary (and write this process's JSON).
     Exit code 1 when the swarm cannot be joined, 2 for bad input."""
@@ -90,7 +90,7 @@ def run_staged(run: JoinRun, held: HeldSignal | None = None) -> None:
     what = f"pipeline stage {rank} of {world}" if world > 1 else "whole model"
     console.print(f"p2ptrain {__version__} · {what} · stage groups {list(held.groups)} of {plan.stages} · "
                   f"run {run.peer.run_id} · {run.method.name}", highlight=False)
-    session.stop_on_signals(staged, shutdown_grace(run), held=held)
+    session.stop_on_signals(staged, shutdown_grace(run), held=early)
     session.start(staged)
     trainer.stream.reseed(run.data.seed, data_rank(staged.identity))
     maddrs = visible_maddrs(staged.peers, per_rank(run.maddrs_file, rank, world))
