@@ -88,6 +88,11 @@ class SwarmCollective:
     def arrived(self, rnd: Round) -> bool:
         return rnd.arrived
 
+    def ended(self, rnd: Round) -> bool:
+        """Whether ``rnd``'s run here is over (arrived or failed): :meth:`wait` would not wait for it."""
+        ev = self._done.get(rnd)
+        return ev is None or ev.is_set()
+
     def wait(self, rounds: Sequence[Round]) -> bool:
         t0 = time.perf_counter()
         for r in rounds:

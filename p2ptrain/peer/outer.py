@@ -310,11 +310,28 @@ class Peer(PeerBase):
                  ",".join(map(str, left)) or "none", self.trainer.step_count)
 
     def drain(self) -> None:
-        """Apply what is still in flight (waiting at most ``drain_timeout`` in all)."""
+        """Apply what is still in flight (waiting at most ``drain_timeout`` in all), training while it is not in
+        (see :meth:`_train_while_in_flight`)."""
         if self.driver is None or self.collective is None:
             return
         self.collective.deadline = time.perf_counter() + self.cfg.drain_timeout
         try:
+            self._train_while_in_flight(self.collective.deadline)
             self.driver.drain(max(self.last_lstep, self.logical_step()))
         finally:
             self.collective.deadline = None
+
+    def _train_while_in_flight(self, deadline: float) -> None:
+        """Inner steps (up to ``--steps``) while a round this peer sent has not ended: a leave's drain after its
+        flush waited about 10 s so in churn, idle. What they train no round carries: it goes with the leave's
+        bequest to a peer that stays (or into its leave checkpoint). Not for a peer whose steps are not its own
+        or drive its clock."""
+        if not self.own_steps or self.lockstep:
+            return
+        assert self.driver is not None and self.collective is not None
+        steps = self.trainer.step_count
+        while (self.trainer.step_count < self.cfg.steps and time.perf_counter() < deadline
+               and any(not self.collective.ended(r) for r in self.driver.in_flight if r.live)):
+            self._inner_step()
+        if self.trainer.step_count > steps:
+            log.info("event=trained_while_draining steps=%d", self.trainer.step_count - steps)
