@@ -14,7 +14,7 @@ import torch
 from p2ptrain.algo.compress import Identity
 from p2ptrain.algo.rounds import Round, RoundState
 from p2ptrain.checkpoint import state_from_bytes
-from p2ptrain.peer.replica import ReplicaState
+from p2ptrain.peer.replica import ReplicaState, one_at_a_time
 
 
 def _round(i: int, theta: list[torch.Tensor]) -> Round:
@@ -87,13 +87,13 @@ def test_a_repair_takes_only_the_theta_the_majority_holds() -> None:
         # (prints lead with θ's version, which never decides a match: net/groups.py versioned)
         agreed = tuple(versioned(40, fingerprint(good)))
         rnd.contributors, rnd.divergent, rnd.agreed = ("lier", "me", "honest"), True, agreed
-        assert rep.repair(rnd, "me", fetch)
+        assert rep.repair(rnd, "me", one_at_a_time(fetch))
         assert asked == ["lier", "honest"] and len(taken) == 1 and torch.equal(taken[0][0], good[0])
         assert taken[0][1] == 40  # the version of the θ taken, with it
         rnd.contributors = ("lier", "me")
-        assert not rep.repair(rnd, "me", fetch) and len(taken) == 1  # nobody holds the majority's θ: none taken
+        assert not rep.repair(rnd, "me", one_at_a_time(fetch)) and len(taken) == 1  # nobody holds the majority's θ: none taken
         rnd.agreed = None  # a round without fingerprints (none was sent): the first that answers, as before
-        assert rep.repair(rnd, "me", fetch) and torch.equal(taken[-1][0], bad[0])
+        assert rep.repair(rnd, "me", one_at_a_time(fetch)) and torch.equal(taken[-1][0], bad[0])
     finally:
         rep.close()
 
@@ -196,7 +196,7 @@ def test_theta_before_a_round_says_which_round_made_it_and_whom_that_round_count
         assert raw is not None
         mine = _round(r2.seq, [torch.ones(3)])
         mine.contributors, mine.divergent = ("src",), True
-        assert taker.repair(mine, me, lambda peer, name: raw)
+        assert taker.repair(mine, me, one_at_a_time(lambda peer, name: raw))
         flying.remove(r2)
         return mine.held_round
 
@@ -213,7 +213,7 @@ def test_theta_before_a_round_says_which_round_made_it_and_whom_that_round_count
         raw = state_to_bytes({"theta": [torch.ones(3)], "momentum": [torch.zeros(3)], "version": 5,
                               "made": ["f0.L1", "me"]})  # malformed (a string, not a list of peers): ignored
         r2.contributors, r2.divergent = ("src",), True
-        assert taker.repair(r2, "me", lambda peer, name: raw) and r2.held_round == ""
+        assert taker.repair(r2, "me", one_at_a_time(lambda peer, name: raw)) and r2.held_round == ""
     finally:
         source.close()
         taker.close()
@@ -250,14 +250,14 @@ def test_a_repair_trains_while_it_fetches_and_reads_the_progress_right_before_it
     try:
         rnd = _round(3, mine)
         rnd.contributors, rnd.divergent = ("cut", "me", "honest"), True
-        assert rep.repair(rnd, "me", fetch, lambda: order.append("taking"), idle)
+        assert rep.repair(rnd, "me", one_at_a_time(fetch), lambda: order.append("taking"), idle)
         assert fetched_on and all(t is not trainer for t in fetched_on)
         steps = order.index("taking")
         assert steps >= 4 and set(order[:steps]) == {"step"}  # it trained through both fetches (0.6 s)
         assert order[steps:] == ["taking", "overwrite", "apply"]
         order.clear()
         rnd.contributors = ("cut", "me")
-        assert not rep.repair(rnd, "me", fetch, lambda: order.append("taking"), idle)
+        assert not rep.repair(rnd, "me", one_at_a_time(fetch), lambda: order.append("taking"), idle)
         assert "taking" not in order and "overwrite" not in order and "step" in order
     finally:
         rep.close()

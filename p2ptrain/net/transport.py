@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..collective.codecs import Codec
+from .hedged import hedged_download
 from .offers import Offers
 
 __all__ = [
@@ -371,15 +372,16 @@ class Transport(abc.ABC):
         dies mid-transfer or sends bytes that do not match the hash it announced."""
 
     async def download_state(self, sources: Sequence[str], name: str, *, timeout: float,
-                             progress: Callable[[int, int], None] | None = None) -> tuple[str, bytes]:
+                             progress: Callable[[int, int], None] | None = None,
+                             hedge: float | None = None) -> tuple[str, bytes]:
         """Download ``name`` from the first of ``sources`` that delivers it whole: (source, bytes).
-        A source that fails mid-transfer is skipped and the download starts again from the next."""
-        errors = []
-        for peer in sources:
-            try:
-                return peer, await self.fetch_state(peer, name, timeout=timeout, progress=progress)
-            except RoundFailed as e:
-                errors.append(f"{peer[-8:]}: {e}")
-        raise RoundFailed(f"state {name!r}: no source delivered it ({'; '.join(errors) or 'no sources'})")
+        A source that fails mid-transfer is skipped and the download starts again from the next. ``hedge``: seconds
+        without a first chunk after which the next source is asked as well (:mod:`p2ptrain.net.hedged`); None:
+        one at a time."""
+        async def one(peer: str, seen: Callable[[int, int], None]) -> bytes:
+            return await self.fetch_state(peer, name, timeout=timeout, progress=seen)
+
+        return await hedged_download(one, sources, hedge=hedge, failure=RoundFailed, progress=progress,
+                                     what=f"state {name!r}")
 
 

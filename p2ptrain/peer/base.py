@@ -358,6 +358,11 @@ class PeerBase:
         """Download state ``name`` from ``peer`` (RoundFailed/TimeoutError when it has none or is gone)."""
         return self.link.fetch(peer, name)
 
+    def download(self, sources: list[str], name: str) -> tuple[str, bytes]:
+        """State ``name`` from the first of ``sources`` that delivers it, the next asked too while the first are
+        silent (``cfg.hedge``): (source, bytes); RoundFailed when none does."""
+        return self.link.download(sources, name)
+
     def close(self) -> None:
         """Leave the swarm and stop the network (idempotent)."""
         if self.state is PeerState.CLOSED:

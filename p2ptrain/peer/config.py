@@ -34,7 +34,10 @@ class PeerConfig:
         step_seconds: the swarm's logical step duration (round pacing). None: take the run's
             published value, or (first peer) measure the first inner steps and publish that.
         join_window: seconds a round's leader waits for live peers to join before it closes the group.
-        join_timeout: seconds a peer waits for its group to form.
+        join_timeout: seconds a peer waits for its group to form (and each wait of a state download).
+        hedge: seconds a state download (a joiner's θ, a repair's majority θ) waits for a source's first chunk
+            before it asks the next source too; the first to answer goes on alone (:mod:`p2ptrain.net.hedged`).
+            Without it, a source across a region cut costs the whole ``join_timeout``.
         heartbeat: seconds between announcements; an announcement expires after ``ttl``.
         quorum_memory: seconds a peer seen live still counts toward a round's quorum after its announcement
             expired (SwarmConfig.quorum_memory): a cut-off minority waits instead of forking θ.
@@ -76,6 +79,7 @@ class PeerConfig:
     step_seconds: float | None = None
     join_window: float = 2.0
     join_timeout: float = 30.0
+    hedge: float = 5.0
     heartbeat: float = 2.0
     ttl: float = 8.0
     quorum_memory: float = 120.0
@@ -113,7 +117,7 @@ class PeerConfig:
             raise ValueError(f"checkpoint_seconds must be positive (or unset: by rounds only), got {self.checkpoint_seconds}")
         if self.quorum_memory < 0:
             raise ValueError(f"quorum_memory must be at least 0, got {self.quorum_memory}")
-        for name in ("join_window", "join_timeout", "heartbeat", "ttl", "drain_timeout"):
+        for name in ("join_window", "join_timeout", "hedge", "heartbeat", "ttl", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if not self.leave_flush >= 0:

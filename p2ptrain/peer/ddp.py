@@ -73,16 +73,22 @@ class DDPPeer(PeerBase, DriverHooks):
     # ------------------------------------------------------------------ driver hooks
     def repair(self, rnd: Round, taking: Callable[[], None]) -> bool:
         taking()  # (a data-parallel peer keeps no progress of its own across a repair)
-        for peer in rnd.contributors:
-            if peer == self.peer_id:
-                continue
+        sources = [p for p in rnd.contributors if p != self.peer_id]
+        while sources:
             try:
-                self._take_state(state_from_bytes(self.fetch(peer, "outer"), f"state from {peer}"), peer, False)
-                self._repairs += 1
-                log.warning("event=repaired what=ddp_state from=%s", peer)
-                return True
-            except (RoundFailed, TimeoutError, ValueError, KeyError) as e:
-                log.info("event=repair_failed peer=%s reason=%s", peer, e)
+                peer, raw = self.download(sources, "outer")
+            except (RoundFailed, TimeoutError) as e:
+                log.info("event=repair_failed reason=%s", e)
+                return False
+            sources.remove(peer)
+            try:
+                self._take_state(state_from_bytes(raw, f"state from {peer}"), peer, False)
+            except (ValueError, KeyError) as e:
+                log.info("event=repair_refused peer=%s reason=%s", peer, e)
+                continue
+            self._repairs += 1
+            log.warning("event=repaired what=ddp_state from=%s", peer)
+            return True
         return False
 
     def after_apply(self, rnd: Round, report: ApplyReport | None) -> None:

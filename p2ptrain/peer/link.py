@@ -210,8 +210,9 @@ class SwarmLink:
         return [i.peer_id for i in sorted(self.others(), key=lambda i: (-i.step, i.peer_id))]
 
     def download(self, sources: list[str], name: str) -> tuple[str, bytes]:
-        """State ``name`` from the first of ``sources`` that delivers it whole (chunked, hash-verified);
-        RoundFailed when none does. Progress is logged every 2 s."""
+        """State ``name`` from the first of ``sources`` that delivers it whole (chunked, hash-verified; the next
+        source is asked too after ``cfg.hedge`` s without a first chunk); RoundFailed when none does. Progress is
+        logged every 2 s."""
         assert self.transport is not None
         last = [0.0]
 
@@ -221,7 +222,7 @@ class SwarmLink:
                 log.info("event=state_download bytes=%d total=%d", done, total)
 
         return self.net.call(self.transport.download_state(sources, name, timeout=self.cfg.join_timeout,
-                                                           progress=progress), None)
+                                                           progress=progress, hedge=self.cfg.hedge), None)
 
     def take_state(self, name: str, take: Callable[[dict[str, Any], str], None]) -> str | None:
         """Download state ``name`` from the other live peers, most advanced first, and hand it to

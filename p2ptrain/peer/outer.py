@@ -64,7 +64,7 @@ class _Hooks(DriverHooks):
     def repair(self, rnd: Round, taking: Callable[[], None]) -> bool:
         p = self.peer  # training while it fetches, if its steps are its own and do not drive its clock
         idle = p.overlap_step if p.own_steps and not p.lockstep else None
-        return p.replica.repair(rnd, p.peer_id, p.fetch, taking, idle)
+        return p.replica.repair(rnd, p.peer_id, p.download, taking, idle)
 
     def after_apply(self, rnd: Round, report: ApplyReport | None) -> None:
         p = self.peer

@@ -34,12 +34,29 @@ from ..net.transport import RoundFailed
 from ..sync import fingerprint, theta_digest
 from .overlap import while_training
 
-__all__ = ["ReplicaState", "rebase"]
+__all__ = ["Download", "Fetch", "ReplicaState", "one_at_a_time", "rebase"]
 
 log = logging.getLogger(__name__)
 
 #: (peer id, state name) -> bytes; raises RoundFailed/TimeoutError when the peer has none or does not answer.
 Fetch = Callable[[str, str], bytes]
+#: (sources in order of preference, state name) -> (the source that delivered it, bytes); RoundFailed/TimeoutError
+#: when none did (a peer's: several asked at once when the first are silent, :mod:`p2ptrain.net.hedged`).
+Download = Callable[[list[str], str], tuple[str, bytes]]
+
+
+def one_at_a_time(fetch: Fetch) -> Download:
+    """A :data:`Download` that asks ``fetch``'s sources in turn (each one's whole timeout)."""
+    def download(sources: list[str], name: str) -> tuple[str, bytes]:
+        errors = []
+        for peer in sources:
+            try:
+                return peer, fetch(peer, name)
+            except (RoundFailed, TimeoutError) as e:
+                errors.append(f"{peer[-8:]}: {e}")
+        raise RoundFailed(f"state {name!r}: no source delivered it ({'; '.join(errors) or 'no sources'})")
+
+    return download
 
 
 @torch.no_grad()
@@ -265,16 +282,17 @@ class ReplicaState:
         # catch-up cut short by a timeout above leaves its fragments behind until each applies a round of its own.
         self.behind.clear()
 
-    def repair(self, rnd: Round, me: str, fetch: Fetch, taking: Callable[[], None] = lambda: None,
+    def repair(self, rnd: Round, me: str, download: Download, taking: Callable[[], None] = lambda: None,
                idle: Callable[[], None] | None = None) -> bool:
         """Our θ^(p) disagreed with the round's majority: take theirs as it was before the round, from the
-        first contributor that has it, and only a θ whose fingerprint is the majority's (``rnd.agreed``, when the
-        round said it): a contributor may itself have been outvoted (a hierarchical round's cell that lost the
-        vote across regions) or may lie. ``taking()`` runs right before it replaces ours. ``idle``: an inner
-        step, run on this thread while another one fetches (a source across a region cut costs its whole timeout:
-        60-70 s with the peer idle, in churn, when the first two were unreachable). True if repaired."""
-        got = self._fetch_majority(rnd, me, fetch) if idle is None else while_training(
-            lambda: self._fetch_majority(rnd, me, fetch), idle)
+        contributors (``download``: the first that delivers; a peer's asks the next too when the first are
+        silent), and only a θ whose fingerprint is the majority's (``rnd.agreed``, when the round said it): a
+        contributor may itself have been outvoted (a hierarchical round's cell that lost the vote across regions)
+        or may lie. ``taking()`` runs right before it replaces ours. ``idle``: an inner step, run on this thread
+        while another one downloads (a source across a region cut costs its timeout: 60-70 s with the peer idle,
+        in churn, when the first two were unreachable). True if repaired."""
+        got = self._fetch_majority(rnd, me, download) if idle is None else while_training(
+            lambda: self._fetch_majority(rnd, me, download), idle)
         if got is None:
             return False
         peer, st = got
@@ -287,19 +305,26 @@ class ReplicaState:
         log.warning("event=repaired fragment=%d from=%s", rnd.fragment, peer)
         return True
 
-    def _fetch_majority(self, rnd: Round, me: str, fetch: Fetch) -> tuple[str, dict[str, Any]] | None:
-        """(source, state) of the first contributor that serves the majority's θ from before ``rnd``, or None."""
-        for peer in rnd.contributors:
-            if peer == me:
-                continue
+    def _fetch_majority(self, rnd: Round, me: str, download: Download) -> tuple[str, dict[str, Any]] | None:
+        """(source, state) of a contributor that serves the majority's θ from before ``rnd``, or None. A source
+        whose θ is not the majority's is left out and the others asked again."""
+        sources = [p for p in rnd.contributors if p != me]
+        while sources:
             try:
-                st = state_from_bytes(fetch(peer, f"before:{rnd.key}"), f"θ from {peer}")
+                peer, raw = download(sources, f"before:{rnd.key}")
+            except (RoundFailed, TimeoutError) as e:
+                log.info("event=repair_failed key=%s reason=%s", rnd.key, e)
+                return None
+            sources.remove(peer)
+            try:
+                st = state_from_bytes(raw, f"θ from {peer}")
                 version = int(st.get("version", 0))
                 if rnd.agreed is not None and not fingerprints_match(versioned(version, fingerprint(list(st["theta"]))),
                                                                      rnd.agreed):
                     log.info("event=repair_refused peer=%s key=%s reason=not the majority's θ", peer, rnd.key)
                     continue
-                return peer, st
-            except (RoundFailed, TimeoutError, ValueError, KeyError) as e:
-                log.info("event=repair_failed peer=%s reason=%s", peer, e)
+            except (ValueError, KeyError) as e:
+                log.info("event=repair_refused peer=%s key=%s reason=%s", peer, rnd.key, e)
+                continue
+            return peer, st
         return None
