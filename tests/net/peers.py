@@ -145,14 +145,38 @@ def run_peers(method: MethodConfig, specs: list[Spec], corpus: Corpus,
     return out
 
 
-def applied_agree(results: list[PeerSummary | None], min_common: int = 2) -> set[str]:
-    """The round keys every peer applied; asserts θ^(p) is bitwise equal on all of them after each."""
+def applied_agree(results: list[PeerSummary | None], min_common: int = 2, peers: list[Any] | None = None) -> set[str]:
+    """The round keys every peer applied; asserts θ^(p) is bitwise equal on all of them after each. ``peers``
+    (the run's): a disagreement also says what each peer's replica went through on that fragment up to it."""
     done = [r for r in results if r is not None]
     common = set.intersection(*(set(r.applied) for r in done))
     assert len(common) >= min_common, [sorted(r.applied) for r in done]
-    for key in common:
-        assert len({r.applied[key][0] for r in done}) == 1, f"θ differs after round {key}"
+    for key in sorted(common, key=_round_order):
+        digests = [r.applied[key][0][:12] for r in done]
+        assert len(set(digests)) == 1, f"θ differs after round {key}: {digests}{_story(peers, key)}"
     return common
+
+
+def _round_order(key: str) -> tuple[int, str]:
+    """Round keys (``f1.L12``) by their step, then as text."""
+    step = key.rpartition(".L")[2]
+    return (int(step), key) if step.isdigit() else (-1, key)
+
+
+def _story(peers: list[Any] | None, key: str) -> str:
+    """Each peer's rounds of ``key``'s fragment up to it: (key, last 4 characters of each contributor, repaired),
+    and its repairs."""
+    if not peers:
+        return ""
+    frag = key.partition(".")[0]
+    lines = []
+    for p in peers:
+        replica = getattr(p, "replica", None)
+        if replica is None:
+            continue
+        mine = [h for h in replica.history if h[0].partition(".")[0] == frag and _round_order(h[0]) <= _round_order(key)]
+        lines.append(f"  {p.peer_id[-6:]}: repairs={replica.repairs} {mine[-4:]}")
+    return "\n" + "\n".join(lines)
 
 
 async def announce_and_wait(transports: list[Any], n: int, tries: int = 100) -> None:

@@ -4,9 +4,13 @@ and keeps its own inner state (AdamW, step, data position)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
+import types
 from pathlib import Path
 
+import pytest
 import torch
 
 from p2ptrain.algo.methods import method_config
@@ -217,4 +221,44 @@ def test_an_heir_takes_a_sound_bequest_and_refuses_what_it_cannot_hold(corpus: C
         assert bequest.accept(heir, "l", bequest.to_bytes([Bequest(1, sound, tokens)])) == "leaving, or not training"
         heir.close()
     finally:
+        net.close()
+
+
+def test_a_leave_trains_while_its_last_round_is_in_flight_and_not_after(corpus: Corpus,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A leave's drain (``Peer._train_while_in_flight``) takes inner steps while a round it sent has not ended,
+    and none once it has, past the drain's deadline or at ``--steps``; their progress stays in the local model
+    (what the leave's bequest hands on). Not for a peer whose steps drive its clock (``clock="steps"``)."""
+    net, swarm = NetLoop(), MemorySwarm(join_window=0.3, ttl=3.0)
+    heir = _lone(corpus, swarm, net)
+    try:
+        heir.start()
+        assert heir.driver is not None and heir.collective is not None
+        heir.cfg.steps = 10_000
+        flying = types.SimpleNamespace(live=True)  # a round of ours still in flight
+        heir.driver.in_flight.append(flying)  # type: ignore[arg-type]
+        start = heir.trainer.step_count
+        heir.collective.ended = lambda r: r is not flying or heir.trainer.step_count >= start + 5  # type: ignore[method-assign]
+        before = heir.trainer.snapshot(heir.frags[0].names)
+        with caplog.at_level(logging.INFO, logger="p2ptrain.peer.outer"):
+            heir._train_while_in_flight(time.perf_counter() + 60)
+        assert heir.trainer.step_count == start + 5  # it trained until the round ended, and not a step more
+        assert "event=trained_while_draining steps=5" in caplog.text
+        after = heir.trainer.snapshot(heir.frags[0].names)
+        assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))  # progress, in the model
+
+        heir.collective.ended = lambda r: False  # type: ignore[method-assign]  # a round that never ends ...
+        t0, start = time.perf_counter(), heir.trainer.step_count
+        heir._train_while_in_flight(t0 + 0.5)
+        assert heir.trainer.step_count > start and time.perf_counter() - t0 < 0.5 + 5  # ... ends at the deadline
+        heir.cfg.steps = heir.trainer.step_count + 2
+        heir._train_while_in_flight(time.perf_counter() + 60)
+        assert heir.trainer.step_count == heir.cfg.steps  # ... or at --steps
+        heir.cfg.steps, heir.cfg.clock = 10_000, "steps"
+        start = heir.trainer.step_count
+        heir._train_while_in_flight(time.perf_counter() + 60)
+        assert heir.trainer.step_count == start  # lockstep: its steps are the swarm's clock, none taken here
+        heir.driver.in_flight.remove(flying)  # type: ignore[arg-type]
+    finally:
+        heir.close()
         net.close()

@@ -39,7 +39,7 @@ def test_every_method_on_three_libp2p_peers(name: str, knobs: dict[str, Any], co
         for r in res[1:]:
             assert all(t.equal(r.outer_params[n]) for n, t in res[0].outer_params.items())
     elif name != "eager":  # eager's outer state is per peer by design
-        applied_agree(res)
+        applied_agree(res, peers=run.peers)
 
 
 def test_cocodc_with_n_from_each_link_syncs_on_one_grid(corpus: Corpus) -> None:
