@@ -90,13 +90,15 @@ def _values(rank: int, n: int) -> Any:
 BASE = "@base"  # a system's suffix: its peers run the p2ptrain package of the --base checkout
 SYSTEMS = ("p2ptrain", "p2ptrain-plain", "p2ptrain-libp2p", "p2ptrain-libp2p-plain", "p2ptrain-mplex",
            "p2ptrain-mplex-plain", "p2ptrain-cubic", "p2ptrain-bbr", "p2ptrain-plain-cubic", "p2ptrain-plain-bbr",
+           "p2ptrain-noaudit",
            "hivemind")
 
 
 def _variant(system: str) -> dict[str, Any]:
     """A p2ptrain system's settings: ``p2ptrain`` is the default peer (yamux, verified aggregation, direct path with
     its default congestion control, CUBIC; ``-cubic``/``-bbr``: the direct path's connections on that one).
-    ``@base``: the same settings on the package of ``--base`` (those it has)."""
+    ``-noaudit``: verified, but no random audit of a slice (what the audits cost, apart from the claims and their
+    checks). ``@base``: the same settings on the package of ``--base`` (those it has)."""
     try:
         from p2ptrain.net.congestion import DEFAULT_CONGESTION
     except ImportError:  # a @base checkout older than the direct path
@@ -105,7 +107,8 @@ def _variant(system: str) -> dict[str, Any]:
     words = system.removesuffix(BASE).split("-")[1:]
     return {"muxer": "mplex" if "mplex" in words else "yamux", "verify": "plain" not in words,
             "direct": "libp2p" not in words and "mplex" not in words,
-            "congestion": next((w for w in words if w in ("cubic", "bbr")), DEFAULT_CONGESTION)}
+            "congestion": next((w for w in words if w in ("cubic", "bbr")), DEFAULT_CONGESTION),
+            "audit": {"audit_rate": 0.0} if "noaudit" in words else {}}
 
 
 def _known(cls: Any, **kw: Any) -> dict[str, Any]:
@@ -160,7 +163,7 @@ async def _p2ptrain_worker(a: argparse.Namespace, initial: list[str]) -> None:
                                announce_maddrs=[a.announce], join_window=60.0, ttl=3600.0, recontact_every=3600.0,
                                muxer=v["muxer"], verify=v["verify"], direct=v["direct"],
                                direct_port=int(a.listen.rsplit("/", 1)[1]) + DIRECT_PORT,
-                               direct_congestion=v["congestion"]))
+                               direct_congestion=v["congestion"], **v["audit"]))
     tr = await HivemindTransport.create(cfg)
     try:
         if a.rank == 0:
