@@ -11,9 +11,12 @@ crosses the wire once, and a silent source costs ``hedge`` seconds instead of it
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 __all__ = ["Progress", "SourceFetch", "hedged_download"]
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 #: (source, progress) -> the state's bytes; raises ``failure`` when that source cannot deliver it. Each wait is bounded.
@@ -83,5 +86,7 @@ async def hedged_download(fetch: SourceFetch, sources: Sequence[str], *, hedge: 
                     leader.clear()
             if not done and waiting:  # ``hedge`` s without a first chunk from any: ask the next source too
                 peer = waiting.pop(0)
+                log.info("event=download_hedged what=%s silent=%s next=%s", what,
+                         ",".join(p[-8:] for p in running.values()), peer[-8:])
                 running[tg.create_task(attempt(peer))] = peer
     raise failure(f"{what}: no source delivered it ({'; '.join(errors) or 'no sources'})")

@@ -291,18 +291,20 @@ class ReplicaState:
         or may lie. ``taking()`` runs right before it replaces ours. ``idle``: an inner step, run on this thread
         while another one downloads (a source across a region cut costs its timeout: 60-70 s with the peer idle,
         in churn, when the first two were unreachable). True if repaired."""
+        t0 = time.monotonic()
         got = self._fetch_majority(rnd, me, download) if idle is None else while_training(
             lambda: self._fetch_majority(rnd, me, download), idle)
         if got is None:
             return False
         peer, st = got
+        seconds = time.monotonic() - t0
         taking()
         with self.lock:
             self.outer.overwrite(rnd.fragment, st["theta"], st["momentum"], int(st.get("version", 0)))
             self.params.apply_outer(self.frags[rnd.fragment].names, self.outer.theta(rnd.fragment))
         rnd.held_round = named_round(st.get("made"), me) or ""
         self.repairs += 1
-        log.warning("event=repaired fragment=%d from=%s", rnd.fragment, peer)
+        log.warning("event=repaired fragment=%d from=%s seconds=%.1f", rnd.fragment, peer, seconds)
         return True
 
     def _fetch_majority(self, rnd: Round, me: str, download: Download) -> tuple[str, dict[str, Any]] | None:

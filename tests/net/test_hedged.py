@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -53,13 +54,17 @@ def _run(src: Sources, order: list[str], hedge: float | None,
     return asyncio.run(go())
 
 
-def test_a_silent_source_costs_the_hedge_not_its_timeout_and_is_dropped() -> None:
+def test_a_silent_source_costs_the_hedge_not_its_timeout_and_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
     src = Sources(silent={"cut1", "cut2"}, timeout=5.0)
-    peer, data, took = _run(src, ["cut1", "cut2", "good", "spare"], hedge=0.1)
+    with caplog.at_level(logging.INFO, logger="p2ptrain.net.hedged"):
+        peer, data, took = _run(src, ["cut1", "cut2", "good", "spare"], hedge=0.1)
     assert (peer, data) == ("good", b"good")
     assert took < 2.0  # (about 0.2 s of hedges and 0.06 s of chunks; asked in turn: 10 s)
     assert src.asked == ["cut1", "cut2", "good"]  # the spare was never needed
     assert sorted(src.cancelled) == ["cut1", "cut2"]  # dropped once "good" answered, not left running
+    hedges = [r.getMessage() for r in caplog.records if "event=download_hedged" in r.getMessage()]
+    assert hedges == ["event=download_hedged what=state silent=cut1 next=cut2",
+                      "event=download_hedged what=state silent=cut1,cut2 next=good"]  # each hedge, said once
 
 
 def test_without_a_hedge_the_sources_are_asked_in_turn() -> None:
