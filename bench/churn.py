@@ -155,6 +155,8 @@ class Phase:
         self.rounds: dict[str, dict[str, Any]] = {}
         self.faults: list[dict[str, Any]] = []
         self.live: list[tuple[float, int, int]] = []  # (unix time, peers computing, peer processes)
+        # (unix time, the machine's 1-minute load average): runs beside other work compare only at like loads
+        self.load: list[tuple[float, float]] = []
         self.boot: list[str] = []
         self.partitioned: dict[str, float] = {}  # region -> unix time it heals
         self.timers: list[tuple[float, str, Any]] = []  # (unix time, action, arg)
@@ -466,6 +468,7 @@ class Phase:
         computing = sum(1 for p in self.peers.values() if p.state == "live" and p.life.proc.poll() is None)
         running = sum(1 for p in self.peers.values() if p.life.proc.poll() is None)
         self.live.append((now, computing, running))
+        self.load.append((now, os.getloadavg()[0]))
         if rss:
             for p in self.peers.values():
                 if p.life.proc.poll() is None and p.state != "dead":
@@ -656,6 +659,7 @@ class Phase:
             "faults": [{**f, "t": rel(f["t"]), **{k: rel(f[k]) for k in ("healed", "resumed", "restarted") if k in f}}
                        for f in self.faults],
             "live": [[rel(t), c, r] for t, c, r in self.live[::5]],
+            "load": [[rel(t), round(x, 2)] for t, x in self.load[::5]],
             "rounds": self.round_rows(),
             "peers": {p.name: {"slot": p.slot, "host": p.host, "region": p.region,
                                "lives": [{"started": rel(x.started), "ended": None if x.ended is None else rel(x.ended),
@@ -796,6 +800,9 @@ def phase_figures(ph: dict[str, Any], fragments: int) -> dict[str, Any]:
         "rss_growth_from_minute_2_median": statistics.median(early) if early else None,
         "rss_mb_median": statistics.median([m for p in ph["peers"].values() for t, m in p["rss_mb"]
                                             if w0 <= t <= w1]) if ph["peers"] else None,
+        # (records from before the load was kept have none)
+        "load_average_median": statistics.median(loads) if (loads := [x for t, x in ph.get("load", [])
+                                                                      if w0 <= t <= w1]) else None,
     }
 
 
@@ -913,6 +920,8 @@ def _markdown(payload: dict[str, Any]) -> str:
                f"{payload.get('machine', {}).get('cores', '?')} cores.", ""]
     for name, f in figs.items():
         ph = payload["phases"][name]
+        if (load := f.get("load_average_median")) is not None:
+            lines += [f"{name}: the machine's load average in the window, median {load:.1f}.", ""]
         if not ph["ended"]:
             lines += [f"**{name}: stopped after {f['minutes_covered']:g} of {a['minutes']:g} minutes** (partial).", ""]
     if "faults" in figs:

@@ -144,3 +144,13 @@ def test_rounds_are_counted_by_where_they_stood_against_the_region_cuts() -> Non
                    "began in a cut": {"rounds": 2, "failed_everywhere": 1, "failures": 7},
                    "cut began mid-round": {"rounds": 1, "failed_everywhere": 1, "failures": 9},
                    "after a heal": {"rounds": 1, "failed_everywhere": 0, "failures": 1}}
+
+
+def test_the_load_average_is_the_median_inside_the_window() -> None:
+    """A run beside other work compares only at like loads: the record's load samples inside the window give its
+    median (outside it: start-up and the report, not counted); a record from before the load was kept has none."""
+    record = {"rounds": {}, "faults": [], "window_s": [10.0, 70.0], "live": [], "peers": {},
+              "load": [[0.0, 30.0], [10.0, 2.0], [40.0, 9.0], [70.0, 4.0], [90.0, 50.0]]}
+    assert phase_figures(record, fragments=1)["load_average_median"] == 4.0
+    del record["load"]
+    assert phase_figures(record, fragments=1)["load_average_median"] is None
