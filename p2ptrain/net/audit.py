@@ -47,7 +47,7 @@ from .guard import Guard
 from .identity import Identity, verify_signature
 from .mailbox import MAX_SLICES, Mailbox
 from .parts import result_problem
-from .pieces import AUDIT_GRAIN, RAW, payload_sha, piece_bounds, raw_shas, root
+from .pieces import RAW, audit_grain, payload_sha, piece_bounds, raw_shas, root
 from .tally import ChunkTally, Tallies
 from .verify import Judge, Verdict
 
@@ -82,7 +82,7 @@ class Audit:
     """Verified aggregation for one member's run of one (round, phase).
 
     ``call(peer, kind, msg, timeout=...)`` talks to a member. ``audit_rate``: how many slices of each part
-    (AUDIT_GRAIN values) the group audits exactly per round, on average, whatever the checks said: each member
+    (pieces.audit_grain values) the group audits exactly per round, on average, whatever the checks said: each member
     that judges a part audits ``audit_rate / (members − 1)`` random slices of it (the fraction by a draw), drawn
     on its own after the result came (the owner cannot know who will, nor which slices). An audit fetches every
     other contributor's signed values of the slice (each contribution's commitment names the hashes of its pieces:
@@ -128,7 +128,7 @@ class Audit:
     # ------------------------------------------------------------------ signing what leaves
     def sign_own(self, own: torch.Tensor, chunk: int) -> bytes:
         """Keep our own share of our part as signed evidence (the tensor itself: its bytes are made only if it is
-        shown; hashed in pieces of AUDIT_GRAIN values from each of our ``chunk``s start: what an audit's slice
+        shown; hashed in pieces of audit_grain values from each of our ``chunk``s start: what an audit's slice
         fetches); the hash of its commitment, to announce."""
         shas = raw_shas(own, chunk)
         sig, self.own_commit = sign_contribution(self.identity, self.run, self.key, self.phase, self.me, self.weight,
@@ -455,10 +455,10 @@ class Audit:
         if n == 0:
             return []
         a, b = self.bounds[j]
-        # slices of AUDIT_GRAIN values from each chunk's start (a multiple of every codec's block: the slice's
+        # slices of the part's grain from each chunk's start (a multiple of every codec's block: the slice's
         # average is encoded as it is inside its chunk)
-        grains = [(s, min(s + AUDIT_GRAIN, hi)) for lo, hi in result_bounds(res, b - a)
-                  for s in range(lo, hi, AUDIT_GRAIN)]
+        g = audit_grain(b - a)
+        grains = [(s, min(s + g, hi)) for lo, hi in result_bounds(res, b - a) for s in range(lo, hi, g)]
         return sorted(self._draw.sample(grains, min(n, len(grains))))
 
     async def _fetch_slices(self, j: int, whos: list[str], lo: int, hi: int, until: float

@@ -1,7 +1,7 @@
 """How a payload is cut into pieces and hashed (net/claims.py's commitments name the result): a contributor signs
 the Merkle root of its pieces' digests (:func:`root`; BLAKE3, net/digest.py), so that the owner can show one piece
 with its path and an auditor check it against the signature alone (claims.Slice). A payload whose bytes are its
-values in order (fp32, fp16, bf16, an owner's raw share) is hashed in pieces of :data:`AUDIT_GRAIN` values from each
+values in order (fp32, fp16, bf16, an owner's raw share) is hashed in pieces of :func:`audit_grain` values from each
 chunk's start; a codec with block headers first, in its chunks. Results are hashed in their chunks
 (:func:`payload_shas`), as they arrive.
 """
@@ -23,8 +23,10 @@ from .merkle import merkle_root
 
 __all__ = [
     "AUDIT_GRAIN",
+    "MIN_GRAIN",
     "RAW",
     "GridShas",
+    "audit_grain",
     "byte_range",
     "check_shown",
     "chunk_shas",
@@ -42,14 +44,34 @@ __all__ = [
 
 #: The codec name of an owner's own share of its part: float32 values as they are (never encoded).
 RAW = "raw"
-#: Values per random audit's slice (net/audit.py), and per hashed piece of an owner's raw share: a multiple of every
-#: codec's block (1024), so that a slice's average goes through the codec as it does inside its chunk. An audit
-#: fetches the slice of the raw share (32 kB: its pieces start at each chunk's start, as the audits' slices do; with
-#: its Merkle path) and the chunk of each other contribution that covers it. 8 Ki values: a lie spread over a
-#: fraction f of a part's values is in a slice with probability 1 − (1 − f)^8192 (0.9997 for f = 0.1%), one in a
-#: contiguous run with about f (as at any grain); the slice of 32 Ki values it was cost 4× the bytes (6% of the
-#: wire of a 4-bit round of the small preset between 2 regions, bench/results/README.md).
+#: Values per random audit's slice (net/audit.py), and per hashed piece of an owner's raw share, for a part of 1 Mi
+#: values and more (:func:`audit_grain`: a smaller part's grain is smaller): a multiple of every codec's block (1024),
+#: so that a slice's average goes through the codec as it does inside its chunk. An audit fetches the slice of the raw
+#: share (32 kB: its pieces start at each chunk's start, as the audits' slices do; with its Merkle path) and the chunk
+#: of each other contribution that covers it. 8 Ki values: a lie spread over a fraction f of a part's values is in a
+#: slice with probability 1 − (1 − f)^8192 (0.9997 for f = 0.1%), one in a contiguous run with about f (as at any
+#: grain); the slice of 32 Ki values it was cost 4× the bytes (6% of the wire of a 4-bit round of the small preset
+#: between 2 regions, bench/results/README.md).
 AUDIT_GRAIN = 1 << 13
+#: The smallest grain (a small part's): one codec block.
+MIN_GRAIN = 1 << 10
+#: Pieces a part of fewer than AUDIT_GRAIN × GRAIN_PIECES values is cut into at least (see :func:`audit_grain`).
+GRAIN_PIECES = 128
+
+
+def audit_grain(numel: int) -> int:
+    """Values per audited slice and hashed piece of a part of ``numel`` values: AUDIT_GRAIN for a part of 1 Mi values
+    and more, else the power of two that cuts it into GRAIN_PIECES pieces at least, MIN_GRAIN at the least. Why: an
+    audit's slice is fetched after the result is whole, on every member's critical path, and a small round has no
+    bulk to hide it behind: 2 peers × 1 MB on 100 Mbit/s links (bench/results/README.md, issue 18), 32 kB slices
+    took 3–12 ms to come and the round 0.77 of the link, 4 kB ones 2–3 ms and 0.855 (without audits 0.859). The
+    catch probability per slice does not depend on the grain (see AUDIT_GRAIN); a large part keeps 8 Ki values,
+    whose Merkle tree over a 1B model's fragment stays at tens of thousands of leaves. Every member derives the same
+    grain from the part's size alone."""
+    grain = AUDIT_GRAIN
+    while grain > MIN_GRAIN and grain * GRAIN_PIECES > numel:
+        grain //= 2
+    return grain
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
@@ -86,10 +108,12 @@ def _in_two(hash_all: Callable[[list[tuple[int, int]]], list[bytes]], bounds: li
         return hash_all(bounds[:half]) + tail.result()
 
 
-def chunk_shas(data: bytes, numel: int, codec: str | Codec) -> list[bytes]:
-    """The :func:`hash_grid` pieces' digests of one chunk's payload of ``numel`` values: a chunked payload's
-    :func:`contribution_shas` are its chunks' in order (every grid starts again at each chunk's start)."""
-    return contribution_shas([data], numel, codec, None)
+def chunk_shas(data: bytes, numel: int, codec: str | Codec, grain: int) -> list[bytes]:
+    """The :func:`hash_grid` pieces' digests of one chunk's payload of ``numel`` values, in pieces of ``grain`` (the
+    whole payload's :func:`audit_grain`): a chunked payload's :func:`contribution_shas` are its chunks' in order
+    (every grid starts again at each chunk's start)."""
+    c = codec_of(codec)
+    return _hash_pieces([data], [c.encoded_size(b - a) for a, b in _grid(numel, c, None, grain)])
 
 
 class GridShas:
@@ -100,6 +124,7 @@ class GridShas:
     def __init__(self, codec: str | Codec, numel: int, chunk: int | None) -> None:
         self.codec = codec_of(codec)
         self.bounds = piece_bounds(numel, chunk)
+        self.grain = audit_grain(numel)
         self.per: list[list[bytes] | None] = [None] * len(self.bounds)
 
     def reset(self) -> None:
@@ -110,7 +135,7 @@ class GridShas:
         if 0 <= i < len(self.bounds):
             a, b = self.bounds[i]
             if len(data) == self.codec.encoded_size(b - a):
-                self.per[i] = chunk_shas(data, b - a, self.codec)
+                self.per[i] = chunk_shas(data, b - a, self.codec, self.grain)
 
     def shas(self) -> list[bytes] | None:
         """Every piece's digest, if every chunk was added; None if one is missing."""
@@ -141,10 +166,15 @@ def codec_of(name: str | Codec) -> Codec:
 def hash_grid(numel: int, codec: str | Codec, chunk: int | None) -> list[tuple[int, int]]:
     """The pieces a contribution's payload is hashed in (what an audit's slice fetches at least): for a codec whose
     payload is its values' bytes in order (any range of values is a range of bytes: fp32, a raw share), pieces of
-    AUDIT_GRAIN values from each chunk's start (the last of a chunk shorter), the grid an audit draws its slices on
-    (net/audit.py), so that a slice is one piece; its chunks otherwise (a chunk's block headers come first)."""
-    if codec_of(codec).value_bytes:
-        return [(s, min(s + AUDIT_GRAIN, b)) for a, b in piece_bounds(numel, chunk) for s in range(a, b, AUDIT_GRAIN)]
+    :func:`audit_grain` values from each chunk's start (the last of a chunk shorter), the grid an audit draws its
+    slices on (net/audit.py), so that a slice is one piece; its chunks otherwise (a chunk's block headers come
+    first)."""
+    return _grid(numel, codec_of(codec), chunk, audit_grain(numel))
+
+
+def _grid(numel: int, codec: Codec, chunk: int | None, grain: int) -> list[tuple[int, int]]:
+    if codec.value_bytes:
+        return [(s, min(s + grain, b)) for a, b in piece_bounds(numel, chunk) for s in range(a, b, grain)]
     return piece_bounds(numel, chunk)
 
 
@@ -153,10 +183,11 @@ def grid_size(numel: int, codec: str | Codec, chunk: int | None) -> int:
     c = _chunk_of(chunk)
     if not codec_of(codec).value_bytes:
         return (-(-numel // c) if c else 1) if numel else 0
+    grain = audit_grain(numel)
     if c is None:
-        return -(-numel // AUDIT_GRAIN)
+        return -(-numel // grain)
     full, rest = divmod(numel, c)
-    return full * -(-c // AUDIT_GRAIN) + -(-rest // AUDIT_GRAIN)
+    return full * -(-c // grain) + -(-rest // grain)
 
 
 def _hash_pieces(pieces: Sequence[bytes], sizes: Sequence[int]) -> list[bytes]:

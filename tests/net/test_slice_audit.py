@@ -13,6 +13,7 @@ import torch
 
 from p2ptrain.collective.butterfly import chunk_bounds
 from p2ptrain.collective.codecs import get_codec
+from p2ptrain.net import pieces as pieces_mod
 from p2ptrain.net.claims import Evidence, Slice, sign_contribution
 from p2ptrain.net.identity import Identity
 from p2ptrain.net.pieces import AUDIT_GRAIN, RAW, grid_size, hash_grid, payload_sha, raw_shas, root
@@ -21,6 +22,14 @@ from p2ptrain.net.verify import Judge
 G = AUDIT_GRAIN
 N, CHUNK = 3 * G + 5000, 16 * 1024
 RUN, KEY = "run", "r0"
+
+
+@pytest.fixture(autouse=True)
+def _large_part_grain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grain of a part of 1 Mi values and more (AUDIT_GRAIN), on parts small enough for a unit test: a smaller
+    part's own grain (pieces.audit_grain) is tested in tests/net/test_piece_hashes.py."""
+    monkeypatch.setattr(pieces_mod, "GRAIN_PIECES", 1)
+    assert pieces_mod.audit_grain(N) == G
 
 
 def _values(seed: int) -> torch.Tensor:
