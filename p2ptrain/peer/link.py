@@ -270,10 +270,10 @@ class SwarmLink:
             except (TimeoutError, OSError, RoundFailed, RuntimeError):
                 pass
         if self._stopping is not None:
-            self.net.loop.call_soon_threadsafe(self._stopping.set)
             try:
+                self.net.loop.call_soon_threadsafe(self._stopping.set)
                 self._service.result(timeout=15)
-            except Exception as e:
+            except Exception as e:  # (RuntimeError: the loop's owner closed it first; the services went with it)
                 log.warning("event=service_stop reason=%s", e)
             self._stopping = None
         if self.transport is not None:

@@ -24,6 +24,19 @@ from p2ptrain.trainer import TrainerConfig, make_trainer
 from .peers import MODEL
 
 
+def _stop_all(peers: list[Peer], threads: list[threading.Thread], net: NetLoop) -> list[str]:
+    """Stop the peers and wait for their threads before the network loop closes: a peer still stepping on a
+    closed loop fails in a later test's time (the suite beside a benchmark: two such threads, 220 steps not done
+    within the join's 60 s). The names of the threads still running (none, or the test fails)."""
+    for p in peers:
+        p.request_stop()
+    for t in threads:
+        t.join(60)
+    alive = [t.name for t in threads if t.is_alive()]
+    net.close()
+    return alive
+
+
 def test_resume_takes_the_swarms_theta_and_keeps_its_own_inner_state(corpus: Corpus, tmp_path: Path) -> None:
     net, swarm = NetLoop(), MemorySwarm(join_window=0.3, ttl=3.0)
     method = method_config("streaming", H=8, P=2, tau=2, codec="fp32", timeout=10)
@@ -41,12 +54,13 @@ def test_resume_takes_the_swarms_theta_and_keeps_its_own_inner_state(corpus: Cor
 
         return Peer(cfg, method, tr, make, net=net)  # type: ignore[arg-type]
 
+    threads: list[threading.Thread] = []
     try:
         a, b = peer("a", 220, 0), peer("b", 220, 1)
         c = peer("c", 40, 2, tmp_path / "c")
         for p in (a, b, c):
             p.start()
-        threads = [threading.Thread(target=p.run, daemon=True) for p in (a, b, c)]
+        threads += [threading.Thread(target=p.run, daemon=True) for p in (a, b, c)]
         for t in threads:
             t.start()
         threads[2].join(60)  # c leaves after 40 steps, writing a checkpoint
@@ -76,12 +90,9 @@ def test_resume_takes_the_swarms_theta_and_keeps_its_own_inner_state(corpus: Cor
             assert torch.equal(opt[i]["exp_avg"], st["exp_avg"]) and torch.equal(opt[i]["exp_avg_sq"], st["exp_avg_sq"])
         summary = back.run()  # and it trains on with the swarm
         assert summary.steps == 80 and summary.rounds_complete > 0
-        for t in threads:
-            t.join(60)
     finally:
-        for p in (a, b, c):
-            p.request_stop()
-        net.close()
+        alive = _stop_all([a, b, c], threads, net)
+    assert not alive, f"peer threads still running after their stop: {alive}"
 
 
 
@@ -106,11 +117,12 @@ def test_a_resumed_peer_trains_while_it_connects_and_keeps_that_progress(corpus:
 
         return Peer(cfg, method, tr, make, net=net)  # type: ignore[arg-type]
 
+    threads: list[threading.Thread] = []
     try:
         a, c = peer("a", 400, 0, tmp_path / "a"), peer("c", 30, 1, tmp_path / "c")
         for p in (a, c):
             p.start()
-        threads = [threading.Thread(target=p.run, daemon=True) for p in (a, c)]
+        threads += [threading.Thread(target=p.run, daemon=True) for p in (a, c)]
         for t in threads:
             t.start()
         threads[1].join(60)
@@ -131,12 +143,9 @@ def test_a_resumed_peer_trains_while_it_connects_and_keeps_that_progress(corpus:
             local = back.trainer.snapshot(f.names)
             assert any(not torch.equal(x, t) for x, t in zip(local, back.outer.theta(f.index), strict=True))
         back.close()
-        a.request_stop()
-        threads[0].join(60)
     finally:
-        for p in (a, c):
-            p.request_stop()
-        net.close()
+        alive = _stop_all([a, c], threads, net)
+    assert not alive, f"peer threads still running after their stop: {alive}"
 
 
 def _lone(corpus: Corpus, swarm: MemorySwarm, net: NetLoop) -> Peer:
