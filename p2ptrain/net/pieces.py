@@ -112,8 +112,7 @@ def chunk_shas(data: bytes, numel: int, codec: str | Codec, grain: int) -> list[
     """The :func:`hash_grid` pieces' digests of one chunk's payload of ``numel`` values, in pieces of ``grain`` (the
     whole payload's :func:`audit_grain`): a chunked payload's :func:`contribution_shas` are its chunks' in order
     (every grid starts again at each chunk's start)."""
-    c = codec_of(codec)
-    return _hash_pieces([data], [c.encoded_size(b - a) for a, b in _grid(numel, c, None, grain)])
+    return contribution_shas([data], numel, codec, None, grain=grain)
 
 
 class GridShas:
@@ -230,10 +229,13 @@ def payload_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk:
     return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in piece_bounds(numel, chunk)])
 
 
-def contribution_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None) -> list[bytes]:
-    """The digest of each piece (:func:`hash_grid`) of a contribution's payload; [] if it does not fit."""
+def contribution_shas(pieces: Sequence[bytes], numel: int, codec: str | Codec, chunk: int | None, *,
+                      grain: int | None = None) -> list[bytes]:
+    """The digest of each piece (:func:`hash_grid`) of a contribution's payload; [] if it does not fit. ``grain``:
+    the pieces' size when ``numel`` is a chunk's, not the part's (default: the part's :func:`audit_grain`)."""
     c = codec_of(codec)
-    return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in hash_grid(numel, c, chunk)])
+    grid = _grid(numel, c, chunk, audit_grain(numel) if grain is None else grain)
+    return _hash_pieces(pieces, [c.encoded_size(b - a) for a, b in grid])
 
 
 def root(shas: Sequence[bytes]) -> bytes:
