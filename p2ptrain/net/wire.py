@@ -13,7 +13,8 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["MAX_FRAME", "SCHEMA_ERRORS", "FrameError", "decode_message", "encode_message", "read_frame", "write_frame"]
+__all__ = ["MAX_FRAME", "SCHEMA_ERRORS", "FrameError", "StreamClosed", "decode_message", "encode_message", "read_frame",
+           "write_frame"]
 
 MAX_FRAME = 512 * 1024 * 1024  # 512 MiB: above any single fragment part we send
 _HEADER = 4
@@ -21,6 +22,15 @@ _HEADER = 4
 
 class FrameError(ValueError):
     """A frame or message is malformed, too large, or of the wrong shape."""
+
+
+class StreamClosed(FrameError):
+    """The stream ended before a whole frame was read; ``empty``: before any byte of it (the other end closed the
+    stream without writing a frame at all)."""
+
+    def __init__(self, message: str, *, empty: bool) -> None:
+        super().__init__(message)
+        self.empty = empty
 
 
 # What reading fields of a decoded message that does not fit its schema can raise (a missing key, a
@@ -61,13 +71,15 @@ async def write_frame(writer: asyncio.StreamWriter, msg: dict[str, Any], *, time
 async def read_frame(reader: asyncio.StreamReader, *, timeout: float, max_size: int = MAX_FRAME) -> tuple[dict[str, Any], int]:
     """Read one message within ``timeout`` seconds; returns (message, bytes read)."""
 
+    begun = False
     try:
         async with asyncio.timeout(timeout):  # (not wait_for: no task of its own for every frame)
             header = await reader.readexactly(_HEADER)
+            begun = True
             n = int.from_bytes(header, "big")
             if n > max_size:
                 raise FrameError(f"frame of {n} bytes announced, limit is {max_size}")
             data = await reader.readexactly(n)
         return decode_message(data, max_size=max_size), n + _HEADER
-    except asyncio.IncompleteReadError:
-        raise FrameError("stream closed mid-frame") from None
+    except asyncio.IncompleteReadError as e:
+        raise StreamClosed("stream closed mid-frame", empty=not begun and not e.partial) from None
