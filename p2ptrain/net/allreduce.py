@@ -143,6 +143,7 @@ class ButterflyRun:
         self.audit = audit
         self.results_at, self.relays_at, self.claims_at = VERIFIED if audit is not None else PLAIN
         self.own_commit: bytes | None = None
+        self.own_signed: asyncio.Task[bytes] | None = None  # the making of own_commit (verified aggregation)
         self.part_sends: dict[int, asyncio.Task[int | Exception]] = {}  # our share of part j on its way to j
         self.doubtful: set[int] = set()  # parts missing here that another member may still use (_fetch_missing)
         self.timeline: dict[str, float] = {}
@@ -189,7 +190,6 @@ class ButterflyRun:
         own = self.flat[lo:hi].clone()
         self.box.contribs[self.me_id] = (self.me, own, self.weight, self.fp)
         if self.audit is not None:
-            self.own_commit = await asyncio.to_thread(self.audit.sign_own, own, self.chunk)
             # verification's sums of each result, made as its chunks arrive (net/tally.py)
             self.audit.register(self.flat, own, self.chunk, honest=self.faults.corrupt is None)
         # The buffer the parts are assembled in: the results streamed from their owners, and our own part's average,
@@ -228,6 +228,11 @@ class ButterflyRun:
         """Steps 1 to 4 in a TaskGroup that owns every task they start; the payload bytes sent."""
         sent = 0
         async with asyncio.TaskGroup() as tg:
+            if self.audit is not None:
+                # Our own share's commitment, made while our parts leave: it goes in their trailers (or with a part
+                # sent whole), not in their headers, which waited for it (2 peers, 1 MB: 2.5 ms before any byte left).
+                lo, hi = self.bounds[self.me]
+                self.own_signed = tg.create_task(asyncio.to_thread(self.audit.sign_own, self.flat[lo:hi], self.chunk))
             self.part_sends = {j: tg.create_task(_settled(self._send_part(j))) for j in self._others()}
             sends = list(self.part_sends.values())
             results_out = await self._pipelined(tg) if self._pipelinable() else None
@@ -282,8 +287,6 @@ class ButterflyRun:
         msg = {"key": self.group.key, "phase": self.phase, "part": j, "weight": self.weight, "fp": self.fp,
                "codec": codec.name, "numel": hi - lo}
         audit = self.audit
-        if audit is not None:
-            msg["own"] = self.own_commit  # announced before any result exists (net/verify.py)
         call_timeout = max(0.1, self._left(GATHER))
         if corrupt is None and hi - lo > self.chunk:  # streamed: encoding, transfer, decoding overlap
             cb = chunk_bounds(hi - lo, self.chunk)
@@ -313,14 +316,16 @@ class ButterflyRun:
                         yield data
                         went[0] += len(data)
                         self.faults.in_stream(n)  # tests only: a peer dying mid-stream
+                if audit is not None:
+                    await self._own_commit()  # (for the trailer: made long before, as the chunks left)
 
             trailer = None
             if audit is not None:
                 msg["trailer"] = True
 
                 def trailer() -> dict[str, Any]:
-                    return audit.sign(j, pieces, hi - lo, self.chunk, values=mine if codec.name == "fp32" else None,
-                                      shas=None if grid is None else grid.shas())
+                    return {**audit.sign(j, pieces, hi - lo, self.chunk, values=mine if codec.name == "fp32" else None,
+                                         shas=None if grid is None else grid.shas()), "own": self.own_commit}
 
             t0 = time.monotonic()
             try:
@@ -338,6 +343,7 @@ class ButterflyRun:
                 data, mine = corrupt_payload(codec, mine, corrupt)
             msg |= {"numel": mine.numel(), "data": data}
             if audit is not None:
+                msg["own"] = await self._own_commit()
                 audit.sending(j, [data])
                 lossless = corrupt is None and codec.name == "fp32"
                 msg |= audit.sign(j, [data], mine.numel(), None, values=mine if lossless else None)
@@ -347,6 +353,14 @@ class ButterflyRun:
             raise RoundFailed(f"part {j}: {reply['error']}")
         self.links.update(self.members[j], size, seconds)
         return size
+
+    async def _own_commit(self) -> bytes:
+        """The hash of our own share's signed commitment (verified aggregation), announced with our share of every
+        other part, before our result leaves: an owner shows the auditors of its part the share it announced
+        (net/verify.py)."""
+        assert self.own_signed is not None
+        self.own_commit = await asyncio.shield(self.own_signed)
+        return self.own_commit
 
     # 2. the contributions to our own part
     async def _gather(self) -> None:
@@ -485,6 +499,8 @@ class ButterflyRun:
     async def _send_result(self, j: int) -> int:
         """Send our averaged part to member j; the payload bytes if it took them, else 0."""
         assert self.own is not None
+        if self.audit is not None:
+            await self._own_commit()  # (our evidence is shown once our result is out: made by then)
         lo, hi = self.bounds[self.me]
         size = chunked_size(self.codec, hi - lo, self.own.get("chunk"))
         msg = self.own
@@ -626,6 +642,7 @@ class ButterflyRun:
         assert audit is not None
         if not await self.box.wait_until(lambda: self.me in self.box.results, self._until(self.results_at)):
             return 0
+        await self._own_commit()  # (our claim names it)
         entries = self.early_entries = await asyncio.to_thread(audit.entries, self._own_share(), [self.me])
         if not entries:
             return 0
@@ -660,6 +677,7 @@ class ButterflyRun:
         audit = self.audit
         assert audit is not None
         audit.prefetch(tg, self._until(VERDICTS))  # our audits' slices, fetched while the claims are exchanged
+        await self._own_commit()  # (our claims name it)
         early = 0
         if self.early_claim is not None:  # (awaited first: its claim is made in a worker thread, as ours below)
             sent = await self.early_claim

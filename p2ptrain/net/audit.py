@@ -88,7 +88,7 @@ class Audit:
     other contributor's signed values of the slice (each contribution's commitment names the hashes of its pieces:
     the piece that covers the slice, claims.hash_grid) and aggregates them again, which catches what sketches
     cannot: a lie within a lossy codec's rounding, and an owner that passes its lie off as its own share (whose
-    commitment it announced before any result existed). A lie in a fraction f of a part is caught with
+    commitment it announced with its parts, before its result left). A lie in a fraction f of a part is caught with
     probability about f per audited slice: the likelier, the more of the part it moves. An audit that fails begins a dispute over the whole part (Judge.settle).
     CenteredClip is not coordinate-wise: its audits are of the whole part.
     """

@@ -237,7 +237,7 @@ class Mailboxes:
                 return {"error": "undecodable part"}
         if self.verify:
             signed = (await msg["_trailer"]()) if streamed and "_trailer" in msg else msg
-            sig, pk, own = signed.get("sig"), signed.get("pk", b""), msg.get("own")
+            sig, pk, own = signed.get("sig"), signed.get("pk", b""), signed.get("own", msg.get("own"))
             chunk = msg.get("chunk") if streamed else None
             shas = None if grid is None else grid.shas()
             raw = x if streamed and codec.name == "fp32" else None  # (its payloads were not kept)

@@ -14,7 +14,10 @@ its signed contribution, its weight, its contribution's largest magnitude and a 
 
 Every contribution travels with its contributor's signature (net/identity.py) over a commitment (run,
 round, phase, part, weight, size, codec and the payload's SHA-256), and every member announces the hash of
-the commitment of its own share of its own part with its first messages, before any result exists. When a
+the commitment of its own share of its own part with its share of every other part, before its result leaves:
+whatever it shows an auditor as its own share must be that one. (When it made that commitment is not proven: an
+owner that sent its parts late may have chosen its own share after seeing the others' contributions, which makes
+it a contributor that saw the others first, bounded by the aggregation rule as any contribution is.) When a
 check fails (or a contributor's claim is missing), the member asks the owner for the signed contributions
 (*evidence*) and decides by itself who lied:
 
