@@ -130,11 +130,11 @@ class Audit:
         """Keep our own share of our part as signed evidence (the tensor itself: its bytes are made only if it is
         shown; hashed in pieces of audit_grain values from each of our ``chunk``s start: what an audit's slice
         fetches); the hash of its commitment, to announce."""
-        shas = raw_shas(own, chunk)
-        sig, self.own_commit = sign_contribution(self.identity, self.run, self.key, self.phase, self.me, self.weight,
-                                                 own.numel(), RAW, chunk, root(shas))
-        self.box.evidence[self.me_id] = Evidence((), self.weight, own.numel(), RAW, chunk, sig, self.identity.public,
-                                                 shas=shas, raw=own)
+        ev = Evidence((), self.weight, own.numel(), RAW, chunk, b"", self.identity.public, shas=raw_shas(own, chunk),
+                      raw=own)
+        ev.sig, self.own_commit = sign_contribution(self.identity, self.run, self.key, self.phase, self.me,
+                                                    self.weight, own.numel(), RAW, chunk, ev.sha)  # (its tree, hashed)
+        self.box.evidence[self.me_id] = ev
         return self.own_commit
 
     def sign(self, part: int, pieces: list[bytes], numel: int, chunk: int | None,
@@ -416,7 +416,10 @@ class Audit:
         tally = self._tally(j)
         pre = tally if tally is not None and tally.judge else None
         self.stats.tallied += pre is not None
-        why = await asyncio.to_thread(judge.test, res, values, sketches, key, pre)  # type: ignore[arg-type]
+        if judge.summed(pre, sketches, self.rule):  # type: ignore[arg-type]
+            why = judge.test(res, values, sketches, key, pre)  # type: ignore[arg-type]
+        else:
+            why = await asyncio.to_thread(judge.test, res, values, sketches, key, pre)  # type: ignore[arg-type]
         mine = self.box.checks.get(owner, {}).get(j)
         if why is None and direct and mine is not None and mine.digest is not None and mine.digest != digest:
             # An honest owner holds exactly the result it sends: its claims about another one are a dispute.

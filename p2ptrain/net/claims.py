@@ -29,7 +29,7 @@ from ..collective.sketch import BUCKETS, Key, clipped, seed, sketch
 from .chunks import decode_chunked
 from .digest import digest as payload_digest
 from .identity import Identity, verify_signature
-from .merkle import MAX_DEPTH, merkle_paths, root_from_path
+from .merkle import MAX_DEPTH, MerkleTree, root_from_path
 from .pieces import (
     AUDIT_GRAIN,
     RAW,
@@ -43,7 +43,6 @@ from .pieces import (
     piece_bounds,
     raw_bytes,
     raw_shas,
-    root,
 )
 from .transport import RoundFailed
 from .wire import SCHEMA_ERRORS, encode_message
@@ -162,10 +161,24 @@ class Evidence:
         if not self.shas:
             self.shas = raw_shas(self.raw, self.chunk) if self.raw is not None else \
                 contribution_shas(self.pieces, self.numel, self.codec, self.chunk)
+        self._tree: MerkleTree | None = None
+
+    @property
+    def tree(self) -> MerkleTree:
+        """The Merkle tree over its pieces, hashed once: an owner shows a slice of each contribution to every
+        auditor of its part (8 members: 49 slices a round), and the commitment names its root."""
+        if self._tree is None or self._tree.size != len(self.shas):
+            self._tree = MerkleTree(self.shas)  # (two threads may hash it at once: the same tree)
+        return self._tree
+
+    @property
+    def hashed(self) -> bool:
+        """Whether its tree is hashed already (:attr:`tree` costs nothing more)."""
+        return self._tree is not None and self._tree.size == len(self.shas)
 
     @property
     def sha(self) -> bytes:
-        return root(self.shas)
+        return self.tree.root
 
     @property
     def data(self) -> bytes:
@@ -218,7 +231,7 @@ class Evidence:
                 at += n
         return {"w": self.weight, "numel": self.numel, "codec": self.codec, "chunk": self.chunk, "sig": self.sig,
                 "pk": self.pk, "first": first, "data": data,
-                "paths": merkle_paths(self.shas, range(first, last + 1))}
+                "paths": self.tree.paths(range(first, last + 1))}
 
     @classmethod
     def from_wire(cls, m: Mapping[str, Any], numel: int | None = None) -> Evidence:

@@ -31,7 +31,7 @@ from .claims import Entry, Evidence, commitment, parse_checks
 from .guard import Guard
 from .identity import verify_signature
 from .parts import wire_result
-from .pieces import GridShas, contribution_shas, raw_shas, root
+from .pieces import GridShas, contribution_shas, raw_shas
 from .tally import ChunkTally
 
 __all__ = ["Contribution", "Mailbox", "Mailboxes"]
@@ -41,6 +41,11 @@ MAX_SLICES = 256
 
 #: A member's contribution to a part: (part index, values, weight, its fingerprint of θ or None).
 Contribution = tuple[int, torch.Tensor, float, list[float] | None]
+
+
+#: The most values of an audit's slice shown on the event loop (its pieces' bytes and their paths, the tree hashed
+#: already): a worker thread's round trip cost more than that under load (2 peers, 1 MB: a slice of 1 Ki values).
+INLINE_SLICE = 1 << 14
 
 
 @dataclass
@@ -244,15 +249,18 @@ class Mailboxes:
             if shas is None:
                 shas = await asyncio.to_thread(contribution_shas, pieces, numel, codec, chunk) if raw is None else \
                     await asyncio.to_thread(raw_shas, raw, chunk)  # (fp32's pieces are a raw share's)
-            c = commitment(self.run_id, key, phase, part, float(msg["weight"]), numel, codec.name, chunk, root(shas))
+            ev = Evidence(tuple(pieces), float(msg["weight"]), numel, codec.name, chunk,
+                          sig if isinstance(sig, bytes) else b"", pk if isinstance(pk, bytes) else b"", shas=shas,
+                          raw=raw)
+            c = commitment(self.run_id, key, phase, part, ev.weight, numel, codec.name, chunk, ev.sha)  # (its tree:
+            # hashed once, here, for the check and for every slice of it an auditor asks for)
             if not (isinstance(sig, bytes) and isinstance(pk, bytes) and verify_signature(sender, c, sig, pk)):
                 self.guard.strike(sender, "part without a valid signature of its sender")
                 if progress is not None:  # an owner that averaged it as it came must not use it
                     progress.failed = True
                     box.poke()
                 return {"error": "part without a valid signature"}
-            box.evidence[sender] = Evidence(tuple(pieces), float(msg["weight"]), numel, codec.name, chunk, sig, pk,
-                                            shas=shas, raw=raw)
+            box.evidence[sender] = ev
             if isinstance(own, bytes) and len(own) == 32:
                 box.own_commits.setdefault(sender, own)
         box.contribs[sender] = (part, x, float(msg["weight"]), fp)
@@ -346,8 +354,13 @@ class Mailboxes:
                     and isinstance(hi, int)):
                 raise TypeError("whos must be a short list, lo and hi integers")
             evs = [None if box is None else box.evidence.get(str(w)) for w in whos]
-            return {"evidence": await asyncio.to_thread(lambda: [None if ev is None else ev.slice_wire(lo, hi)
-                                                                 for ev in evs])}
+
+            def show() -> list[dict[str, Any] | None]:
+                return [None if ev is None else ev.slice_wire(lo, hi) for ev in evs]
+
+            if all(ev is None or ev.hashed for ev in evs) and 0 <= hi - lo <= INLINE_SLICE:
+                return {"evidence": show()}  # a few pieces' bytes and paths: less than a worker thread's round trip
+            return {"evidence": await asyncio.to_thread(show)}
         ev = None if box is None else box.evidence.get(str(msg["who"]))
         if ev is None:
             return {"error": "no such contribution here"}

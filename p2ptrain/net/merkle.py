@@ -10,9 +10,9 @@ was ~0.5 MB per audited slice; a path is 14 hashes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-__all__ = ["MAX_DEPTH", "merkle_path", "merkle_paths", "merkle_root", "root_from_path"]
+__all__ = ["MAX_DEPTH", "MerkleTree", "merkle_path", "merkle_paths", "merkle_root", "root_from_path"]
 
 #: More levels than any payload has (2^48 pieces): a longer path is refused before any hashing.
 MAX_DEPTH = 48
@@ -33,38 +33,46 @@ def _split(n: int) -> int:
 
 def merkle_root(shas: Sequence[bytes]) -> bytes:
     """The root over ``shas`` (the pieces' digests, in order); of none, SHA-256 of nothing."""
-    if not shas:
-        return hashlib.sha256(b"").digest()
-    return _Tree(shas).root(0, len(shas))
+    return MerkleTree(shas).root
 
 
-class _Tree:
-    """The subtrees' roots over a list of piece hashes, each computed once (several paths share them)."""
+class MerkleTree:
+    """Every level of the tree over a list of piece hashes, hashed once: its root, and any piece's path.
+
+    Built level by level: each level pairs the nodes of the one below from the left, and an odd last node goes up
+    as it is. That is the tree split at the largest power of two below ``n`` (a left subtree is always complete), in
+    one pass of ``n − 1`` node hashes and no recursion: 2048 pieces took 6–7 ms recursively, a 1B model's part
+    has thousands, and an owner shows its contributions' slices to every auditor (keep the tree: net/claims.py)."""
 
     def __init__(self, shas: Sequence[bytes]) -> None:
-        self.leaves = [_leaf(s) for s in shas]
-        self._roots: dict[tuple[int, int], bytes] = {}
+        level = [_leaf(s) for s in shas]
+        self.levels = [level]
+        while len(level) > 1:
+            up = [_node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+            if len(level) % 2:
+                up.append(level[-1])
+            self.levels.append(up)
+            level = up
+        self.size = len(shas)
 
-    def root(self, lo: int, hi: int) -> bytes:
-        if hi - lo == 1:
-            return self.leaves[lo]
-        got = self._roots.get((lo, hi))
-        if got is None:
-            k = lo + _split(hi - lo)
-            got = self._roots[(lo, hi)] = _node(self.root(lo, k), self.root(k, hi))
-        return got
+    @property
+    def root(self) -> bytes:
+        return self.levels[-1][0] if self.size else hashlib.sha256(b"").digest()
 
     def path(self, index: int) -> list[bytes]:
-        lo, hi, path = 0, len(self.leaves), []
-        while hi - lo > 1:
-            k = lo + _split(hi - lo)
-            if index < k:
-                path.append(self.root(k, hi))
-                hi = k
-            else:
-                path.append(self.root(lo, k))
-                lo = k
-        return path[::-1]
+        """The hashes that lead from piece ``index`` to the root, the leaf's sibling first."""
+        if not 0 <= index < self.size:
+            raise IndexError(f"piece {index} of {self.size}")
+        path = []
+        for level in self.levels[:-1]:
+            sibling = index ^ 1
+            if sibling < len(level):  # (an odd last node has none at this level: it goes up as it is)
+                path.append(level[sibling])
+            index //= 2
+        return path
+
+    def paths(self, indices: Iterable[int]) -> list[list[bytes]]:
+        return [self.path(i) for i in indices]
 
 
 def merkle_path(shas: Sequence[bytes], index: int) -> list[bytes]:
@@ -76,8 +84,7 @@ def merkle_paths(shas: Sequence[bytes], indices: Sequence[int]) -> list[list[byt
     """:func:`merkle_path` of each of ``indices``, hashing the tree once for all of them."""
     if any(not 0 <= i < len(shas) for i in indices):
         raise IndexError(f"pieces {list(indices)} of {len(shas)}")
-    tree = _Tree(shas)
-    return [tree.path(i) for i in indices]
+    return MerkleTree(shas).paths(indices)
 
 
 def root_from_path(sha: bytes, index: int, n: int, path: Sequence[bytes]) -> bytes:

@@ -58,6 +58,10 @@ __all__ = ["FetchEvidence", "FetchSlice", "Judge", "Verdict", "error_bound"]
 
 log = logging.getLogger(__name__)
 
+#: The most values of an audit's slice (of two or three contributors) checked on the event loop: their signatures
+#: and an aggregate of a few Ki values cost less there than a worker thread's round trip under load.
+INLINE_AUDIT = 1 << 14
+
 
 
 def error_bound(values: torch.Tensor, codec: Codec, chunk: int | None, largest: float,
@@ -124,6 +128,14 @@ class Judge:
             else:
                 missing.append(p)
         return usable, missing
+
+    @staticmethod
+    def summed(pre: ChunkTally | None, sketches: Mapping[str, tuple[float, float, torch.Tensor, torch.Tensor | None]],
+               rule: str) -> bool:
+        """Whether :meth:`test` of a mean needs nothing but ``pre``'s sums and the sketches (a few hundred floats: run
+        it on the event loop, not in a worker thread, whose round trip cost more under load)."""
+        largest = max((m for _, m, _, _ in sketches.values()), default=0.0)
+        return rule == "mean" and pre is not None and pre.slack <= largest
 
     def test(self, res: Mapping[str, Any], values: torch.Tensor, sketches: Mapping[str, tuple[float, float,
              torch.Tensor, torch.Tensor | None]], key: Key, pre: ChunkTally | None = None) -> str | None:
@@ -251,7 +263,10 @@ class Judge:
         shown = {k: sl for k, (sl, _) in zip(asked, got, strict=True)}
         for a, b in slices:
             pieces = [(p, held[p] if p in held else shown[(p, a, b)]) for p in contributors]
-            why = await asyncio.to_thread(self._audit_slice, part, owner, res, values, a, b, pieces)
+            if b - a <= INLINE_AUDIT and len(pieces) <= 3:  # a signature or two and a few Ki values: on the loop
+                why = self._audit_slice(part, owner, res, values, a, b, pieces)
+            else:
+                why = await asyncio.to_thread(self._audit_slice, part, owner, res, values, a, b, pieces)
             if why is not None:
                 return why
         return None

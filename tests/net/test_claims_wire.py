@@ -43,3 +43,24 @@ def test_a_sketch_of_another_size_is_refused() -> None:
     wire["s"] = wire["s"][:-8]
     with pytest.raises(ValueError, match="bytes"):
         Entry.from_wire(wire)
+
+
+def test_evidence_hashes_its_tree_once_for_its_commitment_and_every_slice() -> None:
+    """An owner shows a slice of each contribution to every auditor of its part: the Merkle tree over its pieces is
+    hashed once (for the commitment's root), and every slice's paths come from it."""
+    from p2ptrain.net.claims import Evidence, Slice
+    from p2ptrain.net.merkle import merkle_paths, merkle_root
+    from p2ptrain.net.pieces import RAW
+
+    own = torch.randn(1 << 17, generator=torch.Generator().manual_seed(1))
+    ev = Evidence((), 1.0, own.numel(), RAW, 1 << 14, b"s" * 64, b"", raw=own)
+    assert not ev.hashed
+    assert ev.sha == merkle_root(ev.shas) and ev.hashed
+    tree = ev.tree
+    for lo, hi in [(0, 1024), (5 * 1024, 6 * 1024), (own.numel() - 1024, own.numel())]:
+        wire = ev.slice_wire(lo, hi)
+        first = wire["first"]
+        assert wire["paths"] == merkle_paths(ev.shas, range(first, first + len(wire["data"])))
+        shown = Slice.from_wire(wire, own.numel())
+        assert torch.equal(shown.values(lo, hi), own[lo:hi])
+    assert ev.tree is tree  # (not hashed again)

@@ -1,5 +1,6 @@
 """The Merkle tree over a payload's piece hashes (net/merkle.py): roots against trees built by hand, every path of
-trees of 1 to 17 leaves, and paths that are bent, short, long or for another piece."""
+trees of 1 to 17 leaves, larger trees against RFC 6962's recursive definition, and paths that are bent, short, long
+or for another piece."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import hashlib
 
 import pytest
 
-from p2ptrain.net.merkle import merkle_path, merkle_paths, merkle_root, root_from_path
+from p2ptrain.net.merkle import MerkleTree, merkle_path, merkle_paths, merkle_root, root_from_path
 
 
 def _h(b: bytes) -> bytes:
@@ -66,3 +67,24 @@ def test_a_path_is_checked_against_the_grid() -> None:
         merkle_path(SHAS[:5], 5)
     with pytest.raises(ValueError):
         root_from_path(SHAS[0], 0, 1 << 60, [bytes(32)] * 60)  # deeper than any payload
+
+
+def _rfc_root(leaves: list[bytes]) -> bytes:
+    """RFC 6962's definition, recursively: split at the largest power of two below n."""
+    if len(leaves) == 1:
+        return leaves[0]
+    k = 1 << ((len(leaves) - 1).bit_length() - 1)
+    return _node(_rfc_root(leaves[:k]), _rfc_root(leaves[k:]))
+
+
+@pytest.mark.parametrize("n", [*range(18, 70), 1000, 1025, 2049])
+def test_the_tree_built_level_by_level_is_the_split_tree(n: int) -> None:
+    """MerkleTree pairs each level from the left and lifts an odd last node: the root and every path are those of
+    the tree split at the largest power of two (root_from_path walks that one)."""
+    shas = [_h(i.to_bytes(4, "big")) for i in range(n)]
+    tree = MerkleTree(shas)
+    assert tree.root == _rfc_root([_leaf(s) for s in shas]) == merkle_root(shas)
+    for i in sorted({0, 1, n // 3, n // 2, n - 2, n - 1}):
+        assert root_from_path(shas[i], i, n, tree.path(i)) == tree.root
+    with pytest.raises(IndexError):
+        tree.path(n)
