@@ -28,7 +28,7 @@ from .direct import Direct
 from .guard import Guard
 from .sealed import Sealed
 from .traffic import Traffic
-from .transport import RoundFailed, Unreachable
+from .transport import Dropped, RoundFailed, Unreachable
 from .wire import SCHEMA_ERRORS, FrameError, StreamClosed, read_frame, write_frame
 
 if TYPE_CHECKING:
@@ -298,6 +298,8 @@ class Streams:
                     log.info("event=asked_again kind=%s peer=%s reason=closed before its reply", kind, peer[-8:])
                     continue
                 self._forget(peer, direct[0])
+                if not direct[0] and isinstance(e, StreamClosed) and e.empty:
+                    raise Dropped(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
                 if isinstance(e, (TimeoutError, FrameError, asyncio.IncompleteReadError)):
                     raise RoundFailed(f"{kind} to {peer[-8:]}: {type(e).__name__}: {e}") from None
                 if redialed or direct[0] or not await self.redial(peer):

@@ -34,6 +34,7 @@ __all__ = [
     "Decide",
     "Decision",
     "Declined",
+    "Dropped",
     "Group",
     "Inherit",
     "JoinRequest",
@@ -62,6 +63,12 @@ class RoundFailed(RuntimeError):
 class Unreachable(RoundFailed):
     """The peer could not be reached at all: its dial failed (it left, or its host is gone), or a partition blocks
     it. Unlike an answer that says "not yet", asking again soon is unlikely to help."""
+
+
+class Dropped(RoundFailed):
+    """The peer's side closed the exchange before a byte of its answer (over libp2p: its daemon took the stream, then
+    it ended): the peer is there, but this message was not answered. Unlike :class:`Unreachable`, it says nothing of
+    whether the peer can be reached."""
 
 
 class Answered(RoundFailed):

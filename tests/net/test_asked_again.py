@@ -18,7 +18,7 @@ import pytest
 from p2ptrain.net.guard import Guard
 from p2ptrain.net.streams import ASKED_AGAIN_KINDS, DIRECT_KINDS, Streams
 from p2ptrain.net.swarm import SwarmConfig
-from p2ptrain.net.transport import RoundFailed
+from p2ptrain.net.transport import Dropped, RoundFailed
 from p2ptrain.net.wire import StreamClosed, read_frame
 
 PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # (a well-formed peer id: the caller parses it)
@@ -84,7 +84,8 @@ def test_a_probe_closed_before_its_reply_is_asked_once_more(kind: str, ends: boo
 @pytest.mark.timeout(30)
 def test_asked_once_more_only() -> None:
     got, streams = asyncio.run(_call("hello", drops=5))
-    assert isinstance(got, RoundFailed) and "closed mid-frame" in str(got) and streams == 2
+    # (Dropped: the peer's side took the stream and closed it; form_group then joins that leader all the same)
+    assert isinstance(got, Dropped) and "closed mid-frame" in str(got) and streams == 2
 
 
 @pytest.mark.timeout(30)

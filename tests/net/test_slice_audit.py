@@ -258,3 +258,40 @@ def test_an_owner_shows_a_slice_of_every_contribution_asked_for_in_one_exchange(
     with pytest.raises(TypeError, match="whos"):
         asyncio.run(boxes.show_evidence("auditor", {"key": KEY, "phase": 0, "whos": ["x"] * (MAX_SLICES + 1),
                                                     "lo": lo, "hi": hi}))
+
+
+@pytest.mark.parametrize("vouched", [False, True], ids=["nobody vouched", "its contributor's claim"])
+def test_a_slice_its_contributor_vouched_for_needs_no_signature(vouched: bool) -> None:
+    """The pieces of a slice lead to the root its commitment names: a commitment its contributor named to the
+    auditor itself (its claim; the owner's announcement of its own share) makes them its, so its signature is not
+    checked again (8 members: 7 a slice); one that nobody vouched for must carry a valid signature. Here both
+    signatures are broken: with the claims the audit passes, without them it is refused."""
+    import hashlib
+
+    from p2ptrain.net.claims import Entry
+
+    ids = [Identity.generate() for _ in range(2)]
+    members = [i.peer_id for i in ids]
+    xs, ws = [_values(40), _values(41)], [1.0, 2.0]
+    own_shas = raw_shas(xs[0], CHUNK)
+    _, owner_commit = sign_contribution(ids[0], RUN, KEY, 0, 0, ws[0], N, RAW, CHUNK, root(own_shas))
+    evs = {members[0]: Evidence((), ws[0], N, RAW, CHUNK, b"\1" * 64, ids[0].public, shas=own_shas, raw=xs[0]),
+           members[1]: _evidence(ids[1], xs[1], "fp32", CHUNK)}
+    evs[members[1]].weight = ws[1]
+    evs[members[1]].sig = b"\2" * 64  # (not its signature)
+    commit1 = hashlib.sha256(evs[members[1]].commit(RUN, KEY, 0, 0)).digest()
+    checks = {members[1]: {0: Entry(0, commit1, ws[1], float(xs[1].abs().max()))}} if vouched else {}
+    judge = Judge(run=RUN, key=KEY, phase=0, members=members, codec=get_codec("fp32"), rule="mean",
+                  own_commits={members[0]: owner_commit} if vouched else {}, checks=checks, key_of=lambda j: [])
+    want = (sum(w * x.double() for w, x in zip(ws, xs, strict=True)) / sum(ws)).float()
+
+    async def fetch(who: str, lo: int, hi: int) -> tuple[Slice | None, int]:
+        wire = evs[who].slice_wire(lo, hi)
+        return Slice.from_wire(wire, N), sum(map(len, wire["data"]))
+
+    why = asyncio.run(judge.audit(0, members[0], {"contributors": members, "chunk": CHUNK}, want, [(0, 1024)],
+                                  fetch))
+    if vouched:
+        assert why is None
+    else:
+        assert why is not None and "not signed by it" in why
