@@ -150,7 +150,8 @@ class ButterflyRun:
         self.deliveries: list[asyncio.Task[Any]] = []  # sends handed to ``deliver``'s task group
         self.early_claim: asyncio.Task[int | Exception] | None = None  # two members: our own part's claim, sent early
         self.early_entries: list[Entry] = []  # that claim (made once: _verify adds the others to it)
-        self.early_made = asyncio.Event()  # set once early_entries are made (or will not be)
+        self.early_made: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # done once early_entries
+        # are made (or will not be): a future, not a task of its own
 
     def _mark(self, step: str) -> None:
         self.timeline[step] = round(time.monotonic() - self.t0, 4)
@@ -647,7 +648,8 @@ class ButterflyRun:
             await self._own_commit()  # (our claim names it)
             entries = self.early_entries = await asyncio.to_thread(audit.entries, self._own_share(), [self.me])
         finally:
-            self.early_made.set()  # (made, or not to be made: _verify makes the others' claims)
+            if not self.early_made.done():  # (made, or not to be made: _verify makes the others' claims)
+                self.early_made.set_result(None)
         if not entries:
             return 0
         msg = audit.message(entries, frame=self.faults.frame)
@@ -684,12 +686,8 @@ class ButterflyRun:
         await self._own_commit()  # (our claims name it)
         if self.early_claim is not None:  # (its claim is made in a worker thread, as ours below; its reply is not
             # waited for here: 1-3 ms of a 0.1 s round, 2 peers 1 MB; nor a claim that never began: a cancelled task)
-            made = asyncio.ensure_future(self.early_made.wait())
-            try:
-                await asyncio.wait([made, self.early_claim], timeout=max(0.0, self._left(self.claims_at)),
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                made.cancel()
+            await asyncio.wait([self.early_made, self.early_claim], timeout=max(0.0, self._left(self.claims_at)),
+                               return_when=asyncio.FIRST_COMPLETED)
         made = {e.part for e in self.early_entries}  # (our own part's, made early: not sketched twice)
         entries = [*self.early_entries, *await asyncio.to_thread(
             audit.entries, self._own_share(), [j for j in range(len(self.members)) if j not in made])]
