@@ -27,7 +27,7 @@ import torch
 from ..collective.butterfly import MIN_CHUNK
 from ..collective.codecs import get_codec
 from .chunks import Progress, Refused, Slot, receive_chunks
-from .claims import Entry, Evidence, commitment, parse_checks
+from .claims import INLINE_SLICE, Entry, Evidence, commitment, parse_checks
 from .guard import Guard
 from .identity import verify_signature
 from .parts import wire_result
@@ -42,10 +42,6 @@ MAX_SLICES = 256
 #: A member's contribution to a part: (part index, values, weight, its fingerprint of θ or None).
 Contribution = tuple[int, torch.Tensor, float, list[float] | None]
 
-
-#: The most values of an audit's slice shown on the event loop (its pieces' bytes and their paths, the tree hashed
-#: already): a worker thread's round trip cost more than that under load (2 peers, 1 MB: a slice of 1 Ki values).
-INLINE_SLICE = 1 << 14
 
 
 @dataclass

@@ -50,17 +50,13 @@ from ..collective.aggregate import aggregate
 from ..collective.butterfly import chunk_bounds
 from ..collective.codecs import Codec
 from ..collective.sketch import BUCKETS, Key, mean_residual, passes, sketch
-from .claims import Entry, Evidence, Fetched, Slice
+from .claims import INLINE_SLICE, Entry, Evidence, Fetched, Slice
 from .pieces import RAW
 from .tally import F32_ROUND, ChunkTally
 
 __all__ = ["FetchEvidence", "FetchSlice", "Judge", "Verdict", "error_bound"]
 
 log = logging.getLogger(__name__)
-
-#: The most values of an audit's slice (of two or three contributors) checked on the event loop: their signatures
-#: and an aggregate of a few Ki values cost less there than a worker thread's round trip under load.
-INLINE_AUDIT = 1 << 14
 
 
 
@@ -263,7 +259,7 @@ class Judge:
         shown = {k: sl for k, (sl, _) in zip(asked, got, strict=True)}
         for a, b in slices:
             pieces = [(p, held[p] if p in held else shown[(p, a, b)]) for p in contributors]
-            if b - a <= INLINE_AUDIT and len(pieces) <= 3:  # a signature or two and a few Ki values: on the loop
+            if b - a <= INLINE_SLICE and len(pieces) <= 3:  # a signature or two and a few Ki values: on the loop
                 why = self._audit_slice(part, owner, res, values, a, b, pieces)
             else:
                 why = await asyncio.to_thread(self._audit_slice, part, owner, res, values, a, b, pieces)
