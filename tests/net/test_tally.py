@@ -152,3 +152,21 @@ def test_a_lossless_codecs_sums_are_the_general_ones(lie: bool) -> None:
     assert fast.abs_sum == pytest.approx(general.abs_sum, rel=1e-15)
     assert fast.over == pytest.approx(float(values.abs().max()), rel=1e-6) and fast.slack == 0.0
     assert torch.equal(fast.result, general.result)
+
+
+@pytest.mark.parametrize("codec_name", ["fp32", "e3m0"])
+def test_our_own_part_is_sketched_without_judging_it(codec_name: str) -> None:
+    """Our own part's result is not judged by us (we made it): its tally sketches our share alone, from the same
+    sign stream the result's chunks were keyed with, and sums nothing of the result."""
+    codec = get_codec(codec_name)
+    res, values, pieces, xs = _result(codec_name, False)
+    mine = xs[0]
+    tally = ChunkTally(run="run", key="r", phase=0, part=1, sender="o", res=res, numel=N, codec=codec, judge=False,
+                       mine=lambda c, lo, hi: mine[lo:hi])
+    for c, ((a, b), p) in enumerate(zip(chunk_bounds(N, CHUNK), pieces, strict=True)):
+        tally.feed(c, p, values[a:b])
+    keys = chunk_keys("run", "r", 0, 1, res, result_shas(res, N, codec), N)
+    assert tally.mine_sketch is not None
+    assert torch.allclose(tally.mine_sketch, sketch(mine, keys), rtol=1e-12, atol=1e-9)
+    assert tally.mine_inf == float(mine.abs().max())
+    assert not tally.result.any() and tally.abs_sum == 0.0 and tally.e0_sq == 0.0
