@@ -689,9 +689,8 @@ class ButterflyRun:
             await asyncio.wait([self.early_made, self.early_claim], timeout=max(0.0, self._left(self.claims_at)),
                                return_when=asyncio.FIRST_COMPLETED)
         made = {e.part for e in self.early_entries}  # (our own part's, made early: not sketched twice)
-        rest = [j for j in range(len(self.members)) if j not in made]
-        entries = [*self.early_entries, *(audit.entries(self._own_share(), rest) if audit.claims_summed(rest)
-                                          else await asyncio.to_thread(audit.entries, self._own_share(), rest))]
+        entries = [*self.early_entries, *await asyncio.to_thread(
+            audit.entries, self._own_share(), [j for j in range(len(self.members)) if j not in made])]
         msg = audit.message(entries, frame=self.faults.frame)
         size = len(encode_message(msg))
 

@@ -238,10 +238,11 @@ class Audit:
         ``own``)."""
         out = []
         for j in range(len(self.members)) if parts is None else parts:
-            tally = self._claim_tally(j)
+            tally = self._tally(j)
             res = self.box.results.get(j, {})
-            if tally is not None and self._result(j) is not None:  # summed as the result arrived (net/tally.py)
-                assert tally.mine_sketch is not None
+            if (j == self.me or j in self.sent) and tally is not None and tally.mine_sketch is not None \
+                    and not (self.rule == "centered-clip" and float(res.get("tau", 0.0)) > 0) \
+                    and self._result(j) is not None:  # summed as the result arrived (net/tally.py)
                 commit = self.own_commit if j == self.me else self.sent[j].commit
                 out.append(Entry(j, commit, self.weight, tally.mine_inf, self._digest(j), tally.mine_sketch.clone()))
                 continue
@@ -266,29 +267,6 @@ class Audit:
                 out.append(entry_for(j, values, commit, self.weight, self._key(j), digest, result,
                                      float(res.get("tau", 0.0)), self.rule))
         return out
-
-    def _claim_tally(self, j: int) -> ChunkTally | None:
-        """The tally our claim about part ``j`` is made of, if the sums made as its result arrived hold it (our
-        contribution's sketch under the result's keys); None: the claim sketches our contribution whole."""
-        tally = self._tally(j)
-        res = self.box.results.get(j, {})
-        if (j == self.me or j in self.sent) and tally is not None and tally.mine_sketch is not None \
-                and not (self.rule == "centered-clip" and float(res.get("tau", 0.0)) > 0):
-            return tally
-        return None
-
-    def claims_summed(self, parts: Sequence[int]) -> bool:
-        """Whether :meth:`entries` of ``parts`` only copies sums made as the results arrived (a few hundred floats a
-        part, their results decoded already): run on the loop, not in a worker thread, whose round trip cost more
-        and held the loop's answers to the other members' audits back until it returned (2 peers, 1 MB: 1.5 ms of a
-        0.1 s round, on the critical path twice)."""
-        for j in parts:
-            res = self.box.results.get(j)
-            cached = self._decoded.get(j)
-            if self._claim_tally(j) is None or res is None or not (
-                    res.get("_tensor") is not None or (cached is not None and cached[0] is res)):
-                return False
-        return True
 
     def message(self, entries: list[Entry], frame: bool) -> dict[str, Any]:
         """Our check message (``frame``: fault injection, sketches that lie about our contributions)."""
