@@ -35,16 +35,25 @@ def _result(codec_name: str, lie: bool) -> tuple[dict[str, Any], torch.Tensor, l
     return res, values, pieces, xs
 
 
+def _fed(codec_name: str, lie: bool, judge: bool) -> tuple[ChunkTally, dict[str, Any], torch.Tensor, list[torch.Tensor]]:
+    """(a tally fed every chunk of the result in turn, the result's header, its values, the contributions): the
+    first contribution is ours."""
+    codec = get_codec(codec_name)
+    res, values, pieces, xs = _result(codec_name, lie)
+    mine = xs[0]
+    tally = ChunkTally(run="run", key="r", phase=0, part=1, sender="o", res=res, numel=N, codec=codec, judge=judge,
+                       mine=lambda c, lo, hi: mine[lo:hi])
+    for c, ((a, b), p) in enumerate(zip(chunk_bounds(N, CHUNK), pieces, strict=True)):
+        tally.feed(c, p, values[a:b])
+    return tally, res, values, xs
+
+
 @pytest.mark.parametrize("codec_name", ["fp32", "e3m0", "uint8"])
 @pytest.mark.parametrize("lie", [False, True])
 def test_sums_made_as_chunks_arrive_are_the_whole_ones(codec_name: str, lie: bool) -> None:
     codec = get_codec(codec_name)
-    res, values, pieces, xs = _result(codec_name, lie)
+    tally, res, values, xs = _fed(codec_name, lie, judge=True)
     mine = xs[0]
-    tally = ChunkTally(run="run", key="r", phase=0, part=1, sender="o", res=res, numel=N, codec=codec, judge=True,
-                       mine=lambda c, lo, hi: mine[lo:hi])
-    for c, ((a, b), p) in enumerate(zip(chunk_bounds(N, CHUNK), pieces, strict=True)):
-        tally.feed(c, p, values[a:b])
     assert tally.matches("o", res) and not tally.matches("x", res)
     shas = result_shas(res, N, codec)
     keys = chunk_keys("run", "r", 0, 1, res, shas, N)
@@ -158,14 +167,9 @@ def test_a_lossless_codecs_sums_are_the_general_ones(lie: bool) -> None:
 def test_our_own_part_is_sketched_without_judging_it(codec_name: str) -> None:
     """Our own part's result is not judged by us (we made it): its tally sketches our share alone, from the same
     sign stream the result's chunks were keyed with, and sums nothing of the result."""
-    codec = get_codec(codec_name)
-    res, values, pieces, xs = _result(codec_name, False)
+    tally, res, _, xs = _fed(codec_name, False, judge=False)
     mine = xs[0]
-    tally = ChunkTally(run="run", key="r", phase=0, part=1, sender="o", res=res, numel=N, codec=codec, judge=False,
-                       mine=lambda c, lo, hi: mine[lo:hi])
-    for c, ((a, b), p) in enumerate(zip(chunk_bounds(N, CHUNK), pieces, strict=True)):
-        tally.feed(c, p, values[a:b])
-    keys = chunk_keys("run", "r", 0, 1, res, result_shas(res, N, codec), N)
+    keys = chunk_keys("run", "r", 0, 1, res, result_shas(res, N, get_codec(codec_name)), N)
     assert tally.mine_sketch is not None
     assert torch.allclose(tally.mine_sketch, sketch(mine, keys), rtol=1e-12, atol=1e-9)
     assert tally.mine_inf == float(mine.abs().max())
