@@ -145,6 +145,7 @@ def sketch_bytes(t: torch.Tensor) -> bytes:
 #: thread's round trip under load (2 peers, 1 MB: a slice of 1 Ki values).
 INLINE_SLICE = 1 << 14
 
+
 @dataclass
 class Evidence:
     """A member's signed contribution to a part, as the part's owner keeps it to show to whoever asks.

@@ -43,7 +43,6 @@ MAX_SLICES = 256
 Contribution = tuple[int, torch.Tensor, float, list[float] | None]
 
 
-
 @dataclass
 class Inflow:
     """A streamed contribution while it arrives: its header's part, weight, size and fingerprint, and how

@@ -59,7 +59,6 @@ __all__ = ["FetchEvidence", "FetchSlice", "Judge", "Verdict", "error_bound"]
 log = logging.getLogger(__name__)
 
 
-
 def error_bound(values: torch.Tensor, codec: Codec, chunk: int | None, largest: float,
                 absv: torch.Tensor | None = None) -> torch.Tensor:
     """How far each value of a decoded result may be from the exact aggregate (the codec's rounding, chunk by
@@ -291,10 +290,9 @@ class Judge:
                 return f"{p[-8:]}'s signed contribution is not the one it claimed"
             # The pieces lead to the root the commitment names (Slice.values checks every path): a commitment that
             # its contributor named to us itself (its claim, or the owner's announcement of its own share, each
-            # from that member's own stream) needs no signature to be its. One no member vouched for must be signed
-            # (8 members: 7 signatures a slice, a fifth of an audit's time).
-            vouched = (claim is not None and claim.commit == commit) or (announced is not None and announced == commit)
-            if not vouched and not sl.signed_by(p, self.run, self.key, self.phase, part):
+            # from that member's own stream; the one this slice has, by the check above) needs no signature to be
+            # its. One no member vouched for must be signed (8 members: 7 signatures a slice, a fifth of an audit).
+            if claim is None and announced is None and not sl.signed_by(p, self.run, self.key, self.phase, part):
                 return f"the values it shows for {p[-8:]} are not signed by it"
             try:
                 xs.append(sl.values(lo, hi))
