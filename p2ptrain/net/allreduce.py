@@ -78,7 +78,8 @@ class Call(Protocol):
 
     def __call__(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
                  chunks: ChunkSource | None = None,
-                 trailer: Trailer | None = None) -> Awaitable[tuple[dict[str, Any], float]]: ...
+                 trailer: Trailer | None = None,
+                 sent: Callable[[], None] | None = None) -> Awaitable[tuple[dict[str, Any], float]]: ...
 
 
 #: Starts a send that may outlive the run in a longer-lived task group; None when it cannot (then the run owns it).
@@ -145,6 +146,7 @@ class ButterflyRun:
         self.own_commit: bytes | None = None
         self.own_signed: asyncio.Task[bytes] | None = None  # the making of own_commit (verified aggregation)
         self.part_sends: dict[int, asyncio.Task[int | Exception]] = {}  # our share of part j on its way to j
+        self.part_left: dict[int, asyncio.Future[None]] = {}  # done once our share of part j has left this host
         self.doubtful: set[int] = set()  # parts missing here that another member may still use (_fetch_missing)
         self.timeline: dict[str, float] = {}
         self.deliveries: list[asyncio.Task[Any]] = []  # sends handed to ``deliver``'s task group
@@ -290,6 +292,12 @@ class ButterflyRun:
                "codec": codec.name, "numel": hi - lo}
         audit = self.audit
         call_timeout = max(0.1, self._left(GATHER))
+        left = self.part_left.setdefault(j, asyncio.get_running_loop().create_future())
+
+        def sent() -> None:
+            if not left.done():
+                left.set_result(None)
+
         if corrupt is None and hi - lo > self.chunk:  # streamed: encoding, transfer, decoding overlap
             cb = chunk_bounds(hi - lo, self.chunk)
             msg |= {"chunk": self.chunk, "chunks": len(cb)}
@@ -332,7 +340,7 @@ class ButterflyRun:
             t0 = time.monotonic()
             try:
                 reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout,
-                                                 chunks=source, trailer=trailer)
+                                                 chunks=source, trailer=trailer, sent=sent)
             except RoundFailed:
                 # Cut off (a slow link times out before a whole part is through): what did go through is a
                 # measure of the link too, so that the next round's timeout can follow it (sync.py).
@@ -350,7 +358,7 @@ class ButterflyRun:
                 lossless = corrupt is None and codec.name == "fp32"
                 msg |= audit.sign(j, [data], mine.numel(), None, values=mine if lossless else None)
             size = len(data)
-            reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout)
+            reply, seconds = await self.call(self.members[j], "part", msg, timeout=call_timeout, sent=sent)
         if "error" in reply:
             raise RoundFailed(f"part {j}: {reply['error']}")
         self.links.update(self.members[j], size, seconds)
@@ -540,13 +548,20 @@ class ButterflyRun:
         failed; at most until the gather deadline): on our uplink to ``j`` the contribution ``j`` waits for
         goes first. Sent side by side, the two split the link, and ``j`` averages (and sends its own result)
         only once our share is in: 2 peers, 4 MB, the part arrived after 0.37 s instead of 0.17 s and the round
-        took 0.45–0.55 s for an ideal 0.32. Also the seconds held (left out of the link's measure)."""
+        took 0.45–0.55 s for an ideal 0.32. Also the seconds held (left out of the link's measure).
+
+        "Left" is the first of: its last byte sent from this host (the direct path's send queue empty: what is still
+        in flight is ahead of our result in the link's queue), or ``j``'s reply. The reply alone came late: it
+        travels behind ``j``'s own contribution to us, and CUBIC keeps the link's queue full (2 peers, 4 MB: each
+        direction idled 27 ms median between its two phases)."""
         part, held = self.part_sends.get(j), [0.0]
 
         async def source() -> AsyncGenerator[bytes, None]:
             if part is not None and not part.done():
                 t0 = time.monotonic()
-                await asyncio.wait([part], timeout=max(0.0, self._left(GATHER)))
+                left = self.part_left.get(j)
+                await asyncio.wait([part] if left is None else [part, left], timeout=max(0.0, self._left(GATHER)),
+                                   return_when=asyncio.FIRST_COMPLETED)
                 held[0] = time.monotonic() - t0
             async with aclosing(chunks()) as inner:
                 async for data in inner:

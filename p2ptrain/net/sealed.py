@@ -16,8 +16,10 @@ hosts behind 100 Mbit/s reached 0.61 of the rate on a new connection per exchang
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import hmac
+import struct
 import time
 
 from .wire import FrameError
@@ -25,6 +27,8 @@ from .wire import FrameError
 __all__ = ["RECORD", "Sealed", "derive_keys", "hello_mac"]
 
 RECORD = 4 << 20  # plaintext bytes per sealed record at most (a chunk frame of 1 MB fits in one)
+_SIOCOUTQNSD = 0x894B  # Linux: the bytes of a TCP socket's send queue not sent yet (linux/sockios.h)
+_FLUSH_POLL = 0.002  # seconds between looks at the send queue while waiting for it to empty
 _TAG = 16
 _LEN = 4
 
@@ -115,6 +119,27 @@ class Sealed:
             self._writer.write(len(sealed).to_bytes(_LEN, "big") + sealed)
             self.sent += _LEN + len(sealed)
         await self._writer.drain()
+
+    async def flushed(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until every byte written so far has left this host's TCP stack: none
+        left in our buffer or the transport's, nor unsent in the socket's send queue (sent, not necessarily acknowledged).
+        True once so; False at the timeout, or where the socket cannot say (not Linux, not a TCP socket)."""
+        transport = self._writer.transport
+        sock = self._writer.get_extra_info("socket")
+        if sock is None:
+            return False
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self._pending and transport.get_write_buffer_size() == 0:
+                try:
+                    unsent = struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, b"\0\0\0\0"))[0]
+                except (OSError, ValueError):  # (no such ioctl here, or the socket closed)
+                    return False
+                if unsent == 0:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_FLUSH_POLL)
 
     def done(self) -> None:
         """This side ended the exchange at its boundary: the next ``close`` keeps the connection."""

@@ -66,6 +66,12 @@ ASKED_AGAIN_KINDS = frozenset({"hello", "direct", "getpart", "state", "evidence"
 KEEP = "_keep"
 
 
+async def _when_flushed(conn: Sealed, sent: Callable[[], None], timeout: float) -> None:
+    """Call ``sent`` once everything written on ``conn`` has left this host (within ``timeout``)."""
+    if await conn.flushed(timeout):
+        sent()
+
+
 def frame_wait(wait: Any) -> float:
     """Seconds a handler waits for each chunk frame of a message whose sender said ``wait`` (its own timeout):
     at least :data:`_READ_TIMEOUT`, at most :data:`MAX_FRAME_WAIT`."""
@@ -203,10 +209,14 @@ class Streams:
         return frame
 
     async def call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
-                   chunks: ChunkSource | None = None, trailer: Trailer | None = None) -> tuple[dict[str, Any], float]:
+                   chunks: ChunkSource | None = None, trailer: Trailer | None = None,
+                   sent: Callable[[], None] | None = None) -> tuple[dict[str, Any], float]:
         """One request/response on a fresh stream, within ``timeout`` seconds; returns (reply, seconds).
         With ``chunks``, the payloads it yields follow the message as frames of their own (the message says
-        how many in ``chunks``), then the frame ``trailer`` makes, if any (the message says ``trailer``). A failed
+        how many in ``chunks``), then the frame ``trailer`` makes, if any (the message says ``trailer``). ``sent`` is
+        called once the whole request has left this host (over the direct path: its socket's send queue holds none of
+        it unsent; never over libp2p, whose daemon's socket we cannot see), which can be long before the reply
+        arrives: the reply travels behind whatever the peer is sending us. A failed
         dial is retried once after dialing the peer's announced addresses, and a probe or read
         (:data:`ASKED_AGAIN_KINDS`) whose libp2p stream closed before its reply once on a new stream; RoundFailed if
         the call fails, times out or the reply is not tagged with the swarm key."""
@@ -234,6 +244,7 @@ class Streams:
             key = self.cfg.swarm_key
             count = self.traffic
             head = msg if chunks is None else {**msg, "wait": round(timeout, 1)}  # its chunks may come this late
+            flusher: asyncio.Future[None] | None = None
             try:
                 count.sent(kind, await write_frame(
                     writer, head if key is None else key.seal(head, self.peer_id, kind, self.cfg.run_id),
@@ -252,6 +263,8 @@ class Streams:
                         if key is not None:
                             last = key.seal(last, self.peer_id, kind + "/trailer", self.cfg.run_id)
                         count.sent(kind, await write_frame(writer, last, timeout=timeout))
+                if sent is not None and sealed is not None:
+                    flusher = asyncio.ensure_future(_when_flushed(sealed, sent, timeout))
                 reply, got = await read_frame(reader, timeout=timeout, max_size=self.cfg.max_message)
                 count.received(kind, got)
                 if key is not None:
@@ -262,6 +275,8 @@ class Streams:
                     sealed.done()  # the whole reply read, the peer keeps it: it can carry our next exchange
                 return reply
             finally:
+                if flusher is not None:
+                    flusher.cancel()
                 writer.close()
                 if sealed is not None and self.direct is not None:
                     self.direct.release(peer, sealed)

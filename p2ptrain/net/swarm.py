@@ -427,9 +427,10 @@ class HivemindTransport(Transport):
         return self.streams.traffic.snapshot()
 
     async def _call(self, peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
-                    chunks: ChunkSource | None = None, trailer: Trailer | None = None) -> tuple[dict[str, Any], float]:
+                    chunks: ChunkSource | None = None, trailer: Trailer | None = None,
+                    sent: Callable[[], None] | None = None) -> tuple[dict[str, Any], float]:
         """One request/response with ``peer`` (see streams.Streams.call); RoundFailed if it fails."""
-        return await self.streams.call(peer, kind, msg, timeout=timeout, chunks=chunks, trailer=trailer)
+        return await self.streams.call(peer, kind, msg, timeout=timeout, chunks=chunks, trailer=trailer, sent=sent)
 
     # ------------------------------------------------------------------ groups
     async def form_group(self, request: JoinRequest, decide: Decide | None, *, timeout: float) -> Group:

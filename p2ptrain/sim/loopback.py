@@ -64,13 +64,14 @@ async def loopback_round(k: int, numel: int, *, codec: str = "fp32", chunk: int 
     group = Group("loopback", members, members[0], 0)
     guards = {m: Guard() for m in members}
     boxes = {m: Mailboxes(guards[m], max_numel=numel) for m in members}
-    sent: Counter[str] = Counter()
+    sent_bytes: Counter[str] = Counter()
     msgs: Counter[str] = Counter()
 
     def caller(me: str) -> Any:
         async def call(peer: str, kind: str, msg: dict[str, Any], *, timeout: float,
                        chunks: ChunkSource | None = None,
-                       trailer: Trailer | None = None) -> tuple[dict[str, Any], float]:
+                       trailer: Trailer | None = None,
+                       sent: Callable[[], None] | None = None) -> tuple[dict[str, Any], float]:
             handler = {"part": boxes[peer].accept_part, "result": boxes[peer].accept_result,
                        "getpart": boxes[peer].relay}.get(kind)
             if handler is None:
@@ -80,12 +81,12 @@ async def loopback_round(k: int, numel: int, *, codec: str = "fp32", chunk: int 
             msg = dict(msg)
             msgs[me] += 1
             if isinstance(msg.get("data"), bytes):
-                sent[me] += len(msg["data"])
+                sent_bytes[me] += len(msg["data"])
             frames = None
             if chunks is not None:
                 async def counted() -> AsyncGenerator[bytes, None]:
                     async for data in chunks():
-                        sent[me] += len(data)
+                        sent_bytes[me] += len(data)
                         yield data
 
                 frames = msg["_frames"] = counted()
@@ -124,7 +125,7 @@ async def loopback_round(k: int, numel: int, *, codec: str = "fp32", chunk: int 
         for r in results:
             if not torch.allclose(r.tensors[0], mean, atol=1e-5):
                 raise RoundFailed("loopback: the result is not the mean")
-    return LoopbackRound(results, [sent[m] for m in members], [msgs[m] for m in members])
+    return LoopbackRound(results, [sent_bytes[m] for m in members], [msgs[m] for m in members])
 
 
 async def memory_swarm_bytes(k: int, numel: int, *, codec: str = "fp32") -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -67,6 +68,31 @@ def test_sealed_records_carry_frames_and_refuse_a_changed_byte() -> None:
             await sw.drain()
             with pytest.raises(FrameError, match="tag"):
                 await read_frame(a, timeout=5)
+
+    asyncio.run(go())
+
+
+def test_flushed_says_when_every_written_byte_has_left_the_host() -> None:
+    """``flushed`` is True once nothing written is unsent (the peer's window took it all), and not before: 32 MB
+    that the peer does not read stay in our send queue, and once it reads them all, the queue is empty."""
+    async def go() -> None:
+        k1, k2 = os.urandom(16), os.urandom(16)
+        async with _tcp_pair() as ((cr, cw), (sr, sw)):
+            a, b = Sealed(cr, cw, k1, k2), Sealed(sr, sw, k2, k1)
+            await write_frame(a, {"n": 1}, timeout=5)
+            assert await a.flushed(5.0)  # a small frame leaves at once
+            assert (await read_frame(b, timeout=5))[0] == {"n": 1}
+            big = os.urandom(32 << 20)
+            a.write(big)
+            writing = asyncio.ensure_future(a.drain())
+            try:
+                assert not await a.flushed(0.3)  # the peer reads nothing: most of it cannot leave
+                got = await b.readexactly(len(big))
+                assert got == big
+                await asyncio.wait_for(writing, 5)
+                assert await a.flushed(5.0)
+            finally:
+                writing.cancel()
 
     asyncio.run(go())
 
@@ -283,8 +309,6 @@ def test_allreduce_over_the_direct_path_is_exact(configs: Case, everyone: bool) 
     asyncio.run(go())
 
 
-
-
 def test_a_restarted_peer_is_reached_again_with_a_new_session() -> None:
     """The peer restarted under the same identity (new port, none of its old sessions): the first dial with the
     kept session is refused, a new session is asked for at once, and the exchange goes through; an exchange that
@@ -364,6 +388,42 @@ def test_a_connection_is_kept_only_when_both_sides_ended_the_exchange_at_its_bou
             assert (await call(3, True))[0] == {"ok": 3}
             # call 3 went on a new connection (a reset of call 2's reply may have sent call 2 once more on one too)
             assert directs["A"].reused == 2 and directs["A"].opened in (2, 3), (directs["A"].opened, directs["A"].reused)
+        finally:
+            for d in directs.values():
+                await d.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_call_says_when_its_request_has_left_long_before_the_reply() -> None:
+    """``sent`` is called once the whole request (message, chunk frames) has left our host, not when the reply comes:
+    a peer that reads it all and answers a second later still lets the caller know at once (what the all-reduce
+    releases its results on, net/allreduce.py ``_after_part``)."""
+    async def go() -> None:
+        a, b, directs = _two_stream_layers()
+        read_at: list[float] = []
+
+        async def part(sender: str, msg: dict[str, Any]) -> dict[str, Any]:
+            assert sum([len(x) async for x in msg["_frames"]]) == 3 << 20
+            read_at.append(time.monotonic())
+            await asyncio.sleep(1.0)
+            return {"ok": True}
+
+        await b.serve("part", part)
+        for d in directs.values():
+            await d.start()
+        try:
+            async def chunks() -> Any:
+                for _ in range(3):
+                    yield os.urandom(1 << 20)
+
+            sent_at: list[float] = []
+            reply, _ = await a.call("B", "part", {"chunks": 3}, timeout=10, chunks=chunks,
+                                    sent=lambda: sent_at.append(time.monotonic()))
+            done = time.monotonic()
+            assert reply == {"ok": True} and directs["A"].opened == 1
+            assert len(sent_at) == 1 and len(read_at) == 1
+            assert sent_at[0] < read_at[0] + 0.5 < done, (sent_at, read_at, done)
         finally:
             for d in directs.values():
                 await d.aclose()
