@@ -526,10 +526,14 @@ async def _three_steps(transport: Transport, group: Group, plan: Plan, phase: in
         by = [m for m in div.get("winners") or [] if isinstance(m, str) and m in group.members]
         if 2 * len(by) <= cells:
             # The θ that "won" the shard is no strict majority of the cells (its vote was partial, or a tie): it
-            # may be the minority's, so neither repair onto it nor apply the round onto ours (churn_s33c,
-            # f2.L598565460: two members repaired onto a shard voted by one carrier alone and forked).
-            raise RoundFailed(f"{name}: our θ is not the one its carriers voted, and theirs is no majority of the "
-                              f"{cells} cells")
+            # may be the minority's, so it alone is no reason to repair onto it (churn_s33c, f2.L598565460: two
+            # members repaired onto a shard voted by one carrier alone and forked). Held as a tie: the round fails
+            # below unless our cell lost the other shards' votes to this very θ. Then the swarm's θ is that one
+            # and repairing onto it is what our cell does anyway (churn_seed12c, f1.L598769290: two cells, our
+            # carrier of this shard frozen after its vote, which our cell lost in a tie of two like every other
+            # shard's; our members failed the round while the winners applied it, and θ forked).
+            ties.append((s, won_print))
+            return
         outvoted.extend(by)  # our cell's θ lost: repair onto the winners' θ before applying (as an outvoted cell)
         won.append(won_print)
 

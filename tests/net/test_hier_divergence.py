@@ -231,6 +231,52 @@ def test_a_cell_whose_carries_all_failed_does_not_apply_the_others_round_onto_an
     assert set(sides.values()) == {"Y"}, f"members apply the round onto two versions of θ: {sides}"
 
 
+def test_a_cell_outvoted_in_a_tie_of_two_takes_a_shard_its_carrier_missed_from_the_winner() -> None:
+    """Churn benchmark (churn_seed12c), round f1.L598769290: two cells on two versions of θ, eu (X) and ap (Y). ap's
+    carrier of shard 1 was frozen, so eu's carrier averaged shard 1 alone; every other shard's vote was a tie of the
+    two cells, which X takes on every shard (ap is outvoted: it repairs onto X). ap's members fetched shard 1 from
+    eu's carrier, whose θ, voted by one cell of two, is "no majority", and failed the round while eu applied it: the
+    round forked θ (then a third version, the cut-off region's, made the next rounds three-way ties). The θ that
+    beat ap's on the other shards is the one shard 1 holds: ap repairs onto it and applies, like eu."""
+    holds = {"e0": X, "e1": X, "e2": X, "p0": Y, "p1": Y, "p2": Y}
+    regions = {p: "eu" if p[0] == "e" else "ap" for p in holds}
+
+    async def go() -> tuple[dict[str, ReduceResult | BaseException], str]:
+        swarm = MemorySwarm(join_window=0.1, ttl=60)
+        ts = {p: swarm.transport(p) for p in holds}
+        for t in ts.values():
+            await t.announce(PeerInfo(peer_id=t.peer_id))
+        g = _group(list(holds), [regions[p] for p in holds])
+        frozen = next(p for p in holds if regions[p] == "ap" and 1 in plan_for(g, p).carried)  # type: ignore[union-attr]
+        inner = ts[frozen].allreduce
+
+        async def freezes(group: Group, *args: object, **kw: object) -> ReduceResult:
+            res = await inner(group, *args, **kw)  # type: ignore[arg-type]
+            if group.key.endswith("#s1"):  # it voted ap's θ on shard 1, then froze: its cell never hears of it
+                await asyncio.sleep(10.0)
+            return res
+
+        ts[frozen].allreduce = freezes  # type: ignore[method-assign]
+
+        async def one(p: str) -> ReduceResult:
+            plan = plan_for(g, p)
+            assert plan is not None
+            x = [torch.full((12,), float(sorted(holds).index(p)))]
+            return await hierarchical_allreduce(ts[p], g, plan, 0, x, 1.0, get_codec("fp32"), timeout=8.0,
+                                                fingerprint=holds[p])
+
+        res = await asyncio.gather(*(one(p) for p in holds), return_exceptions=True)
+        return dict(zip(holds, res, strict=True)), frozen
+
+    res, frozen = asyncio.run(go())
+    applied = {p: r for p, r in res.items() if isinstance(r, ReduceResult)}
+    assert set(applied) >= set(holds) - {frozen}, res  # both cells apply it (before: eu alone)
+    assert len({tuple(r.tensors[0].tolist()) for r in applied.values()}) == 1
+    assert all(applied[p].divergent and applied[p].agreed == tuple(X) for p in applied if p[0] == "p")
+    final = _after_repair(holds, applied)
+    assert all(final[p] == X for p in applied), f"members apply the round onto two versions of θ: {final}"
+
+
 def test_cells_whose_carriers_are_outvoted_at_home_still_compare_their_theta_across_cells() -> None:
     """Churn benchmark (churn_s36_apply), round f0.L598576720: ap was cut off, and us and eu held two versions of
     θ for fragment 0 (left by earlier rounds some peers applied and others failed). In each cell most members lost
