@@ -367,13 +367,9 @@ def test_a_connection_is_kept_only_when_both_sides_ended_the_exchange_at_its_bou
                 seen.append(sum([len(x) async for x in msg["_frames"]]))
             return {"ok": msg["n"]}
 
-        await b.serve("part", part)
-        for d in directs.values():
-            await d.start()
+        await _serving(b, directs, part)
         try:
-            async def chunks() -> Any:
-                for _ in range(3):
-                    yield os.urandom(1000)
+            chunks = _chunks(3, 1000)
 
             def call(n: int, read: bool) -> Any:
                 return a.call("B", "part", {"n": n, "read": read, "chunks": 3}, timeout=5, chunks=chunks)
@@ -409,16 +405,10 @@ def test_a_call_says_when_its_request_has_left_long_before_the_reply() -> None:
             await asyncio.sleep(1.0)
             return {"ok": True}
 
-        await b.serve("part", part)
-        for d in directs.values():
-            await d.start()
+        await _serving(b, directs, part)
         try:
-            async def chunks() -> Any:
-                for _ in range(3):
-                    yield os.urandom(1 << 20)
-
             sent_at: list[float] = []
-            reply, _ = await a.call("B", "part", {"chunks": 3}, timeout=10, chunks=chunks,
+            reply, _ = await a.call("B", "part", {"chunks": 3}, timeout=10, chunks=_chunks(3, 1 << 20),
                                     sent=lambda: sent_at.append(time.monotonic()))
             done = time.monotonic()
             assert reply == {"ok": True} and directs["A"].opened == 1
@@ -429,6 +419,22 @@ def test_a_call_says_when_its_request_has_left_long_before_the_reply() -> None:
                 await d.aclose()
 
     asyncio.run(go())
+
+
+async def _serving(b: Any, directs: dict[str, Direct], part: Any) -> None:
+    """B serves ``part`` and every Direct listens."""
+    await b.serve("part", part)
+    for d in directs.values():
+        await d.start()
+
+
+def _chunks(count: int, size: int) -> Callable[[], Any]:
+    """A chunk source of ``count`` random payloads of ``size`` bytes."""
+    async def chunks() -> Any:
+        for _ in range(count):
+            yield os.urandom(size)
+
+    return chunks
 
 
 async def _no_daemon(*args: Any, **kwargs: Any) -> None:

@@ -12,6 +12,7 @@ round from the first other peer of ``contributors`` (every peer here has it).
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -43,7 +44,12 @@ async def _outcomes(holds: dict[str, list[float]], regions: dict[str, str], pres
     for t in ts.values():
         await t.announce(PeerInfo(peer_id=t.peer_id))
     g = _group(list(holds), [regions[p] for p in holds])
+    return await _run_all(ts, g, holds, present, timeout=timeout)
 
+
+async def _run_all(ts: dict[str, Any], g: Group, holds: dict[str, list[float]], present: list[str], *,
+                   timeout: float) -> dict[str, ReduceResult | BaseException]:
+    """The round ``g`` run by every member of ``present``, each on θ ``holds[p]`` with values its index."""
     async def one(p: str) -> ReduceResult:
         plan = plan_for(g, p)
         assert plan is not None
@@ -213,15 +219,8 @@ def test_a_cell_whose_carries_all_failed_does_not_apply_the_others_round_onto_an
             t.allreduce = no_carry  # type: ignore[method-assign]
         g = _group(list(holds), [regions[p] for p in holds])
 
-        async def one(p: str) -> ReduceResult:
-            plan = plan_for(g, p)
-            assert plan is not None
-            x = [torch.full((12,), float(sorted(holds).index(p)))]
-            return await hierarchical_allreduce(ts[p], g, plan, 0, x, 1.0, get_codec("fp32"), timeout=8.0,
-                                                fingerprint=holds[p])
-
-        res = await asyncio.gather(*(one(p) for p in holds), return_exceptions=True)
-        return dict(zip(holds, res, strict=True))
+        res = await _run_all(ts, g, holds, list(holds), timeout=8.0)
+        return res
 
     res = asyncio.run(go())
     applied = {p: r for p, r in res.items() if isinstance(r, ReduceResult)}
@@ -258,15 +257,8 @@ def test_a_cell_outvoted_in_a_tie_of_two_takes_a_shard_its_carrier_missed_from_t
 
         ts[frozen].allreduce = freezes  # type: ignore[method-assign]
 
-        async def one(p: str) -> ReduceResult:
-            plan = plan_for(g, p)
-            assert plan is not None
-            x = [torch.full((12,), float(sorted(holds).index(p)))]
-            return await hierarchical_allreduce(ts[p], g, plan, 0, x, 1.0, get_codec("fp32"), timeout=8.0,
-                                                fingerprint=holds[p])
-
-        res = await asyncio.gather(*(one(p) for p in holds), return_exceptions=True)
-        return dict(zip(holds, res, strict=True)), frozen
+        res = await _run_all(ts, g, holds, list(holds), timeout=8.0)
+        return res, frozen
 
     res, frozen = asyncio.run(go())
     applied = {p: r for p, r in res.items() if isinstance(r, ReduceResult)}
