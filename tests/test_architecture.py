@@ -13,7 +13,9 @@ import p2ptrain
 PKG = Path(p2ptrain.__file__).parent
 LONG = 400
 #: ``asyncio.create_task`` calls that are not on a TaskGroup, each with the object that owns the task.
-OWNED_TASKS = {"p2ptrain.net.swarm": "the transport's background runner, cancelled and awaited by aclose()"}
+OWNED_TASKS = {"p2ptrain.net.swarm": "the transport's background runner, cancelled and awaited by aclose()",
+               "p2ptrain.net.streams": "a call's watch for its request leaving the host, cancelled and awaited as the "
+                                       "call ends"}
 
 
 def _modules() -> dict[str, Path]:

@@ -275,8 +275,9 @@ class Streams:
                     sealed.done()  # the whole reply read, the peer keeps it: it can carry our next exchange
                 return reply
             finally:
-                if flusher is not None:
+                if flusher is not None:  # (ours: cancelled and awaited here, whatever ended the exchange)
                     flusher.cancel()
+                    await asyncio.wait([flusher])
                 writer.close()
                 if sealed is not None and self.direct is not None:
                     self.direct.release(peer, sealed)
