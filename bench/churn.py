@@ -116,6 +116,7 @@ class Life:
     ended: float | None = None
     code: int | None = None
     how: str = ""  # killed / left / stopped-at-end / exited
+    raised: bool = False  # its process group runs at --start-nice until its ``event=started`` line
 
 
 @dataclass
@@ -223,7 +224,15 @@ class Phase:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         with log.open("wb") as out:
             proc = tb.run(rec.host, argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-        rec.lives.append(Life(i, proc, log, js, time.time()))
+        life = Life(i, proc, log, js, time.time())
+        if self.a.start_nice and (i > 0 or not rec.fresh):
+            # A machine of its own, for its start-up only: a restart or a joiner does not share the cores with
+            # the 15 training peers and their daemons while it imports, loads and connects (its children, the
+            # daemon among them, inherit the niceness). Back to 0 at its ``event=started`` line.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.setpriority(os.PRIO_PGRP, proc.pid, -self.a.start_nice)
+                life.raised = True
+        rec.lives.append(life)
         rec.state = "live"
 
     def new_peer(self, tb: Testbed, slot: int, fresh: bool) -> PeerRec:
@@ -253,6 +262,10 @@ class Phase:
                 life.buf = lines.pop()
                 for line in lines:
                     self.parse(rec, line, now)
+                    if life.raised and "event=started" in line:
+                        life.raised = False
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.setpriority(os.PRIO_PGRP, life.proc.pid, 0)
                 if life.ended is not None and life.proc.poll() is not None and not data:
                     life.offset = -1  # done with this file
 
@@ -1036,6 +1049,9 @@ def main() -> None:
     ap.add_argument("--between-rate", default="100mbit")
     ap.add_argument("--delay-ms", type=float, default=40.0, help="one-way delay between two regions")
     ap.add_argument("--restart-after", type=float, default=10.0)
+    ap.add_argument("--start-nice", type=int, default=0,
+                    help="a restart's or joiner's process group runs at niceness -N until it has started (connected "
+                         "and training), as on a machine of its own; 0: off, it shares the cores like any peer")
     ap.add_argument("--checkpoint-every", type=int, default=1,
                     help="applied rounds between a peer's checkpoints: a kill loses the steps since its last one")
     ap.add_argument("--checkpoint-seconds", type=float, default=6.0,
