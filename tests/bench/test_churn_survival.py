@@ -1,5 +1,6 @@
 """The churn benchmark's survival rule (bench/churn.py, ``Phase.judge``): a fault whose peer a later kill or leave
-took before it was back is unknown, not "not survived"; one whose peer is simply not back in time is not survived."""
+took before it was back is unknown, not "not survived"; one whose peer is simply not back in time is not survived; a
+later cut or stop of a peer not back yet restarts the clock at its end."""
 
 from __future__ import annotations
 
@@ -35,3 +36,33 @@ def test_a_join_whose_peer_a_later_kill_took_first_is_unknown_and_a_peer_not_bac
     assert other["survived"] is False and other["not_back"] == ["s03g1"]
     ph.judge()  # judged once: the mark stays
     assert first["survived"] is None and "not_back" not in first
+
+
+def test_a_later_cut_or_stop_of_a_peer_not_back_yet_restarts_the_clock_at_its_end(tmp_path: Path) -> None:
+    ph = _phase(tmp_path)
+    now = time.time()
+    cut = PeerRec(name="s03g1", slot=3, host="eu1", region="eu", fresh=False, state="live")
+    frozen = PeerRec(name="s04g1", slot=4, host="eu2", region="ap", fresh=False, state="live")
+    ph.peers = {p.name: p for p in (cut, frozen)}
+    ph.faults = [
+        # healed 200 s ago (past the 180 s), but the region was cut again 10 s after the heal, until 130 s ago
+        {"t": now - 260, "kind": "partition", "survived": None, "target": "eu", "peers": ["s03g1"],
+         "healed": now - 200},
+        {"t": now - 190, "kind": "partition", "survived": None, "target": "eu", "peers": ["s03g1"],
+         "healed": now - 130},
+        # healed 440 s ago, stopped 430 s ago until 410 s ago: still past the 180 s from the stop's end
+        {"t": now - 500, "kind": "partition", "survived": None, "target": "ap", "peers": ["s04g1"],
+         "healed": now - 440},
+        {"t": now - 430, "kind": "stop", "survived": None, "target": "s04g1", "resumed": now - 410},
+    ]
+    ph.judge()
+    first, second, third, stop = ph.faults
+    assert first["survived"] is None and "not_back" not in first  # 130 s since the second cut healed
+    assert second["survived"] is None
+    assert third["survived"] is False and third["not_back"] == ["s04g1"]
+    assert third["clock_restarted_by"] == "stop of s04g1 70 s after it"
+    assert stop["survived"] is False
+    cut.applied.append((now - 5, "f0.L1", "d"))  # back with the majority (two peers applied d)
+    ph.rounds = {"f0.L1": {"digests": {"d": ["s03g1", "s05g1"]}}}
+    ph.judge()
+    assert first["survived"] is True and second["survived"] is True
