@@ -11,19 +11,19 @@ from pathlib import Path
 from bench.churn import PeerRec, Phase
 
 
-def _phase(tmp_path: Path) -> Phase:
+def _phase(tmp_path: Path, *peers: PeerRec) -> Phase:
     a = argparse.Namespace(seed=0, regions=2, peers=2, spare=2, method="streaming", P=2, survive_within=180.0,
                            leave_grace=120.0)
-    return Phase("faults", a, tmp_path, faults=True)
+    ph = Phase("faults", a, tmp_path, faults=True)
+    ph.peers = {p.name: p for p in peers}
+    return ph
 
 
 def test_a_join_whose_peer_a_later_kill_took_first_is_unknown_and_a_peer_not_back_is_not_survived(
         tmp_path: Path) -> None:
-    ph = _phase(tmp_path)
     now = time.time()
-    joined = PeerRec(name="s02g1", slot=2, host="us1", region="us", fresh=False, state="dead")
-    late = PeerRec(name="s03g1", slot=3, host="eu1", region="eu", fresh=False, state="dead")
-    ph.peers = {p.name: p for p in (joined, late)}
+    ph = _phase(tmp_path, PeerRec(name="s02g1", slot=2, host="us1", region="us", fresh=False, state="dead"),
+                PeerRec(name="s03g1", slot=3, host="eu1", region="eu", fresh=False, state="dead"))
     ph.faults = [
         {"t": now - 100, "kind": "join", "survived": None, "target": "s02g1"},
         {"t": now - 25, "kind": "kill", "survived": None, "target": "s02g1", "restarted": None},  # not restarted yet
@@ -39,11 +39,9 @@ def test_a_join_whose_peer_a_later_kill_took_first_is_unknown_and_a_peer_not_bac
 
 
 def test_a_later_cut_or_stop_of_a_peer_not_back_yet_restarts_the_clock_at_its_end(tmp_path: Path) -> None:
-    ph = _phase(tmp_path)
     now = time.time()
     cut = PeerRec(name="s03g1", slot=3, host="eu1", region="eu", fresh=False, state="live")
-    frozen = PeerRec(name="s04g1", slot=4, host="eu2", region="ap", fresh=False, state="live")
-    ph.peers = {p.name: p for p in (cut, frozen)}
+    ph = _phase(tmp_path, cut, PeerRec(name="s04g1", slot=4, host="eu2", region="ap", fresh=False, state="live"))
     ph.faults = [
         # healed 200 s ago (past the 180 s), but the region was cut again 10 s after the heal, until 130 s ago
         {"t": now - 260, "kind": "partition", "survived": None, "target": "eu", "peers": ["s03g1"],
