@@ -133,3 +133,53 @@ def test_train_removes_temporaries_of_killed_writes(tmp_path: Path, corpus: Corp
                    checkpoint_dir=str(tmp_path))
     run_train(job, trainer=make_trainer(job.model, job.trainer, job.data, corpus=corpus))
     assert not stale.exists() and [p.name for p in tmp_path.iterdir()] == ["ckpt-0000000002.safetensors"]
+
+
+def test_every_dtype_reads_back_from_the_file_as_from_the_payload(tmp_path: Path) -> None:
+    """The file reader (tensor by tensor) and the payload reader (safetensors' own) agree, dtype by dtype."""
+    from p2ptrain.checkpoint import state_from_bytes
+
+    gen = torch.Generator().manual_seed(3)
+    state = {"f32": torch.randn(3, 5, generator=gen), "bf16": torch.randn(7, generator=gen).bfloat16(),
+             "f16": torch.randn(2, 2, generator=gen).half(), "f64": torch.randn(4, generator=gen).double(),
+             "i64": torch.tensor([-(2**40), 3]), "i8": torch.tensor([-5, 7], dtype=torch.int8),
+             "mask": torch.tensor([True, False, True]), "empty": torch.empty(0, 4), "scalar": torch.tensor(2.5)}
+    p = write_checkpoint(tmp_path / "c.safetensors", state)
+    for back in (read_checkpoint(p), state_from_bytes(p.read_bytes())):
+        assert back.keys() == state.keys()
+        for k, t in state.items():
+            assert back[k].dtype == t.dtype and back[k].shape == t.shape and torch.equal(back[k], t), k
+
+
+def test_tensors_read_are_not_backed_by_the_file(tmp_path: Path) -> None:
+    """A state read from a checkpoint outlives the file's truncation in place (a mapped tensor would SIGBUS)."""
+    w = torch.randn(1 << 18)
+    p = write_checkpoint(tmp_path / "c.safetensors", {"w": w})
+    back = read_checkpoint(p)
+    p.write_bytes(b"")  # the same inode, cut to nothing
+    assert torch.equal(back["w"], w)
+
+
+def _with_header(raw: bytes, edit: dict[str, object]) -> bytes:
+    """``raw`` (a checkpoint's bytes) with some of its header's entries replaced, its tensor data kept."""
+    import json
+
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n]) | edit
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + raw[8 + n:]
+
+
+@pytest.mark.parametrize(("entry", "match"), [
+    ({"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 4 << 40]}, "ends past the end of the file"),
+    ({"dtype": "F32", "shape": [64, 64], "data_offsets": [0, 4]}, "corrupt header entry"),
+    ({"dtype": "F32", "shape": [-1, 64], "data_offsets": [0, 64 * 4]}, "corrupt header entry"),
+    ({"dtype": "Q4", "shape": [64, 64], "data_offsets": [0, 64 * 64 * 4]}, "corrupt header entry"),
+    ({"dtype": "F32", "shape": "64", "data_offsets": [0, 256]}, "corrupt header entry"),
+])
+def test_a_corrupt_header_entry_is_refused_before_anything_is_allocated_for_it(
+        tmp_path: Path, entry: dict[str, object], match: str) -> None:
+    p = write_checkpoint(tmp_path / "c.safetensors", {"w": torch.randn(64, 64)})
+    p.write_bytes(_with_header(p.read_bytes(), {"t0": entry}))
+    with pytest.raises(CheckpointError, match=match):
+        read_checkpoint(p)
