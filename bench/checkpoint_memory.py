@@ -102,7 +102,7 @@ def main() -> None:
             path.unlink(missing_ok=True)
     commit = subprocess.run(["git", "-C", str(a.code), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
-    write_json(a.out, {"command": " ".join(sys.argv), "code": str(a.code), "commit": commit, "rows": rows})
+    write_json(a.out, {"code": str(a.code), "commit": commit, "rows": rows})
     print(f"wrote {a.out}")
 
 

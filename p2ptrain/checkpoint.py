@@ -260,8 +260,7 @@ def _header(raw: bytes, path: Path) -> dict[str, Any]:
 
 
 def _metadata(raw: bytes, path: Path) -> dict[str, str]:
-    meta: dict[str, str] = _header(raw, path)["__metadata__"]
-    return meta
+    return _header(raw, path)["__metadata__"]
 
 
 #: safetensors' dtype names (those torch has).
@@ -286,7 +285,7 @@ def _read_tensors(f: Any, header: dict[str, Any], start: int, size: int, path: P
             begin, end = (int(x) for x in spec["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt header entry {name!r}") from None
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != nbytes:
             raise CheckpointError(f"{path}: corrupt header entry {name!r}")
         if start + end > size:
